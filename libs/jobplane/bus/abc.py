@@ -1,0 +1,102 @@
+"""The bus contract, shared by the Redis Streams bus and the in-process bus.
+
+Semantics both implementations keep:
+
+- One stream per (queue, priority band) and one per worker for pinned instances.
+- A consumer group ``workers`` per stream, created idempotently; each worker consumes under a
+  stable consumer name (its worker id), so its pending entries survive a restart.
+- :meth:`Consumer.read` returns a batch and blocks at most ``block_ms`` so a consumer can stop.
+- :meth:`Consumer.ack` acknowledges *and deletes* entries once handled; unread entries are never
+  trimmed away.
+- :meth:`Consumer.reclaim` takes over entries delivered to any consumer and idle past a timeout.
+- An entry that cannot be decoded goes to the dead-letter stream with one log line; the consumer
+  acknowledges the original and keeps going.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Collection, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from jobplane.bus.envelope import Envelope, Event
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """An entry handed to a consumer: ack it once the claim has committed."""
+
+    stream: str
+    entry_id: str
+    envelope: Envelope
+    times_delivered: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    stream: str  # the stream the entry came from
+    entry_id: str
+    raw: bytes
+    error: str
+
+
+class Consumer(Protocol):
+    """A worker's view of its queues' streams (plus its own pinned stream)."""
+
+    async def read(self, count: int, block_ms: int) -> list[Delivery]:
+        """Up to ``count`` new entries, highest band first. Non-blocking over the bands in
+        order; only when all are empty does it block up to ``block_ms`` on all of them."""
+
+    async def ack(self, deliveries: Sequence[Delivery]) -> None:
+        """Acknowledge and delete the entries (XACK + XDEL in one round trip)."""
+
+    async def reclaim(self, min_idle_ms: int, count: int) -> list[Delivery]:
+        """Take over up to ``count`` entries pending on any consumer and idle ≥ ``min_idle_ms``."""
+
+    async def requeue(self, deliveries: Sequence[Delivery]) -> None:
+        """Put copies of the entries back at the end of their streams and ack the originals,
+        in one round trip (used for a job this worker does not know)."""
+
+
+class Bus(Protocol):
+    async def close(self) -> None:
+        """Release connections the bus created (a client handed in is not closed)."""
+
+    async def ping(self) -> None:
+        """Raise :class:`~jobplane.errors.BusUnavailableError` unless the bus answers."""
+
+    async def epoch(self) -> str:
+        """An id that changes when the bus restarts and may have lost everything
+        (Redis: the server's run_id)."""
+
+    async def publish(self, envelopes: Sequence[tuple[str, Envelope]]) -> None:
+        """Append ``(queue, envelope)`` pairs: to the queue's band stream, or to the pinned
+        worker's stream when ``envelope.pinned_worker`` is set. One round trip."""
+
+    def consumer(self, worker_id: str, queues: Sequence[str]) -> Consumer:
+        """The consumer of ``worker_id`` on ``queues`` (groups are created on first read)."""
+
+    async def dead_letters(self, queue: str, count: int = 100) -> list[DeadLetter]:
+        """The dead-letter entries of ``queue`` (oldest first)."""
+
+    async def stream_lengths(self, queue: str) -> dict[str, int]:
+        """Entries currently in each band stream of ``queue`` (for metrics and autoscaling)."""
+
+    # -- definition cache support ----------------------------------------------------------
+
+    async def set_pending_updates(self, versions: dict[str, int]) -> None:
+        """Mark edited definitions: job key → the version caches must reload to."""
+
+    async def get_pending_updates(self, keys: Collection[str] | None = None) -> dict[str, int]:
+        """Pending edits among ``keys`` (all when ``None``)."""
+
+    async def clear_pending_update(self, key: str, version: int) -> bool:
+        """Remove the mark of ``key`` only if it still names ``version`` (a newer edit stays)."""
+
+    # -- broadcast events ------------------------------------------------------------------
+
+    async def publish_event(self, event: Event) -> None: ...
+
+    def subscribe(self) -> AsyncIterator[Event]:
+        """Events published from now on, by any process on this bus. Undecodable ones are
+        logged and dropped. Ends when the bus closes."""

@@ -1,0 +1,56 @@
+"""Every Redis key name Jobplane uses, in one place.
+
+Each queue's keys share one hash tag (``{q:<queue>}``) so every multi-key command on a queue
+stays in one Redis Cluster slot; each worker's pinned stream has its own tag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jobplane.domain.options import PRIORITY_MAX, PRIORITY_MIN
+
+GROUP = "workers"
+
+#: Priority bands, highest first: (lowest priority of the band, band number).
+BANDS: tuple[tuple[int, int], ...] = ((7, 0), (3, 1), (PRIORITY_MIN, 2))
+
+
+def band_of(priority: int) -> int:
+    """The stream band of a priority: 0 for 7-9 (high), 1 for 3-6, 2 for 0-2 (low)."""
+    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise ValueError(f"priority {priority} outside {PRIORITY_MIN}..{PRIORITY_MAX}")
+    for lowest, band in BANDS:
+        if priority >= lowest:
+            return band
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key names under one prefix (tests use a prefix each, so they never touch each other)."""
+
+    prefix: str = "jobplane"
+
+    def queue_stream(self, queue: str, band: int) -> str:
+        return f"{self.prefix}:q:{{{queue}}}:b{band}"
+
+    def queue_streams(self, queue: str) -> list[str]:
+        """The band streams of ``queue``, highest priority first."""
+        return [self.queue_stream(queue, band) for _, band in BANDS]
+
+    def dead_letter(self, queue: str) -> str:
+        return f"{self.prefix}:q:{{{queue}}}:dead"
+
+    def worker_stream(self, worker_id: str) -> str:
+        return f"{self.prefix}:w:{{{worker_id}}}"
+
+    def worker_dead_letter(self, worker_id: str) -> str:
+        return f"{self.prefix}:w:{{{worker_id}}}:dead"
+
+    def pending_updates(self) -> str:
+        """Hash of job key → version of definition edits not yet applied by every cache."""
+        return f"{self.prefix}:defs:pending"
+
+    def events_channel(self) -> str:
+        return f"{self.prefix}:events"

@@ -1,0 +1,212 @@
+"""Frozen domain objects exchanged with the store and the bus (never ORM rows, never API schemas)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+from uuid import UUID
+
+from jobplane.domain.options import JobOptions
+from jobplane.domain.states import InstanceState
+from jobplane.ids import new_id
+
+JSON = Any  # a value json.dumps accepts
+
+
+class InstanceSource(StrEnum):
+    CRON = "cron"  # a tick of a recurring job: unique on (job key, scheduled time)
+    TRIGGER = "trigger"  # code, REST, CLI or dashboard
+    RETRY = "retry"  # a new instance for a terminal one (``retry_of``)
+
+
+@dataclass(frozen=True, slots=True)
+class JobDefinition:
+    """A stored job definition: options plus the bookkeeping the store keeps."""
+
+    options: JobOptions
+    version: int
+    paused: bool = False
+    args_schema: dict[str, Any] | None = None
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+    updated_by: str | None = None
+
+    @property
+    def key(self) -> str:
+        return self.options.key
+
+
+@dataclass(frozen=True, slots=True)
+class NewInstance:
+    """What a trigger or a cron fire asks the store to create.
+
+    The initial state follows: ``skip_reason`` → Skipped (a misfire recorded); ``held`` →
+    Scheduled with no due time; ``run_at`` later than the database's clock → Scheduled;
+    otherwise Enqueued.
+    """
+
+    job_key: str
+    args: JSON = None
+    source: InstanceSource = InstanceSource.TRIGGER
+    run_at: datetime | None = None
+    held: bool = False
+    scheduled_at: datetime | None = None
+    priority: int | None = None
+    queue: str | None = None
+    pinned_worker: str | None = None
+    retry_of: UUID | None = None
+    idempotency_key: str | None = None
+    skip_reason: str | None = None
+    actor: str = "system"
+    id: UUID = field(default_factory=new_id)
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorInfo:
+    type: str
+    message: str
+    traceback: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": self.type, "message": self.message, "traceback": self.traceback}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ErrorInfo:
+        return cls(type=data["type"], message=data["message"], traceback=data.get("traceback"))
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    id: UUID
+    job_key: str
+    state: InstanceState
+    source: InstanceSource
+    queue: str
+    priority: int
+    args: JSON
+    created_at: datetime
+    scheduled_at: datetime | None = None
+    run_at: datetime | None = None
+    published_at: datetime | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    attempt: int = 0
+    retries_used: int = 0
+    unexpected_retries_used: int = 0
+    claim_token: int | None = None
+    worker_id: str | None = None
+    lease_expires_at: datetime | None = None
+    cancel_requested: bool = False
+    pinned_worker: str | None = None
+    retry_of: UUID | None = None
+    idempotency_key: str | None = None
+    progress: float | None = None
+    progress_message: str | None = None
+    checkpoint: JSON = None
+    result: JSON = None
+    error: ErrorInfo | None = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One history record: an instance moved ``from_state → to_state`` (``None`` = created)."""
+
+    seq: int
+    instance_id: UUID
+    from_state: InstanceState | None
+    to_state: InstanceState
+    at: datetime
+    actor: str
+    reason: str | None = None
+    claim_token: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A won claim: the instance (with its fresh claim token) and the options that apply now."""
+
+    instance: Instance
+    options: JobOptions
+
+    @property
+    def token(self) -> int:
+        assert self.instance.claim_token is not None
+        return self.instance.claim_token
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimResult:
+    """What one batch claim did to each instance id it was given.
+
+    - ``claimed``: now Processing for this worker, slot taken.
+    - ``skipped``: job at max concurrency with ``on_limit=skip``; now Skipped.
+    - ``waiting``: job at max concurrency with ``on_limit=wait``; still Enqueued, unpublished.
+    - ``ignored``: not claimable here (no longer Enqueued, pinned elsewhere, unknown id).
+    """
+
+    claimed: list[Claim] = field(default_factory=list)
+    skipped: list[UUID] = field(default_factory=list)
+    waiting: list[UUID] = field(default_factory=list)
+    ignored: list[UUID] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """The end of one attempt, reported by the worker holding ``claim_token``.
+
+    ``state`` is Succeeded, Failed or Cancelled. For Failed, ``retry_delay_s`` is the backoff
+    the worker computed; the store retries only while the job has attempts left.
+    """
+
+    instance_id: UUID
+    claim_token: int
+    state: InstanceState
+    result: JSON = None
+    error: ErrorInfo | None = None
+    reason: str | None = None
+    retry_delay_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    id: str
+    host: str
+    pid: int
+    queues: tuple[str, ...]
+    capacity: int
+    version: str
+    jobs: tuple[str, ...] = ()
+    started_at: datetime | None = None
+    heartbeat_at: datetime | None = None
+    stopped_at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderLease:
+    shard: int
+    holder: str
+    term: int
+    acquired_at: datetime
+    expires_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceFilter:
+    """Filters for :meth:`Store.list_instances`; every field is optional (AND-ed)."""
+
+    job_key: str | None = None
+    states: tuple[InstanceState, ...] = ()
+    created_after: datetime | None = None
+    created_before: datetime | None = None
+    worker_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    """One page of a keyset-paginated listing; pass ``next_cursor`` to get the next one."""
+
+    items: list[Instance]
+    next_cursor: UUID | None

@@ -1,0 +1,181 @@
+"""Job options with their validation (DESIGN.md "Job kinds and options").
+
+Options are declared in code; the first registration persists them and the stored ones win
+afterwards. :meth:`JobOptions.parse` turns any bad value into an :class:`InvalidOptionsError`
+naming the field at fault.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from enum import StrEnum
+from typing import Any, Self
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from jobplane.cron import validate_cron, validate_timezone
+from jobplane.errors import InvalidOptionsError
+
+PRIORITY_MIN = 0
+PRIORITY_MAX = 9
+PRIORITY_DEFAULT = 5
+
+KEY_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,199}$")
+# Queue names become part of Redis keys inside a hash tag: no braces, no colons, no spaces.
+QUEUE_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_.\-]{0,63}$")
+
+
+class JobKind(StrEnum):
+    RECURRING = "recurring"
+    TRIGGERED = "triggered"
+
+
+class OnLimit(StrEnum):
+    """What happens to an instance claimed while its job is at max concurrency."""
+
+    SKIP = "skip"  # it ends Skipped, with the reason recorded (the seed's default)
+    WAIT = "wait"  # it stays Enqueued until a slot frees
+
+
+class MisfirePolicy(StrEnum):
+    """How a recurring job catches up ticks missed during downtime or failover."""
+
+    FIRE_ONCE = "fire_once"
+    FIRE_ALL = "fire_all"
+    SKIP = "skip"
+
+
+class BackoffKind(StrEnum):
+    NONE = "none"
+    FIXED = "fixed"
+    EXPONENTIAL = "exponential"
+
+
+class Backoff(BaseModel):
+    """Delay before a retry: none, fixed, or exponential with optional jitter, capped."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: BackoffKind = BackoffKind.EXPONENTIAL
+    delay_s: float = Field(default=1.0, ge=0)
+    factor: float = Field(default=2.0, ge=1)
+    max_delay_s: float = Field(default=300.0, ge=0)
+    jitter: bool = True
+
+    def delay_for(self, retry_number: int, random_fraction: float = 1.0) -> float:
+        """Seconds to wait before retry number ``retry_number`` (1-based).
+
+        ``random_fraction`` in [0, 1] applies "full jitter" when :attr:`jitter` is on.
+        """
+        if self.kind is BackoffKind.NONE:
+            return 0.0
+        if self.kind is BackoffKind.FIXED:
+            base = self.delay_s
+        else:
+            base = self.delay_s * self.factor ** max(retry_number - 1, 0)
+        base = min(base, self.max_delay_s)
+        return base * random_fraction if self.jitter else base
+
+
+class JobOptions(BaseModel):
+    """Every option of a job definition. Frozen: an edit produces a new value."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    key: str
+    kind: JobKind
+    name: str = ""
+    description: str = ""
+    queue: str = "default"
+    priority: int = Field(default=PRIORITY_DEFAULT, ge=PRIORITY_MIN, le=PRIORITY_MAX)
+    max_concurrency: int = Field(default=1, ge=1)
+    on_limit: OnLimit = OnLimit.SKIP
+    retries: int = Field(default=0, ge=0)
+    backoff: Backoff = Backoff()
+    max_unexpected_retries: int = Field(default=3, ge=0)
+    timeout_s: float = Field(default=3600.0, gt=0)
+    disabled: bool = False
+    # Recurring only.
+    cron: str | None = None
+    timezone: str = "UTC"
+    start_at: datetime | None = None
+    end_at: datetime | None = None
+    misfire: MisfirePolicy = MisfirePolicy.FIRE_ONCE
+    misfire_max: int = Field(default=100, ge=1)
+
+    @field_validator("key")
+    @classmethod
+    def _key(cls, value: str) -> str:
+        if not KEY_PATTERN.match(value):
+            raise ValueError(
+                "must be 1-200 characters of letters, digits, '_', '.', ':' or '-', "
+                "starting with a letter or digit"
+            )
+        return value
+
+    @field_validator("queue")
+    @classmethod
+    def _queue(cls, value: str) -> str:
+        if not QUEUE_PATTERN.match(value):
+            raise ValueError(
+                "must be 1-64 characters of lowercase letters, digits, '_', '.' or '-', "
+                "starting with a letter or digit"
+            )
+        return value
+
+    @field_validator("cron")
+    @classmethod
+    def _cron(cls, value: str | None) -> str | None:
+        return None if value is None else validate_cron(value)
+
+    @field_validator("timezone")
+    @classmethod
+    def _timezone(cls, value: str) -> str:
+        validate_timezone(value)
+        return value
+
+    @field_validator("start_at", "end_at")
+    @classmethod
+    def _aware(cls, value: datetime | None) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("must be timezone-aware (e.g. 2026-01-01T00:00:00Z)")
+        return value
+
+    @model_validator(mode="after")
+    def _coherent(self) -> Self:
+        if self.start_at and self.end_at and self.start_at >= self.end_at:
+            raise InvalidOptionsError("end_at", "must be later than start_at")
+        if self.kind is JobKind.TRIGGERED:
+            for field in ("cron", "start_at", "end_at"):
+                if getattr(self, field) is not None:
+                    raise InvalidOptionsError(field, "only recurring jobs take this option")
+        if not self.name:
+            object.__setattr__(self, "name", self.key)
+        return self
+
+    @classmethod
+    def parse(cls, **values: Any) -> JobOptions:
+        """Validate ``values``; raise :class:`InvalidOptionsError` naming the first bad field."""
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            raise options_error(exc) from exc
+
+    def edited(self, **changes: Any) -> JobOptions:
+        """A copy with ``changes`` applied and validated; ``key`` and ``kind`` are immutable."""
+        for immutable in ("key", "kind"):
+            if immutable in changes and changes[immutable] != getattr(self, immutable):
+                raise InvalidOptionsError(immutable, "cannot be changed")
+        return JobOptions.parse(**{**self.model_dump(), **changes})
+
+
+def options_error(exc: ValidationError) -> InvalidOptionsError:
+    """The first error of a pydantic :class:`ValidationError` as an :class:`InvalidOptionsError`."""
+    first = exc.errors()[0]
+    cause = first.get("ctx", {}).get("error")
+    if isinstance(cause, InvalidOptionsError):
+        return cause
+    field = ".".join(str(part) for part in first["loc"]) or "options"
+    message = first["msg"].removeprefix("Value error, ")
+    return InvalidOptionsError(field, message)

@@ -1,0 +1,67 @@
+"""The exception hierarchy: every error Jobplane raises derives from :class:`JobplaneError`.
+
+Driver errors (asyncpg, sqlite3, redis) are translated at the store and bus boundaries with
+``raise ... from exc`` so callers only ever catch these.
+"""
+
+from __future__ import annotations
+
+from uuid import UUID
+
+
+class JobplaneError(Exception):
+    """Root of every error raised by Jobplane."""
+
+
+class ConfigurationError(JobplaneError):
+    """A setting is missing or malformed; raised at start, before anything runs."""
+
+
+class InvalidOptionsError(JobplaneError, ValueError):
+    """A job option is invalid. ``field`` names the option, ``reason`` says why."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+class IllegalTransitionError(JobplaneError):
+    """A state change that the state machine does not allow (e.g. Succeeded → Enqueued)."""
+
+    def __init__(self, from_state: object, to_state: object) -> None:
+        super().__init__(f"illegal transition {from_state} → {to_state}")
+        self.from_state = from_state
+        self.to_state = to_state
+
+
+class JobNotFoundError(JobplaneError, LookupError):
+    """No job definition with this key."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"no job with key {key!r}")
+        self.key = key
+
+
+class InstanceNotFoundError(JobplaneError, LookupError):
+    """No job instance with this id."""
+
+    def __init__(self, instance_id: UUID) -> None:
+        super().__init__(f"no instance with id {instance_id}")
+        self.instance_id = instance_id
+
+
+class UnavailableError(JobplaneError):
+    """A backing service (database, Redis) cannot be reached."""
+
+
+class StoreUnavailableError(UnavailableError):
+    """The metadata store cannot be reached or refused the connection."""
+
+
+class BusUnavailableError(UnavailableError):
+    """The message bus cannot be reached."""
+
+
+class EnvelopeError(JobplaneError, ValueError):
+    """A bus entry could not be decoded into an :class:`~jobplane.bus.envelope.Envelope`."""

@@ -1,0 +1,70 @@
+"""Typed settings, one object per role, read from ``JOBPLANE_*`` environment variables.
+
+Built in ``main()`` (or a test), never at import time, and passed down explicitly.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_DATABASE_URL = f"sqlite+aiosqlite:///{Path('jobplane.db').absolute()}"
+
+
+class CommonSettings(BaseSettings):
+    """What every role needs: where the store and the bus are."""
+
+    model_config = SettingsConfigDict(env_prefix="JOBPLANE_", extra="ignore")
+
+    #: ``postgresql://…`` for production; a SQLite file by default (the embedded default).
+    database_url: str = DEFAULT_DATABASE_URL
+    #: ``redis://…`` for production; ``memory://`` is the in-process bus.
+    redis_url: str = "memory://"
+    #: Prefix of every Redis key (several deployments may share one Redis).
+    key_prefix: str = Field(default="jobplane", pattern=r"^[A-Za-z0-9_.:\-]+$")
+    log_level: str = "INFO"
+
+    @field_validator("database_url")
+    @classmethod
+    def _database_url(cls, value: str) -> str:
+        return normalise_database_url(value)
+
+
+class WorkerSettings(CommonSettings):
+    worker_id: str = Field(
+        default_factory=lambda: f"{socket.gethostname()}", pattern=r"^[A-Za-z0-9_.:\-]+$"
+    )
+    queues: list[str] = ["default"]
+    #: Jobs running at once in this worker (async and sync together).
+    concurrency: int = Field(default=16, ge=1)
+    #: Bus entries read per round trip.
+    batch_size: int = Field(default=64, ge=1)
+    #: How long a read blocks when the queues are empty (bounded so the worker can stop).
+    poll_ms: int = Field(default=1000, ge=10)
+    heartbeat_s: float = Field(default=2.0, gt=0)
+    lease_s: float = Field(default=10.0, gt=0)
+    #: Entries delivered to a consumer that went silent are reclaimed after this idle time.
+    reclaim_idle_s: float = Field(default=30.0, gt=0)
+    #: An entry for a job this worker does not know is put back after this delay.
+    unknown_job_delay_s: float = Field(default=1.0, ge=0)
+    #: Seconds running jobs get to finish on SIGTERM before they are released.
+    grace_s: float = Field(default=30.0, ge=0)
+
+
+class DevSettings(WorkerSettings):
+    """``jobplane dev``: every role in one process on the embedded default."""
+
+
+def normalise_database_url(url: str) -> str:
+    """Accept plain ``postgresql://`` and ``sqlite:///`` URLs and pick the async drivers."""
+    for plain, driver in (
+        ("postgresql://", "postgresql+asyncpg://"),
+        ("postgres://", "postgresql+asyncpg://"),
+        ("sqlite:///", "sqlite+aiosqlite:///"),
+    ):
+        if url.startswith(plain):
+            return driver + url.removeprefix(plain)
+    return url

@@ -1,0 +1,171 @@
+"""The metadata store contract. Postgres is the source of truth; SQLite is the embedded default.
+
+Every state change is one compare-and-set on the instance's current state (and, for writes made
+for an attempt, its claim token), with its history record written in the same statement or
+transaction. A write that matches nothing changed nothing and left no history: callers get
+``None``/``False``/an empty list back, never an exception, because losing a race is normal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from datetime import datetime
+from typing import Any, Protocol
+from uuid import UUID
+
+from jobplane.domain.models import (
+    ClaimResult,
+    Instance,
+    InstanceFilter,
+    JobDefinition,
+    LeaderLease,
+    NewInstance,
+    Outcome,
+    Page,
+    Transition,
+    WorkerInfo,
+)
+from jobplane.domain.options import JobOptions
+from jobplane.domain.states import InstanceState
+
+
+class Store(Protocol):
+    """Persistent state of Jobplane. Implementations own their engine and close it."""
+
+    async def close(self) -> None:
+        """Dispose of the connection pool."""
+
+    async def ping(self) -> None:
+        """Raise :class:`~jobplane.errors.StoreUnavailableError` unless the store answers."""
+
+    async def now(self) -> datetime:
+        """The store's clock (aware UTC): the one clock every process compares against."""
+
+    # -- definitions ---------------------------------------------------------------------
+
+    async def register_definition(
+        self, options: JobOptions, args_schema: dict[str, Any] | None, actor: str
+    ) -> tuple[JobDefinition, bool]:
+        """Persist ``options`` if the key is new; return ``(stored, created)``.
+
+        An existing definition keeps its stored options (they may have been edited); only
+        ``args_schema`` is refreshed from code. The slot counter row is created with it.
+        """
+
+    async def save_definition(
+        self, options: JobOptions, *, expected_version: int, actor: str
+    ) -> JobDefinition | None:
+        """Replace the options of an existing definition if its version is still
+        ``expected_version`` (optimistic lock); bump the version. ``None`` if it moved on."""
+
+    async def set_paused(self, key: str, paused: bool, actor: str) -> JobDefinition:
+        """Pause or resume a job; bumps the version. Raises JobNotFoundError."""
+
+    async def get_definition(self, key: str) -> JobDefinition:
+        """Raises :class:`~jobplane.errors.JobNotFoundError`."""
+
+    async def list_definitions(self, keys: Collection[str] | None = None) -> list[JobDefinition]:
+        """All definitions, or those among ``keys``, ordered by key."""
+
+    async def definition_versions(self) -> dict[str, int]:
+        """``{key: version}`` for every definition: the cheap convergence check of caches."""
+
+    # -- instances -----------------------------------------------------------------------
+
+    async def create_instances(self, new: Sequence[NewInstance]) -> list[Instance]:
+        """Insert instances in one batch with their creation history, in order.
+
+        Raises JobNotFoundError for an unknown key (nothing inserted). A cron occurrence whose
+        (job key, scheduled time) exists, or an idempotency key already used for the job,
+        is not inserted again: the existing instance is returned in its place.
+        """
+
+    async def mark_published(self, ids: Collection[UUID]) -> None:
+        """Record that messages for ``ids`` were handed to the bus (sets ``published_at``)."""
+
+    async def get_instance(self, instance_id: UUID) -> Instance:
+        """Raises :class:`~jobplane.errors.InstanceNotFoundError`."""
+
+    async def list_instances(
+        self, filter: InstanceFilter, *, limit: int = 50, before: UUID | None = None
+    ) -> Page:
+        """Newest first, keyset-paginated on the (time-ordered) id."""
+
+    async def transitions(self, instance_id: UUID) -> list[Transition]:
+        """History of one instance, in sequence order."""
+
+    async def count_by_state(self, job_key: str | None = None) -> dict[InstanceState, int]:
+        """Number of instances in each state."""
+
+    # -- the attempt lifecycle -----------------------------------------------------------
+
+    async def claim(
+        self, ids: Sequence[UUID], worker_id: str, lease_s: float, jobs: Collection[str]
+    ) -> ClaimResult:
+        """Claim the Enqueued instances among ``ids`` for ``worker_id``, in one statement.
+
+        Only instances of ``jobs`` (the jobs this worker knows), not pinned to another worker,
+        are eligible. Each claimed instance takes a fresh token from the claim sequence, a lease
+        of ``lease_s`` on the store's clock, and one slot of its job: per job key, the free slots
+        (max concurrency − used) go to the eligible rows by priority then age; the excess is
+        Skipped (``on_limit=skip``) or left Enqueued and unpublished (``on_limit=wait``).
+        """
+
+    async def heartbeat(
+        self, leases: Collection[tuple[UUID, int]], lease_s: float
+    ) -> dict[UUID, bool]:
+        """Extend the leases still held (id and token match, Processing). Returns, for each
+        lease kept, whether a cancel was requested; a lease missing from the answer was lost."""
+
+    async def complete(self, outcomes: Sequence[Outcome]) -> dict[UUID, InstanceState]:
+        """Record the end of attempts (fenced by their claim tokens); release their slots.
+
+        A Failed attempt with retries left moves on to Scheduled (backoff > 0) or Enqueued
+        (the caller publishes it), otherwise to Terminated. Returns the state each recorded
+        instance ended in; an outcome whose token no longer matches was fenced off, changed
+        nothing, and is absent from the answer.
+        """
+
+    async def transition(
+        self,
+        instance_id: UUID,
+        to_state: InstanceState,
+        *,
+        expect: Collection[InstanceState],
+        claim_token: int | None = None,
+        actor: str,
+        reason: str | None = None,
+    ) -> Instance | None:
+        """Move one instance to ``to_state`` if it is in one of ``expect`` (and, when given,
+        still holds ``claim_token``). Leaving Processing releases the slot in the same
+        statement. Returns the new instance, or ``None`` if nothing matched.
+        Raises IllegalTransitionError if some state of ``expect`` cannot reach ``to_state``."""
+
+    async def request_cancel(self, instance_id: UUID, actor: str) -> Instance:
+        """Cancel: a Scheduled or Enqueued instance ends Cancelled at once; a Processing one
+        gets ``cancel_requested`` for its worker. Raises IllegalTransitionError when terminal
+        and InstanceNotFoundError when unknown."""
+
+    async def republish_waiting(self, job_keys: Collection[str], limit: int) -> list[Instance]:
+        """Enqueued, unpublished instances of ``job_keys`` (parked by ``on_limit=wait``),
+        oldest first, marked published now: the caller hands them to the bus."""
+
+    # -- workers and leadership ----------------------------------------------------------
+
+    async def register_worker(self, info: WorkerInfo) -> None:
+        """Insert or refresh a worker row; sets its heartbeat to now."""
+
+    async def worker_heartbeat(self, worker_id: str) -> None: ...
+
+    async def worker_stopped(self, worker_id: str) -> None: ...
+
+    async def list_workers(self) -> list[WorkerInfo]: ...
+
+    async def acquire_leadership(self, shard: int, holder: str, ttl_s: float) -> LeaderLease | None:
+        """Take the lease of ``shard`` if it is free or expired (a new term), or renew it if
+        ``holder`` holds it (same term). ``None`` if someone else holds a live lease."""
+
+    async def release_leadership(self, shard: int, holder: str, term: int) -> bool:
+        """Give the lease up at once (graceful stop) if still held at ``term``."""
+
+    async def get_leader(self, shard: int) -> LeaderLease | None: ...

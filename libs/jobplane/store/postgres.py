@@ -1,0 +1,216 @@
+"""Postgres: the production store. Its hot paths are single statements written for Postgres
+(data-modifying CTEs, ``FOR UPDATE``, ``RETURNING``): one round trip per claim batch and per
+completion batch, history included."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Sequence
+from typing import Any
+from uuid import UUID
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from jobplane.domain.models import Claim, ClaimResult, Outcome
+from jobplane.domain.options import JobOptions
+from jobplane.domain.states import InstanceState, check_transition
+from jobplane.store import rows
+from jobplane.store.sql import LIMIT_REASON, SqlStore, logger
+from jobplane.store.tables import job_instances
+
+S = InstanceState
+_COLUMNS = ", ".join(f"{{t}}.{c.name}" for c in job_instances.c)
+
+
+def _cols(alias: str) -> str:
+    return _COLUMNS.format(t=alias)
+
+
+# One statement claims a batch. The races it closes:
+# - duplicate messages / racing workers: ``cand`` locks the Enqueued rows (in id order, so two
+#   claimers never deadlock) and re-checks their state after any wait, so one instance is
+#   claimed once;
+# - the concurrency limit: ``slots`` locks the job's counter row; after a wait it reads the
+#   latest ``used``, and the claim adds to it in the same statement (``rn <= free``), so
+#   ``used <= max_concurrency`` holds whatever the number of claimers;
+# - history: written by the same statement, after the slot lock, so the history sequence
+#   orders claims and releases of one job key the way they really happened.
+CLAIM_SQL = f"""
+WITH cand AS MATERIALIZED (
+    SELECT id, job_key, priority
+    FROM job_instances
+    WHERE id = ANY(CAST(:ids AS uuid[]))
+      AND state = 'enqueued'
+      AND job_key = ANY(CAST(:jobs AS text[]))
+      AND (pinned_worker IS NULL OR pinned_worker = :worker)
+    ORDER BY id
+    FOR UPDATE
+),
+slots AS MATERIALIZED (
+    SELECT s.job_key, d.max_concurrency - s.used AS free, d.options ->> 'on_limit' AS on_limit
+    FROM job_slots s JOIN job_definitions d ON d.key = s.job_key
+    WHERE s.job_key IN (SELECT job_key FROM cand)
+    ORDER BY s.job_key
+    FOR UPDATE OF s
+),
+ranked AS (
+    SELECT c.id, c.job_key, s.free, s.on_limit,
+           row_number() OVER (PARTITION BY c.job_key ORDER BY c.priority DESC, c.id) AS rn
+    FROM cand c JOIN slots s ON s.job_key = c.job_key
+),
+claimed AS (
+    UPDATE job_instances i
+    SET state = 'processing', claim_token = nextval('claim_token_seq'), worker_id = :worker,
+        lease_expires_at = now() + make_interval(secs => :lease), started_at = clock_timestamp(),
+        attempt = i.attempt + 1, progress = NULL, progress_message = NULL, reason = NULL
+    FROM ranked r
+    WHERE i.id = r.id AND r.rn <= r.free
+    RETURNING {_cols("i")}
+),
+skipped AS (
+    UPDATE job_instances i
+    SET state = 'skipped', finished_at = clock_timestamp(), reason = :limit_reason
+    FROM ranked r
+    WHERE i.id = r.id AND r.rn > r.free AND r.on_limit = 'skip'
+    RETURNING i.id
+),
+parked AS (
+    UPDATE job_instances i
+    SET published_at = NULL
+    FROM ranked r
+    WHERE i.id = r.id AND r.rn > r.free AND r.on_limit = 'wait'
+    RETURNING i.id
+),
+took AS (
+    UPDATE job_slots s SET used = s.used + t.n
+    FROM (SELECT job_key, count(*) AS n FROM claimed GROUP BY job_key) t
+    WHERE s.job_key = t.job_key
+    RETURNING s.job_key
+),
+history AS (
+    INSERT INTO instance_transitions (instance_id, from_state, to_state, actor, reason, claim_token)
+    SELECT id, 'enqueued', 'processing', :worker, NULL, claim_token FROM claimed
+    UNION ALL
+    SELECT id, 'enqueued', 'skipped', :worker, :limit_reason, NULL FROM skipped
+    RETURNING 1
+)
+SELECT 'claimed' AS outcome, {_cols("c")}, d.options AS job_options
+FROM claimed c JOIN job_definitions d ON d.key = c.job_key
+UNION ALL
+SELECT 'skipped', {_cols("i")}, NULL FROM job_instances i WHERE i.id IN (SELECT id FROM skipped)
+UNION ALL
+SELECT 'waiting', {_cols("i")}, NULL FROM job_instances i WHERE i.id IN (SELECT id FROM parked)
+"""
+
+# One statement records a batch of outcomes. Each row matches only while the attempt still holds
+# its claim token and is Processing: a stale worker (lease lost, instance re-claimed) writes
+# nothing and leaves no history. The slot goes back in the same statement.
+COMPLETE_SQL = """
+WITH o AS (
+    SELECT * FROM unnest(
+        CAST(:ids AS uuid[]), CAST(:tokens AS bigint[]), CAST(:states AS text[]),
+        CAST(:results AS text[]), CAST(:errors AS text[]), CAST(:reasons AS text[])
+    ) AS o(id, token, state, result, error, reason)
+),
+done AS (
+    UPDATE job_instances i
+    SET state = o.state, result = CAST(o.result AS jsonb), error = CAST(o.error AS jsonb),
+        reason = o.reason, lease_expires_at = NULL,
+        finished_at = CASE WHEN o.state = 'failed' THEN NULL ELSE clock_timestamp() END
+    FROM o
+    WHERE i.id = o.id AND i.claim_token = o.token AND i.state = 'processing'
+    RETURNING i.id, i.job_key, i.state, i.claim_token, i.worker_id, i.reason
+),
+released AS (
+    UPDATE job_slots s SET used = s.used - d.n
+    FROM (SELECT job_key, count(*) AS n FROM done GROUP BY job_key) d
+    WHERE s.job_key = d.job_key
+    RETURNING s.job_key
+),
+history AS (
+    INSERT INTO instance_transitions (instance_id, from_state, to_state, actor, reason, claim_token)
+    SELECT id, 'processing', state, worker_id, reason, claim_token FROM done
+    RETURNING 1
+)
+SELECT id, state FROM done
+"""
+
+
+class PostgresStore(SqlStore):
+    async def _next_tokens(self, conn: AsyncConnection, count: int) -> list[int]:
+        result = await conn.execute(
+            text("SELECT nextval('claim_token_seq') FROM generate_series(1, :n)"), {"n": count}
+        )
+        return list(result.scalars())
+
+    async def claim(
+        self, ids: Sequence[UUID], worker_id: str, lease_s: float, jobs: Collection[str]
+    ) -> ClaimResult:
+        if not ids:
+            return ClaimResult()
+        statement = text(CLAIM_SQL).columns(
+            *job_instances.c, job_options=job_instances.c.args.type
+        )
+        async with self._write() as conn:
+            result = await conn.execute(
+                statement,
+                {
+                    "ids": list(dict.fromkeys(ids)),
+                    "jobs": list(jobs),
+                    "worker": worker_id,
+                    "lease": lease_s,
+                    "limit_reason": LIMIT_REASON,
+                },
+            )
+            found = [r._mapping for r in result]
+        claimed: list[Claim] = []
+        skipped: list[UUID] = []
+        waiting: list[UUID] = []
+        for row in found:
+            if row["outcome"] == "claimed":
+                claimed.append(
+                    Claim(
+                        instance=rows.instance_from_row(row),
+                        options=JobOptions.model_validate(row["job_options"]),
+                    )
+                )
+            elif row["outcome"] == "skipped":
+                skipped.append(row["id"])
+            else:
+                waiting.append(row["id"])
+        handled = {c.instance.id for c in claimed} | set(skipped) | set(waiting)
+        return ClaimResult(
+            claimed=claimed,
+            skipped=skipped,
+            waiting=waiting,
+            ignored=[i for i in dict.fromkeys(ids) if i not in handled],
+        )
+
+    async def complete(self, outcomes: Sequence[Outcome]) -> dict[UUID, InstanceState]:
+        if not outcomes:
+            return {}
+        for outcome in outcomes:
+            check_transition(S.PROCESSING, outcome.state)
+        params: dict[str, Any] = {
+            "ids": [o.instance_id for o in outcomes],
+            "tokens": [o.claim_token for o in outcomes],
+            "states": [o.state.value for o in outcomes],
+            "results": [json.dumps(o.result) for o in outcomes],
+            "errors": [json.dumps(o.error.to_json()) if o.error else None for o in outcomes],
+            "reasons": [o.reason for o in outcomes],
+        }
+        async with self._write() as conn:
+            result = await conn.execute(text(COMPLETE_SQL), params)
+            ended = {row.id: S(row.state) for row in result}
+            for outcome in outcomes:
+                if outcome.instance_id not in ended:
+                    logger.warning(
+                        "outcome of instance %s refused: claim token %s no longer holds",
+                        outcome.instance_id,
+                        outcome.claim_token,
+                        extra={"action": "store.fenced", "instance_id": str(outcome.instance_id)},
+                    )
+            failed = [o for o in outcomes if ended.get(o.instance_id) is S.FAILED]
+            ended.update(await self._after_failure(conn, failed))
+        return ended

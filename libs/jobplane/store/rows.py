@@ -1,0 +1,89 @@
+"""Conversions between table rows and frozen domain objects (the only place that knows both)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from jobplane.domain.models import (
+    ErrorInfo,
+    Instance,
+    InstanceSource,
+    JobDefinition,
+    LeaderLease,
+    Transition,
+    WorkerInfo,
+)
+from jobplane.domain.options import JobOptions
+from jobplane.domain.states import InstanceState
+
+INSTANCE_FIELDS = tuple(Instance.__dataclass_fields__)
+
+
+def definition_from_row(row: Mapping[str, Any]) -> JobDefinition:
+    return JobDefinition(
+        options=JobOptions.model_validate(row["options"]),
+        version=row["version"],
+        paused=row["paused"],
+        args_schema=row["args_schema"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+        updated_by=row["updated_by"],
+    )
+
+
+def definition_values(options: JobOptions) -> dict[str, Any]:
+    """Column values that mirror the options (kept in step on every save)."""
+    return {
+        "kind": options.kind.value,
+        "queue": options.queue,
+        "options": options.model_dump(mode="json"),
+        "max_concurrency": options.max_concurrency,
+    }
+
+
+def instance_from_row(row: Mapping[str, Any]) -> Instance:
+    values = {name: row[name] for name in INSTANCE_FIELDS}
+    values["state"] = InstanceState(values["state"])
+    values["source"] = InstanceSource(values["source"])
+    if values["error"] is not None:
+        values["error"] = ErrorInfo.from_json(values["error"])
+    return Instance(**values)
+
+
+def transition_from_row(row: Mapping[str, Any]) -> Transition:
+    return Transition(
+        seq=row["seq"],
+        instance_id=row["instance_id"],
+        from_state=InstanceState(row["from_state"]) if row["from_state"] else None,
+        to_state=InstanceState(row["to_state"]),
+        at=row["at"],
+        actor=row["actor"],
+        reason=row["reason"],
+        claim_token=row["claim_token"],
+    )
+
+
+def worker_from_row(row: Mapping[str, Any]) -> WorkerInfo:
+    return WorkerInfo(
+        id=row["id"],
+        host=row["host"],
+        pid=row["pid"],
+        queues=tuple(row["queues"]),
+        capacity=row["capacity"],
+        version=row["version"],
+        jobs=tuple(row["jobs"]),
+        started_at=row["started_at"],
+        heartbeat_at=row["heartbeat_at"],
+        stopped_at=row["stopped_at"],
+    )
+
+
+def lease_from_row(row: Mapping[str, Any]) -> LeaderLease:
+    return LeaderLease(
+        shard=row["shard"],
+        holder=row["holder"],
+        term=row["term"],
+        acquired_at=row["acquired_at"],
+        expires_at=row["expires_at"],
+    )

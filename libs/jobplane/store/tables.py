@@ -1,0 +1,204 @@
+"""SQLAlchemy Core tables. The Alembic migrations are the source of the schema; these mirror them
+for queries (tests/test_migrations.py checks they agree)."""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Column,
+    Float,
+    ForeignKey,
+    Identity,
+    Index,
+    Integer,
+    MetaData,
+    Sequence,
+    SmallInteger,
+    String,
+    Table,
+    Text,
+    Uuid,
+    text,
+)
+
+from jobplane.domain.states import InstanceState
+from jobplane.store.types import Json, UtcDateTime
+
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+STATE_VALUES = ", ".join(f"'{s.value}'" for s in InstanceState)
+
+#: Fencing tokens for claims (Postgres). SQLite keeps its counter in the ``counters`` table.
+claim_token_seq = Sequence("claim_token_seq", metadata=metadata)
+
+job_definitions = Table(
+    "job_definitions",
+    metadata,
+    Column("key", String(200), primary_key=True),
+    Column("kind", String(16), nullable=False),
+    Column("queue", String(64), nullable=False),
+    Column("options", Json, nullable=False),
+    Column("max_concurrency", Integer, nullable=False),
+    Column("paused", Boolean, nullable=False, server_default=text("false")),
+    Column("version", Integer, nullable=False, server_default=text("1")),
+    Column("args_schema", Json, nullable=True),
+    Column("created_at", UtcDateTime, nullable=False),
+    Column("updated_at", UtcDateTime, nullable=False),
+    Column("updated_by", String(200), nullable=True),
+    CheckConstraint("max_concurrency >= 1", name="max_concurrency_positive"),
+)
+
+# One counter row per job key: the concurrency slots in use. A claim takes slots in its own
+# statement (``used + n <= max``, row-locked) and a terminal or release transition gives them back
+# in its own statement, so the limit never depends on counting Processing rows.
+job_slots = Table(
+    "job_slots",
+    metadata,
+    Column(
+        "job_key",
+        String(200),
+        ForeignKey("job_definitions.key", ondelete="CASCADE"),
+        primary_key=True,
+    ),
+    Column("used", Integer, nullable=False, server_default=text("0")),
+    CheckConstraint("used >= 0", name="used_not_negative"),
+)
+
+job_instances = Table(
+    "job_instances",
+    metadata,
+    Column("id", Uuid, primary_key=True),  # UUIDv7: time-ordered
+    Column("job_key", String(200), ForeignKey("job_definitions.key"), nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("source", String(16), nullable=False),
+    Column("queue", String(64), nullable=False),
+    Column("priority", SmallInteger, nullable=False),
+    Column("args", Json, nullable=True),
+    Column("created_at", UtcDateTime, nullable=False),
+    Column("scheduled_at", UtcDateTime, nullable=True),
+    Column("run_at", UtcDateTime, nullable=True),
+    Column("published_at", UtcDateTime, nullable=True),
+    Column("started_at", UtcDateTime, nullable=True),
+    Column("finished_at", UtcDateTime, nullable=True),
+    Column("attempt", Integer, nullable=False, server_default=text("0")),
+    Column("retries_used", Integer, nullable=False, server_default=text("0")),
+    Column("unexpected_retries_used", Integer, nullable=False, server_default=text("0")),
+    Column("claim_token", BigInteger, nullable=True),
+    Column("worker_id", String(200), nullable=True),
+    Column("lease_expires_at", UtcDateTime, nullable=True),
+    Column("cancel_requested", Boolean, nullable=False, server_default=text("false")),
+    Column("pinned_worker", String(200), nullable=True),
+    Column("retry_of", Uuid, nullable=True),
+    Column("idempotency_key", String(200), nullable=True),
+    Column("progress", Float, nullable=True),
+    Column("progress_message", Text, nullable=True),
+    Column("checkpoint", Json, nullable=True),
+    Column("result", Json, nullable=True),
+    Column("error", Json, nullable=True),
+    Column("reason", Text, nullable=True),
+    CheckConstraint(f"state IN ({STATE_VALUES})", name="state_valid"),
+    CheckConstraint("source IN ('cron', 'trigger', 'retry')", name="source_valid"),
+    # Exactly one fire per cron tick: two schedulers that both believe they lead cannot both
+    # insert the same occurrence. Manual triggers of a recurring job are not occurrences.
+    Index(
+        "uq_job_instances_cron_occurrence",
+        "job_key",
+        "scheduled_at",
+        unique=True,
+        postgresql_where=text("source = 'cron'"),
+        sqlite_where=text("source = 'cron'"),
+    ),
+    # A replayed trigger with the same Idempotency-Key returns the first instance.
+    Index(
+        "uq_job_instances_idempotency",
+        "job_key",
+        "idempotency_key",
+        unique=True,
+        postgresql_where=text("idempotency_key IS NOT NULL"),
+        sqlite_where=text("idempotency_key IS NOT NULL"),
+    ),
+    # Keyset listings: by job, by state, by both; newest first on the time-ordered id.
+    Index("ix_job_instances_job_key_id", "job_key", "id"),
+    Index("ix_job_instances_state_id", "state", "id"),
+    Index("ix_job_instances_job_key_state_id", "job_key", "state", "id"),
+    Index("ix_job_instances_worker_id", "worker_id", postgresql_where=text("worker_id IS NOT NULL")),
+    # Sweeps of the leader: due Scheduled instances, expired leases, stale publications.
+    Index(
+        "ix_job_instances_due",
+        "run_at",
+        postgresql_where=text("state = 'scheduled'"),
+        sqlite_where=text("state = 'scheduled'"),
+    ),
+    Index(
+        "ix_job_instances_lease",
+        "lease_expires_at",
+        postgresql_where=text("state = 'processing'"),
+        sqlite_where=text("state = 'processing'"),
+    ),
+    Index(
+        "ix_job_instances_unpublished",
+        "job_key",
+        "published_at",
+        postgresql_where=text("state = 'enqueued'"),
+        sqlite_where=text("state = 'enqueued'"),
+    ),
+)
+
+instance_transitions = Table(
+    "instance_transitions",
+    metadata,
+    Column("seq", BigInteger().with_variant(Integer, "sqlite"), Identity(), primary_key=True),
+    Column("instance_id", Uuid, nullable=False),
+    Column("from_state", String(16), nullable=True),
+    Column("to_state", String(16), nullable=False),
+    # clock_timestamp(), not now(): now() is the transaction's start.
+    Column("at", UtcDateTime, nullable=False),  # server default: the database clock
+    Column("actor", String(200), nullable=False),
+    Column("reason", Text, nullable=True),
+    Column("claim_token", BigInteger, nullable=True),
+    Index("ix_instance_transitions_instance_id_seq", "instance_id", "seq"),
+    Index("ix_instance_transitions_at", "at"),
+)
+
+workers = Table(
+    "workers",
+    metadata,
+    Column("id", String(200), primary_key=True),
+    Column("host", String(255), nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("queues", Json, nullable=False),
+    Column("jobs", Json, nullable=False),
+    Column("capacity", Integer, nullable=False),
+    Column("version", String(64), nullable=False),
+    Column("started_at", UtcDateTime, nullable=False),
+    Column("heartbeat_at", UtcDateTime, nullable=False),
+    Column("stopped_at", UtcDateTime, nullable=True),
+)
+
+scheduler_leases = Table(
+    "scheduler_leases",
+    metadata,
+    Column("shard", Integer, primary_key=True),
+    Column("holder", String(200), nullable=False),
+    Column("term", BigInteger, nullable=False),
+    Column("acquired_at", UtcDateTime, nullable=False),
+    Column("expires_at", UtcDateTime, nullable=False),
+)
+
+# Counters for backends without sequences (SQLite): name → last value handed out.
+counters = Table(
+    "counters",
+    metadata,
+    Column("name", String(64), primary_key=True),
+    Column("value", BigInteger, nullable=False),
+)

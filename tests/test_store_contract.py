@@ -1,0 +1,332 @@
+"""The store contract, run against Postgres and SQLite (the ``store`` fixture)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from jobplane.domain.models import (
+    ErrorInfo,
+    InstanceFilter,
+    InstanceSource,
+    NewInstance,
+    Outcome,
+    WorkerInfo,
+)
+from jobplane.domain.options import JobOptions
+from jobplane.domain.states import InstanceState as S
+from jobplane.errors import IllegalTransitionError, InstanceNotFoundError, JobNotFoundError
+from jobplane.store.sql import SqlStore
+from tests.store_helpers import define, enqueue
+
+
+async def test_first_registration_persists_then_stored_options_win(store: SqlStore) -> None:
+    first = JobOptions.parse(key="report", kind="triggered", retries=2)
+    stored, created = await store.register_definition(first, {"type": "object"}, "worker-a")
+    assert created and stored.version == 1 and stored.options.retries == 2
+
+    edited = await store.save_definition(
+        first.edited(retries=5), expected_version=1, actor="admin"
+    )
+    assert edited is not None and edited.version == 2
+
+    # A later registration (code still says retries=2) keeps the edited options.
+    again, created = await store.register_definition(first, {"type": "object", "x": 1}, "w-b")
+    assert not created
+    assert again.options.retries == 5 and again.version == 2
+    assert again.args_schema == {"type": "object", "x": 1}
+
+
+async def test_save_definition_is_an_optimistic_lock(store: SqlStore) -> None:
+    opts = await define(store, "job")
+    assert await store.save_definition(opts.edited(retries=1), expected_version=1, actor="a")
+    assert await store.save_definition(opts.edited(retries=2), expected_version=1, actor="b") is None
+    assert (await store.get_definition("job")).options.retries == 1
+
+
+async def test_pause_bumps_version_and_unknown_key_raises(store: SqlStore) -> None:
+    await define(store, "tick", cron="* * * * *")
+    paused = await store.set_paused("tick", True, "ops")
+    assert paused.paused and paused.version == 2
+    assert await store.definition_versions() == {"tick": 2}
+    with pytest.raises(JobNotFoundError) as info:
+        await store.set_paused("nope", True, "ops")
+    assert info.value.key == "nope"
+    with pytest.raises(JobNotFoundError):
+        await store.get_definition("nope")
+
+
+async def test_create_instances_initial_states_and_history(store: SqlStore) -> None:
+    await define(store, "job", priority=3, queue="mail")
+    now = await store.now()
+    enq, delayed, held, past, skipped = await store.create_instances(
+        [
+            NewInstance(job_key="job", args={"n": 1}),
+            NewInstance(job_key="job", run_at=now + timedelta(hours=1)),
+            NewInstance(job_key="job", held=True),
+            NewInstance(job_key="job", run_at=now - timedelta(seconds=5)),
+            NewInstance(job_key="job", skip_reason="misfire"),
+        ]
+    )
+    assert enq.state is S.ENQUEUED and enq.args == {"n": 1}
+    assert enq.queue == "mail" and enq.priority == 3
+    assert delayed.state is S.SCHEDULED and delayed.run_at is not None
+    assert held.state is S.SCHEDULED and held.run_at is None
+    assert past.state is S.ENQUEUED
+    assert skipped.state is S.SKIPPED and skipped.reason == "misfire"
+    assert enq.id < delayed.id < held.id  # time-ordered ids
+    [creation] = await store.transitions(skipped.id)
+    assert creation.from_state is None and creation.to_state is S.SKIPPED
+    assert creation.reason == "misfire"
+
+
+async def test_unknown_job_inserts_nothing(store: SqlStore) -> None:
+    await define(store, "job")
+    with pytest.raises(JobNotFoundError):
+        await store.create_instances([NewInstance(job_key="job"), NewInstance(job_key="ghost")])
+    assert await store.count_by_state() == {}
+
+
+async def test_cron_occurrence_is_unique_but_manual_triggers_are_not(store: SqlStore) -> None:
+    await define(store, "tick", cron="* * * * * *")
+    tick = (await store.now()).replace(microsecond=0)
+    first = await store.create_instances(
+        [NewInstance(job_key="tick", source=InstanceSource.CRON, scheduled_at=tick)]
+    )
+    # A second scheduler that believes it leads fires the same tick: nothing new is created.
+    again = await store.create_instances(
+        [NewInstance(job_key="tick", source=InstanceSource.CRON, scheduled_at=tick)]
+    )
+    assert again[0].id == first[0].id
+    manual = await store.create_instances(
+        [NewInstance(job_key="tick", scheduled_at=tick), NewInstance(job_key="tick")]
+    )
+    assert len({i.id for i in manual}) == 2
+    assert sum((await store.count_by_state("tick")).values()) == 3
+    assert len(await store.transitions(first[0].id)) == 1  # no history for the duplicate
+
+
+async def test_idempotency_key_returns_the_first_instance(store: SqlStore) -> None:
+    await define(store, "job")
+    [a] = await enqueue(store, idempotency_key="order-42")
+    [b] = await enqueue(store, idempotency_key="order-42")
+    assert a.id == b.id
+
+
+async def test_claim_complete_and_history(store: SqlStore) -> None:
+    await define(store, "job")
+    [inst] = await enqueue(store)
+    result = await store.claim([inst.id], "w1", 10, ["job"])
+    [claim] = result.claimed
+    assert claim.instance.state is S.PROCESSING and claim.instance.worker_id == "w1"
+    assert claim.instance.attempt == 1 and claim.options.key == "job"
+    assert claim.instance.lease_expires_at is not None
+    ended = await store.complete([Outcome(inst.id, claim.token, S.SUCCEEDED, result={"ok": True})])
+    assert ended == {inst.id: S.SUCCEEDED}
+    done = await store.get_instance(inst.id)
+    assert done.result == {"ok": True} and done.finished_at is not None
+    history = await store.transitions(inst.id)
+    assert [(t.from_state, t.to_state) for t in history] == [
+        (None, S.ENQUEUED),
+        (S.ENQUEUED, S.PROCESSING),
+        (S.PROCESSING, S.SUCCEEDED),
+    ]
+    assert history[1].claim_token == claim.token and history[1].actor == "w1"
+    assert [t.seq for t in history] == sorted(t.seq for t in history)
+    assert history[0].at <= history[1].at <= history[2].at
+
+
+async def test_claim_tokens_are_fresh_for_every_claim(store: SqlStore) -> None:
+    await define(store, "job", max_concurrency=10)
+    instances = await enqueue(store, n=5)
+    result = await store.claim([i.id for i in instances], "w1", 10, ["job"])
+    tokens = [c.token for c in result.claimed]
+    assert len(set(tokens)) == 5
+
+
+async def test_claim_ignores_unknown_jobs_pinned_elsewhere_and_non_enqueued(
+    store: SqlStore,
+) -> None:
+    await define(store, "job", max_concurrency=5)
+    await define(store, "other")
+    [mine] = await enqueue(store)
+    [pinned] = await enqueue(store, pinned_worker="w2")
+    [other] = await enqueue(store, key="other")
+    [later] = await enqueue(store, run_at=(await store.now()) + timedelta(hours=1))
+    result = await store.claim([mine.id, pinned.id, other.id, later.id], "w1", 10, ["job"])
+    assert [c.instance.id for c in result.claimed] == [mine.id]
+    assert set(result.ignored) == {pinned.id, other.id, later.id}
+    result = await store.claim([pinned.id], "w2", 10, ["job"])
+    assert [c.instance.id for c in result.claimed] == [pinned.id]
+
+
+async def test_batch_claim_ranks_by_priority_against_free_slots(store: SqlStore) -> None:
+    await define(store, "job", max_concurrency=3)
+    low = await enqueue(store, n=3, priority=1)
+    high = await enqueue(store, n=2, priority=9)
+    result = await store.claim([i.id for i in low + high], "w1", 10, ["job"])
+    claimed = {c.instance.id for c in result.claimed}
+    assert claimed == {high[0].id, high[1].id, low[0].id}
+    assert set(result.skipped) == {low[1].id, low[2].id}
+    skipped = await store.get_instance(low[1].id)
+    assert skipped.state is S.SKIPPED and skipped.reason == "max concurrency reached"
+
+
+async def test_on_limit_wait_leaves_the_excess_queued_and_unpublished(store: SqlStore) -> None:
+    await define(store, "job", max_concurrency=1, on_limit="wait")
+    first, second = await enqueue(store, n=2)
+    await store.mark_published([first.id, second.id])
+    result = await store.claim([first.id, second.id], "w1", 10, ["job"])
+    assert result.waiting == [second.id]
+    parked = await store.get_instance(second.id)
+    assert parked.state is S.ENQUEUED and parked.published_at is None
+    # The slot frees: the releaser republishes the parked instance.
+    await store.complete([Outcome(first.id, result.claimed[0].token, S.SUCCEEDED)])
+    [again] = await store.republish_waiting(["job"], 10)
+    assert again.id == second.id and again.published_at is not None
+    result = await store.claim([second.id], "w1", 10, ["job"])
+    assert len(result.claimed) == 1
+
+
+async def test_stale_claim_token_changes_nothing_and_leaves_no_history(store: SqlStore) -> None:
+    await define(store, "job")
+    [inst] = await enqueue(store)
+    [claim] = (await store.claim([inst.id], "w1", 10, ["job"])).claimed
+    stale = claim.token + 1000
+    assert await store.complete([Outcome(inst.id, stale, S.SUCCEEDED, result=1)]) == {}
+    assert await store.heartbeat([(inst.id, stale)], 10) == {}
+    assert await store.transition(
+        inst.id, S.ENQUEUED, expect=[S.PROCESSING], claim_token=stale, actor="w0"
+    ) is None
+    after = await store.get_instance(inst.id)
+    assert after.state is S.PROCESSING and after.result is None
+    assert len(await store.transitions(inst.id)) == 2
+    assert await store.heartbeat([(inst.id, claim.token)], 10) == {inst.id: False}
+
+
+async def test_release_frees_the_slot_and_a_new_claim_fences_the_old_one(
+    store: SqlStore,
+) -> None:
+    await define(store, "job")
+    [inst] = await enqueue(store)
+    [old] = (await store.claim([inst.id], "w1", 10, ["job"])).claimed
+    released = await store.transition(
+        inst.id, S.ENQUEUED, expect=[S.PROCESSING], claim_token=old.token, actor="reaper",
+        reason="lease expired",
+    )
+    assert released is not None and released.state is S.ENQUEUED
+    [new] = (await store.claim([inst.id], "w2", 10, ["job"])).claimed  # slot was given back
+    assert new.token != old.token and new.instance.attempt == 2
+    assert await store.complete([Outcome(inst.id, old.token, S.FAILED)]) == {}
+    assert await store.complete([Outcome(inst.id, new.token, S.SUCCEEDED)]) == {
+        inst.id: S.SUCCEEDED
+    }
+
+
+async def test_failure_retries_then_terminates(store: SqlStore) -> None:
+    await define(store, "job", retries=1)
+    [inst] = await enqueue(store)
+    [c1] = (await store.claim([inst.id], "w1", 10, ["job"])).claimed
+    error = ErrorInfo("ValueError", "boom", "Traceback ...")
+    ended = await store.complete(
+        [Outcome(inst.id, c1.token, S.FAILED, error=error, retry_delay_s=30)]
+    )
+    assert ended == {inst.id: S.SCHEDULED}
+    retrying = await store.get_instance(inst.id)
+    assert retrying.retries_used == 1 and retrying.run_at is not None
+    assert retrying.error == error
+    # Promote (the scheduler's job) and run the last attempt.
+    await store.transition(inst.id, S.ENQUEUED, expect=[S.SCHEDULED], actor="scheduler")
+    [c2] = (await store.claim([inst.id], "w1", 10, ["job"])).claimed
+    ended = await store.complete([Outcome(inst.id, c2.token, S.FAILED, error=error)])
+    assert ended == {inst.id: S.TERMINATED}
+    states = [t.to_state for t in await store.transitions(inst.id)]
+    assert states == [
+        S.ENQUEUED, S.PROCESSING, S.FAILED, S.SCHEDULED, S.ENQUEUED, S.PROCESSING, S.FAILED,
+        S.TERMINATED,
+    ]
+
+
+async def test_retry_without_backoff_is_enqueued_at_once(store: SqlStore) -> None:
+    await define(store, "job", retries=3)
+    [inst] = await enqueue(store)
+    [c] = (await store.claim([inst.id], "w1", 10, ["job"])).claimed
+    assert await store.complete([Outcome(inst.id, c.token, S.FAILED)]) == {inst.id: S.ENQUEUED}
+
+
+async def test_illegal_transitions_raise(store: SqlStore) -> None:
+    await define(store, "job")
+    [inst] = await enqueue(store)
+    with pytest.raises(IllegalTransitionError):
+        await store.transition(inst.id, S.ENQUEUED, expect=[S.SUCCEEDED], actor="x")
+    [c] = (await store.claim([inst.id], "w1", 10, ["job"])).claimed
+    await store.complete([Outcome(inst.id, c.token, S.SUCCEEDED)])
+    with pytest.raises(IllegalTransitionError):
+        await store.request_cancel(inst.id, "ops")
+
+
+async def test_cancel_queued_ends_it_and_cancel_running_flags_it(store: SqlStore) -> None:
+    await define(store, "job", max_concurrency=2)
+    queued, running = await enqueue(store, n=2)
+    cancelled = await store.request_cancel(queued.id, "ops")
+    assert cancelled.state is S.CANCELLED and cancelled.finished_at is not None
+    [c] = (await store.claim([running.id], "w1", 10, ["job"])).claimed
+    flagged = await store.request_cancel(running.id, "ops")
+    assert flagged.state is S.PROCESSING and flagged.cancel_requested
+    assert await store.heartbeat([(running.id, c.token)], 10) == {running.id: True}
+    await store.complete([Outcome(running.id, c.token, S.CANCELLED)])
+    assert (await store.get_instance(running.id)).state is S.CANCELLED
+    with pytest.raises(InstanceNotFoundError):
+        await store.request_cancel(NewInstance(job_key="job").id, "ops")
+
+
+async def test_keyset_pagination_and_filters(store: SqlStore) -> None:
+    await define(store, "a", max_concurrency=10)
+    await define(store, "b")
+    made = await enqueue(store, "a", n=7)
+    await enqueue(store, "b", n=2)
+    await store.claim([made[0].id], "w9", 10, ["a"])
+    seen: list[str] = []
+    cursor = None
+    while True:
+        page = await store.list_instances(InstanceFilter(job_key="a"), limit=3, before=cursor)
+        seen.extend(str(i.id) for i in page.items)
+        cursor = page.next_cursor
+        if cursor is None:
+            break
+    assert seen == [str(i.id) for i in reversed(made)]
+    running = await store.list_instances(InstanceFilter(states=(S.PROCESSING,)))
+    assert [i.id for i in running.items] == [made[0].id]
+    by_worker = await store.list_instances(InstanceFilter(worker_id="w9"))
+    assert [i.id for i in by_worker.items] == [made[0].id]
+    window = await store.list_instances(
+        InstanceFilter(created_after=made[0].created_at - timedelta(seconds=1))
+    )
+    assert len(window.items) == 9
+
+
+async def test_workers_register_and_heartbeat(store: SqlStore) -> None:
+    info = WorkerInfo(id="w1", host="h", pid=1, queues=("default",), capacity=4, version="0.1",
+                      jobs=("job",))
+    await store.register_worker(info)
+    await store.register_worker(info)  # a restart refreshes the same row
+    await store.worker_heartbeat("w1")
+    await store.worker_stopped("w1")
+    [w] = await store.list_workers()
+    assert w.id == "w1" and w.jobs == ("job",) and w.stopped_at is not None
+
+
+async def test_leader_lease_terms(store: SqlStore) -> None:
+    a = await store.acquire_leadership(0, "a", ttl_s=30)
+    assert a is not None and a.term == 1
+    assert await store.acquire_leadership(0, "b", ttl_s=30) is None
+    renewed = await store.acquire_leadership(0, "a", ttl_s=30)
+    assert renewed is not None and renewed.term == 1
+    assert await store.release_leadership(0, "a", term=1)
+    assert await store.get_leader(0) is None
+    b = await store.acquire_leadership(0, "b", ttl_s=30)
+    assert b is not None and b.term == 2
+    assert not await store.release_leadership(0, "a", term=1)  # a stale leader is fenced off
+    leader = await store.get_leader(0)
+    assert leader is not None and leader.holder == "b"
