@@ -26,9 +26,7 @@ async def test_first_registration_persists_then_stored_options_win(store: SqlSto
     stored, created = await store.register_definition(first, {"type": "object"}, "worker-a")
     assert created and stored.version == 1 and stored.options.retries == 2
 
-    edited = await store.save_definition(
-        first.edited(retries=5), expected_version=1, actor="admin"
-    )
+    edited = await store.save_definition(first.edited(retries=5), expected_version=1, actor="admin")
     assert edited is not None and edited.version == 2
 
     # A later registration (code still says retries=2) keeps the edited options.
@@ -41,7 +39,9 @@ async def test_first_registration_persists_then_stored_options_win(store: SqlSto
 async def test_save_definition_is_an_optimistic_lock(store: SqlStore) -> None:
     opts = await define(store, "job")
     assert await store.save_definition(opts.edited(retries=1), expected_version=1, actor="a")
-    assert await store.save_definition(opts.edited(retries=2), expected_version=1, actor="b") is None
+    assert (
+        await store.save_definition(opts.edited(retries=2), expected_version=1, actor="b") is None
+    )
     assert (await store.get_definition("job")).options.retries == 1
 
 
@@ -196,9 +196,12 @@ async def test_stale_claim_token_changes_nothing_and_leaves_no_history(store: Sq
     stale = claim.token + 1000
     assert await store.complete([Outcome(inst.id, stale, S.SUCCEEDED, result=1)]) == {}
     assert await store.heartbeat([(inst.id, stale)], 10) == {}
-    assert await store.transition(
-        inst.id, S.ENQUEUED, expect=[S.PROCESSING], claim_token=stale, actor="w0"
-    ) is None
+    assert (
+        await store.transition(
+            inst.id, S.ENQUEUED, expect=[S.PROCESSING], claim_token=stale, actor="w0"
+        )
+        is None
+    )
     after = await store.get_instance(inst.id)
     assert after.state is S.PROCESSING and after.result is None
     assert len(await store.transitions(inst.id)) == 2
@@ -212,7 +215,11 @@ async def test_release_frees_the_slot_and_a_new_claim_fences_the_old_one(
     [inst] = await enqueue(store)
     [old] = (await store.claim([inst.id], "w1", 10, ["job"])).claimed
     released = await store.transition(
-        inst.id, S.ENQUEUED, expect=[S.PROCESSING], claim_token=old.token, actor="reaper",
+        inst.id,
+        S.ENQUEUED,
+        expect=[S.PROCESSING],
+        claim_token=old.token,
+        actor="reaper",
         reason="lease expired",
     )
     assert released is not None and released.state is S.ENQUEUED
@@ -243,7 +250,13 @@ async def test_failure_retries_then_terminates(store: SqlStore) -> None:
     assert ended == {inst.id: S.TERMINATED}
     states = [t.to_state for t in await store.transitions(inst.id)]
     assert states == [
-        S.ENQUEUED, S.PROCESSING, S.FAILED, S.SCHEDULED, S.ENQUEUED, S.PROCESSING, S.FAILED,
+        S.ENQUEUED,
+        S.PROCESSING,
+        S.FAILED,
+        S.SCHEDULED,
+        S.ENQUEUED,
+        S.PROCESSING,
+        S.FAILED,
         S.TERMINATED,
     ]
 
@@ -307,8 +320,9 @@ async def test_keyset_pagination_and_filters(store: SqlStore) -> None:
 
 
 async def test_workers_register_and_heartbeat(store: SqlStore) -> None:
-    info = WorkerInfo(id="w1", host="h", pid=1, queues=("default",), capacity=4, version="0.1",
-                      jobs=("job",))
+    info = WorkerInfo(
+        id="w1", host="h", pid=1, queues=("default",), capacity=4, version="0.1", jobs=("job",)
+    )
     await store.register_worker(info)
     await store.register_worker(info)  # a restart refreshes the same row
     await store.worker_heartbeat("w1")

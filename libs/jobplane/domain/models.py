@@ -1,4 +1,4 @@
-"""Frozen domain objects exchanged with the store and the bus (never ORM rows, never API schemas)."""
+"""Frozen domain objects exchanged with the store and the bus (not ORM rows, not API schemas)."""
 
 from __future__ import annotations
 

@@ -107,7 +107,7 @@ class Store(Protocol):
         Only instances of ``jobs`` (the jobs this worker knows), not pinned to another worker,
         are eligible. Each claimed instance takes a fresh token from the claim sequence, a lease
         of ``lease_s`` on the store's clock, and one slot of its job: per job key, the free slots
-        (max concurrency − used) go to the eligible rows by priority then age; the excess is
+        (max concurrency - used) go to the eligible rows by priority then age; the excess is
         Skipped (``on_limit=skip``) or left Enqueued and unpublished (``on_limit=wait``).
         """
 

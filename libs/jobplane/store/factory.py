@@ -15,7 +15,9 @@ def make_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
     """An engine for ``url`` (``postgresql://`` or ``sqlite:///``), with the async driver."""
     url = normalise_database_url(url)
     if url.startswith("postgresql+asyncpg://"):
-        return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+        return create_async_engine(
+            url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True
+        )
     if url.startswith("sqlite+aiosqlite://"):
         return sqlite_engine(url)
     raise ConfigurationError(

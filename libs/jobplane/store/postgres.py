@@ -16,7 +16,8 @@ from jobplane.domain.models import Claim, ClaimResult, Outcome
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState, check_transition
 from jobplane.store import rows
-from jobplane.store.sql import LIMIT_REASON, SqlStore, logger
+from jobplane.store.base import logger
+from jobplane.store.sql import LIMIT_REASON, SqlStore
 from jobplane.store.tables import job_instances
 
 S = InstanceState
@@ -149,9 +150,7 @@ class PostgresStore(SqlStore):
     ) -> ClaimResult:
         if not ids:
             return ClaimResult()
-        statement = text(CLAIM_SQL).columns(
-            *job_instances.c, job_options=job_instances.c.args.type
-        )
+        statement = text(CLAIM_SQL).columns(*job_instances.c, job_options=job_instances.c.args.type)
         async with self._write() as conn:
             result = await conn.execute(
                 statement,

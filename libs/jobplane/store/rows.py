@@ -20,7 +20,7 @@ from jobplane.domain.states import InstanceState
 INSTANCE_FIELDS = tuple(Instance.__dataclass_fields__)
 
 
-def definition_from_row(row: Mapping[str, Any]) -> JobDefinition:
+def definition_from_row(row: Mapping[Any, Any]) -> JobDefinition:
     return JobDefinition(
         options=JobOptions.model_validate(row["options"]),
         version=row["version"],
@@ -42,7 +42,7 @@ def definition_values(options: JobOptions) -> dict[str, Any]:
     }
 
 
-def instance_from_row(row: Mapping[str, Any]) -> Instance:
+def instance_from_row(row: Mapping[Any, Any]) -> Instance:
     values = {name: row[name] for name in INSTANCE_FIELDS}
     values["state"] = InstanceState(values["state"])
     values["source"] = InstanceSource(values["source"])
@@ -51,7 +51,7 @@ def instance_from_row(row: Mapping[str, Any]) -> Instance:
     return Instance(**values)
 
 
-def transition_from_row(row: Mapping[str, Any]) -> Transition:
+def transition_from_row(row: Mapping[Any, Any]) -> Transition:
     return Transition(
         seq=row["seq"],
         instance_id=row["instance_id"],
@@ -64,7 +64,7 @@ def transition_from_row(row: Mapping[str, Any]) -> Transition:
     )
 
 
-def worker_from_row(row: Mapping[str, Any]) -> WorkerInfo:
+def worker_from_row(row: Mapping[Any, Any]) -> WorkerInfo:
     return WorkerInfo(
         id=row["id"],
         host=row["host"],
@@ -79,7 +79,7 @@ def worker_from_row(row: Mapping[str, Any]) -> WorkerInfo:
     )
 
 
-def lease_from_row(row: Mapping[str, Any]) -> LeaderLease:
+def lease_from_row(row: Mapping[Any, Any]) -> LeaderLease:
     return LeaderLease(
         shard=row["shard"],
         holder=row["holder"],

@@ -131,7 +131,9 @@ job_instances = Table(
     Index("ix_job_instances_job_key_id", "job_key", "id"),
     Index("ix_job_instances_state_id", "state", "id"),
     Index("ix_job_instances_job_key_state_id", "job_key", "state", "id"),
-    Index("ix_job_instances_worker_id", "worker_id", postgresql_where=text("worker_id IS NOT NULL")),
+    Index(
+        "ix_job_instances_worker_id", "worker_id", postgresql_where=text("worker_id IS NOT NULL")
+    ),
     # Sweeps of the leader: due Scheduled instances, expired leases, stale publications.
     Index(
         "ix_job_instances_due",

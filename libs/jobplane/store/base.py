@@ -1,0 +1,138 @@
+"""Plumbing shared by the store modules: transactions, clocks, tokens, history records.
+
+Writes run in :meth:`SqlBase._write` transactions. On Postgres the rows a write depends on are
+locked (``FOR UPDATE``) and the hot paths are single statements (:mod:`jobplane.store.postgres`);
+on SQLite every transaction is ``BEGIN IMMEDIATE``, so writes are serialised and the generic
+statements cannot race.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    ColumnElement,
+    Insert,
+    func,
+    literal,
+    select,
+    update,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from jobplane.domain.states import InstanceState
+from jobplane.errors import (
+    StoreUnavailableError,
+)
+from jobplane.store.tables import (
+    counters,
+    instance_transitions,
+    job_instances,
+)
+
+logger = logging.getLogger("jobplane.store")
+
+S = InstanceState
+I = job_instances.c  # noqa: E741 - the instance table's columns, used everywhere
+
+
+class SqlBase:
+    """Owns ``engine`` and disposes of it in :meth:`close`."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    async def close(self) -> None:
+        await self.engine.dispose()
+
+    @asynccontextmanager
+    async def _write(self) -> AsyncIterator[AsyncConnection]:
+        """A write transaction; driver errors that mean "unreachable" become
+        :class:`StoreUnavailableError`."""
+        try:
+            async with self.engine.begin() as conn:
+                yield conn
+        except (OperationalError, InterfaceError, OSError) as exc:
+            if isinstance(exc, DBAPIError) and not _is_disconnect(exc):
+                raise
+            raise StoreUnavailableError(f"metadata store unavailable: {_first_line(exc)}") from exc
+
+    _read = _write
+
+    async def ping(self) -> None:
+        async with self._read() as conn:
+            await conn.execute(select(literal(1)))
+
+    def _clock(self) -> ColumnElement[datetime]:
+        """The database's current time, as an SQL expression."""
+        return func.now()
+
+    async def now(self) -> datetime:
+        async with self._read() as conn:
+            value = (await conn.execute(select(self._clock()))).scalar_one()
+        return _aware(value)
+
+    async def _now(self, conn: AsyncConnection) -> datetime:
+        return _aware((await conn.execute(select(self._clock()))).scalar_one())
+
+    def _insert(self, table: Any) -> Insert:
+        dialect = self.engine.dialect.name
+        if dialect == "postgresql":
+            return postgresql.insert(table)
+        return sqlite.insert(table)
+
+    async def _next_tokens(self, conn: AsyncConnection, count: int) -> list[int]:
+        """``count`` fresh claim tokens (SQLite: from the serialised ``counters`` row)."""
+        top = (
+            await conn.execute(
+                update(counters)
+                .where(counters.c.name == "claim_token")
+                .values(value=counters.c.value + count)
+                .returning(counters.c.value)
+            )
+        ).scalar_one()
+        return list(range(top - count + 1, top + 1))
+
+    async def _history(self, conn: AsyncConnection, records: list[dict[str, Any]]) -> None:
+        """Insert transition records (``at`` defaults to the database's clock)."""
+        if records:
+            await conn.execute(instance_transitions.insert(), records)
+
+
+def _aware(value: datetime | str) -> datetime:
+    if isinstance(value, str):  # SQLite returns CURRENT_TIMESTAMP-style strings
+        value = datetime.fromisoformat(value)
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+_DISCONNECT_NAMES = frozenset(
+    {
+        "ConnectionDoesNotExistError",
+        "CannotConnectNowError",
+        "ConnectionFailureError",
+        "AdminShutdownError",
+        "InterfaceError",
+    }
+)
+
+
+def _is_disconnect(exc: DBAPIError) -> bool:
+    """Whether a driver error means "cannot reach the database" (not a bad statement)."""
+    orig = exc.orig
+    if exc.connection_invalidated or isinstance(orig, OSError):
+        return True
+    cause = getattr(orig, "__cause__", None)
+    if type(orig).__name__ in _DISCONNECT_NAMES or type(cause).__name__ in _DISCONNECT_NAMES:
+        return True
+    return "unable to open database" in str(orig)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(getattr(exc, "orig", None) or exc)
+    return text.strip().splitlines()[0] if text.strip() else type(exc).__name__

@@ -1,0 +1,126 @@
+"""Workers and the scheduler's leader lease."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import (
+    ColumnElement,
+    and_,
+    case,
+    or_,
+    select,
+    update,
+)
+
+from jobplane.domain.models import (
+    LeaderLease,
+    WorkerInfo,
+)
+from jobplane.store import rows
+from jobplane.store.base import SqlBase
+from jobplane.store.tables import (
+    scheduler_leases,
+    workers,
+)
+
+
+class ClusterStore(SqlBase):
+    """Worker registry and leader election."""
+
+    async def register_worker(self, info: WorkerInfo) -> None:
+        async with self._write() as conn:
+            now = await self._now(conn)
+            values = {
+                "id": info.id,
+                "host": info.host,
+                "pid": info.pid,
+                "queues": list(info.queues),
+                "jobs": list(info.jobs),
+                "capacity": info.capacity,
+                "version": info.version,
+                "started_at": now,
+                "heartbeat_at": now,
+                "stopped_at": None,
+            }
+            stmt = self._insert(workers).values(values)
+            await conn.execute(
+                stmt.on_conflict_do_update(  # type: ignore[attr-defined]
+                    index_elements=["id"],
+                    set_={k: v for k, v in values.items() if k != "id"},
+                )
+            )
+
+    async def worker_heartbeat(self, worker_id: str) -> None:
+        async with self._write() as conn:
+            await conn.execute(
+                update(workers).where(workers.c.id == worker_id).values(heartbeat_at=self._clock())
+            )
+
+    async def worker_stopped(self, worker_id: str) -> None:
+        async with self._write() as conn:
+            await conn.execute(
+                update(workers).where(workers.c.id == worker_id).values(stopped_at=self._clock())
+            )
+
+    async def list_workers(self) -> list[WorkerInfo]:
+        async with self._read() as conn:
+            result = await conn.execute(select(workers).order_by(workers.c.id))
+            return [rows.worker_from_row(r._mapping) for r in result]
+
+    async def acquire_leadership(self, shard: int, holder: str, ttl_s: float) -> LeaderLease | None:
+        async with self._write() as conn:
+            now = await self._now(conn)
+            expires = now + timedelta(seconds=ttl_s)
+            lease = scheduler_leases.c
+            stmt = self._insert(scheduler_leases).values(
+                shard=shard, holder=holder, term=1, acquired_at=now, expires_at=expires
+            )
+            excluded = stmt.excluded  # type: ignore[attr-defined]
+            renewing = and_(lease.holder == excluded.holder, lease.expires_at > now)
+            row = (
+                await conn.execute(
+                    stmt.on_conflict_do_update(  # type: ignore[attr-defined]
+                        index_elements=["shard"],
+                        set_={
+                            "holder": excluded.holder,
+                            # A new holder (or an expired one coming back) starts a new term;
+                            # every leader write checks the term, fencing the old leader off.
+                            "term": _case(renewing, lease.term, lease.term + 1),
+                            "acquired_at": _case(renewing, lease.acquired_at, excluded.acquired_at),
+                            "expires_at": excluded.expires_at,
+                        },
+                        where=or_(lease.holder == excluded.holder, lease.expires_at <= now),
+                    ).returning(*scheduler_leases.c)
+                )
+            ).first()
+        return rows.lease_from_row(row._mapping) if row else None
+
+    async def release_leadership(self, shard: int, holder: str, term: int) -> bool:
+        lease = scheduler_leases.c
+        async with self._write() as conn:
+            now = await self._now(conn)
+            result = await conn.execute(
+                update(scheduler_leases)
+                .where(lease.shard == shard, lease.holder == holder, lease.term == term)
+                .values(expires_at=now - timedelta(microseconds=1))
+                .returning(lease.shard)
+            )
+            return result.first() is not None
+
+    async def get_leader(self, shard: int) -> LeaderLease | None:
+        lease = scheduler_leases.c
+        async with self._read() as conn:
+            row = (
+                await conn.execute(
+                    select(scheduler_leases).where(
+                        lease.shard == shard, lease.expires_at > self._clock()
+                    )
+                )
+            ).first()
+        return rows.lease_from_row(row._mapping) if row else None
+
+
+def _case(condition: ColumnElement[bool], then: Any, otherwise: Any) -> ColumnElement[Any]:
+    return case((condition, then), else_=otherwise)

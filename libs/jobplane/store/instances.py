@@ -1,0 +1,191 @@
+"""Instances: batch creation with history, reads, keyset listings."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from datetime import datetime
+from typing import Any
+from uuid import UUID
+
+from sqlalchemy import (
+    and_,
+    func,
+    select,
+    update,
+)
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from jobplane.domain.models import (
+    Instance,
+    InstanceFilter,
+    InstanceSource,
+    NewInstance,
+    Page,
+    Transition,
+)
+from jobplane.domain.options import JobOptions
+from jobplane.domain.states import InstanceState
+from jobplane.errors import (
+    InstanceNotFoundError,
+    JobNotFoundError,
+)
+from jobplane.store import rows
+from jobplane.store.base import I, S, SqlBase
+from jobplane.store.tables import (
+    instance_transitions,
+    job_definitions,
+    job_instances,
+)
+
+
+class InstanceStore(SqlBase):
+    """Instance creation and reads."""
+
+    async def create_instances(self, new: Sequence[NewInstance]) -> list[Instance]:
+        if not new:
+            return []
+        async with self._write() as conn:
+            now = await self._now(conn)
+            keys = {n.job_key for n in new}
+            defs = {
+                r.key: JobOptions.model_validate(r.options)
+                for r in await conn.execute(
+                    select(job_definitions.c.key, job_definitions.c.options).where(
+                        job_definitions.c.key.in_(keys)
+                    )
+                )
+            }
+            for key in keys - defs.keys():
+                raise JobNotFoundError(key)
+            values = [_new_instance_values(n, defs[n.job_key], now) for n in new]
+            # A duplicate cron occurrence or idempotency key is not inserted (unique indexes):
+            # the existing instance stands in for it below.
+            inserted_ids = {
+                r.id
+                for r in await conn.execute(
+                    self._insert(job_instances)
+                    .values(values)
+                    .on_conflict_do_nothing()  # type: ignore[attr-defined]
+                    .returning(I.id)
+                )
+            }
+            await self._history(
+                conn,
+                [
+                    {
+                        "instance_id": v["id"],
+                        "from_state": None,
+                        "to_state": v["state"],
+                        "actor": n.actor,
+                        "reason": n.skip_reason,
+                    }
+                    for n, v in zip(new, values, strict=True)
+                    if v["id"] in inserted_ids
+                ],
+            )
+            return await self._resolve_created(conn, new, inserted_ids)
+
+    async def _resolve_created(
+        self, conn: AsyncConnection, new: Sequence[NewInstance], inserted: set[UUID]
+    ) -> list[Instance]:
+        """The instances standing for ``new``, in order: inserted, or the existing duplicate."""
+        by_id = {
+            r.id: rows.instance_from_row(r._mapping)
+            for r in await conn.execute(select(job_instances).where(I.id.in_(inserted)))
+        }
+        result: list[Instance] = []
+        for n in new:
+            if n.id in by_id:
+                result.append(by_id[n.id])
+                continue
+            if n.idempotency_key is not None:
+                clause = and_(I.job_key == n.job_key, I.idempotency_key == n.idempotency_key)
+            else:
+                clause = and_(
+                    I.job_key == n.job_key,
+                    I.source == InstanceSource.CRON.value,
+                    I.scheduled_at == n.scheduled_at,
+                )
+            row = (await conn.execute(select(job_instances).where(clause))).one()
+            result.append(rows.instance_from_row(row._mapping))
+        return result
+
+    async def mark_published(self, ids: Collection[UUID]) -> None:
+        if not ids:
+            return
+        async with self._write() as conn:
+            await conn.execute(
+                update(job_instances)
+                .where(I.id.in_(list(ids)), I.state == S.ENQUEUED.value)
+                .values(published_at=self._clock())
+            )
+
+    async def get_instance(self, instance_id: UUID) -> Instance:
+        async with self._read() as conn:
+            row = (await conn.execute(select(job_instances).where(I.id == instance_id))).first()
+        if row is None:
+            raise InstanceNotFoundError(instance_id)
+        return rows.instance_from_row(row._mapping)
+
+    async def list_instances(
+        self, filter: InstanceFilter, *, limit: int = 50, before: UUID | None = None
+    ) -> Page:
+        query = select(job_instances).order_by(I.id.desc()).limit(limit + 1)
+        if filter.job_key is not None:
+            query = query.where(I.job_key == filter.job_key)
+        if filter.states:
+            query = query.where(I.state.in_([s.value for s in filter.states]))
+        if filter.created_after is not None:
+            query = query.where(I.created_at >= filter.created_after)
+        if filter.created_before is not None:
+            query = query.where(I.created_at < filter.created_before)
+        if filter.worker_id is not None:
+            query = query.where(I.worker_id == filter.worker_id)
+        if before is not None:
+            query = query.where(I.id < before)
+        async with self._read() as conn:
+            found = [rows.instance_from_row(r._mapping) for r in await conn.execute(query)]
+        more = len(found) > limit
+        items = found[:limit]
+        return Page(items=items, next_cursor=items[-1].id if more else None)
+
+    async def transitions(self, instance_id: UUID) -> list[Transition]:
+        t = instance_transitions.c
+        async with self._read() as conn:
+            result = await conn.execute(
+                select(instance_transitions).where(t.instance_id == instance_id).order_by(t.seq)
+            )
+            return [rows.transition_from_row(r._mapping) for r in result]
+
+    async def count_by_state(self, job_key: str | None = None) -> dict[InstanceState, int]:
+        query = select(I.state, func.count()).group_by(I.state)
+        if job_key is not None:
+            query = query.where(I.job_key == job_key)
+        async with self._read() as conn:
+            return {S(state): count for state, count in await conn.execute(query)}
+
+
+def _new_instance_values(n: NewInstance, options: JobOptions, now: datetime) -> dict[str, Any]:
+    if n.skip_reason is not None:
+        state = S.SKIPPED
+    elif n.held or (n.run_at is not None and n.run_at > now):
+        state = S.SCHEDULED
+    else:
+        state = S.ENQUEUED
+    return {
+        "id": n.id,
+        "job_key": n.job_key,
+        "state": state.value,
+        "source": n.source.value,
+        "queue": n.queue or options.queue,
+        "priority": options.priority if n.priority is None else n.priority,
+        "args": n.args,
+        "created_at": now,
+        "scheduled_at": n.scheduled_at,
+        "run_at": None if n.held else n.run_at,
+        "finished_at": now if state.is_terminal else None,
+        "pinned_worker": n.pinned_worker,
+        "retry_of": n.retry_of,
+        "idempotency_key": n.idempotency_key,
+        "reason": n.skip_reason,
+    }
