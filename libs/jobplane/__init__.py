@@ -1,1 +1,36 @@
+"""Jobplane: a distributed job scheduler for Python services.
+
+Declare jobs on an :class:`App`; trigger them with a :class:`Dispatcher`; run them with
+``jobplane worker --app module:app`` (or everything in one process with ``jobplane dev``).
+"""
+
 from __future__ import annotations
+
+from jobplane.app import App, JobSpec
+from jobplane.context import Cancellation, JobContext
+from jobplane.dispatch import Dispatcher
+from jobplane.domain.models import Instance, InstanceSource, NewInstance
+from jobplane.domain.options import Backoff, JobKind, JobOptions, MisfirePolicy, OnLimit
+from jobplane.domain.states import InstanceState
+from jobplane.errors import JobplaneError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "App",
+    "Backoff",
+    "Cancellation",
+    "Dispatcher",
+    "Instance",
+    "InstanceSource",
+    "InstanceState",
+    "JobContext",
+    "JobKind",
+    "JobOptions",
+    "JobSpec",
+    "JobplaneError",
+    "MisfirePolicy",
+    "NewInstance",
+    "OnLimit",
+    "__version__",
+]

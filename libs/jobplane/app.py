@@ -1,0 +1,188 @@
+"""The job SDK: declare jobs with decorators on an :class:`App`.
+
+.. code-block:: python
+
+    app = App("shop")
+
+    class Receipt(BaseModel):
+        order_id: int
+
+    @app.triggered(retries=3)
+    async def send_receipt(ctx: JobContext, args: Receipt, mailer: Mailer) -> dict[str, str]:
+        ...
+
+    @app.recurring("*/10 * * * * *", timezone="Europe/Berlin")
+    def cleanup(ctx: JobContext) -> None:
+        ...
+
+    @app.on_startup
+    async def resources() -> dict[str, object]:
+        return {"mailer": Mailer()}
+
+Job functions take any of: a parameter annotated :class:`JobContext`; one annotated with a
+pydantic model (the validated arguments; its JSON Schema is published when a worker registers
+the job); and parameters named after resources returned by startup hooks.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+
+from jobplane.context import JobContext
+from jobplane.domain.options import JobKind, JobOptions
+from jobplane.errors import ConfigurationError, InvalidOptionsError
+
+F = TypeVar("F", bound=Callable[..., Any])
+Resources = Mapping[str, Any]
+StartupHook = Callable[[], Awaitable[Mapping[str, Any] | None]]
+ShutdownHook = Callable[[Resources], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """A job as declared in code: its options (as code says them) and its function."""
+
+    options: JobOptions
+    func: Callable[..., Any]
+    args_model: type[BaseModel] | None
+    context_param: str | None
+    args_param: str | None
+    resource_params: tuple[str, ...]
+
+    @property
+    def key(self) -> str:
+        return self.options.key
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.func)
+
+    def args_schema(self) -> dict[str, Any] | None:
+        return self.args_model.model_json_schema() if self.args_model else None
+
+    def bind(self, ctx: JobContext, args: Any, resources: Resources) -> dict[str, Any]:
+        """Keyword arguments for one call: context, validated arguments, resources."""
+        kwargs: dict[str, Any] = {}
+        if self.context_param:
+            kwargs[self.context_param] = ctx
+        if self.args_param and self.args_model is not None:
+            kwargs[self.args_param] = self.args_model.model_validate(args or {})
+        for name in self.resource_params:
+            if name not in resources:
+                raise ConfigurationError(
+                    f"job {self.key!r} needs resource {name!r}; return it from a startup hook"
+                )
+            kwargs[name] = resources[name]
+        return kwargs
+
+
+class App:
+    """A set of jobs plus the startup/shutdown hooks that create the resources they share."""
+
+    def __init__(self, name: str = "jobplane", *, queue: str = "default") -> None:
+        self.name = name
+        self.default_queue = queue
+        self.jobs: dict[str, JobSpec] = {}
+        self._startup: list[StartupHook] = []
+        self._shutdown: list[ShutdownHook] = []
+
+    def triggered(self, key: str | None = None, **options: Any) -> Callable[[F], F]:
+        """Declare a triggered job (run by code, REST, CLI or dashboard, with arguments)."""
+        return self._declare(JobKind.TRIGGERED, key, options)
+
+    def recurring(
+        self, cron: str | None = None, *, key: str | None = None, **options: Any
+    ) -> Callable[[F], F]:
+        """Declare a recurring job; without ``cron`` it only runs when triggered by hand."""
+        return self._declare(JobKind.RECURRING, key, {"cron": cron, **options})
+
+    def on_startup(self, hook: StartupHook) -> StartupHook:
+        """Register a hook run once when a worker starts; the mapping it returns is merged into
+        the resources injected into jobs by parameter name."""
+        self._startup.append(hook)
+        return hook
+
+    def on_shutdown(self, hook: ShutdownHook) -> ShutdownHook:
+        """Register a hook run when the worker stops, after every job has ended."""
+        self._shutdown.append(hook)
+        return hook
+
+    @asynccontextmanager
+    async def lifespan(self) -> AsyncIterator[Resources]:
+        """Run the startup hooks, yield the resources, run the shutdown hooks (reversed)."""
+        resources: dict[str, Any] = {}
+        async with AsyncExitStack() as stack:
+            for hook in self._shutdown:
+                stack.push_async_callback(hook, resources)
+            for startup in self._startup:
+                resources.update(await startup() or {})
+            yield resources
+
+    def _declare(self, kind: JobKind, key: str | None, options: dict[str, Any]) -> Callable[[F], F]:
+        def decorator(func: F) -> F:
+            spec = _spec_for(func, kind, key, {"queue": self.default_queue, **options})
+            if spec.key in self.jobs:
+                raise InvalidOptionsError("key", f"job {spec.key!r} is declared twice")
+            self.jobs[spec.key] = spec
+            return func
+
+        return decorator
+
+
+def _spec_for(
+    func: Callable[..., Any], kind: JobKind, key: str | None, options: dict[str, Any]
+) -> JobSpec:
+    options.setdefault("description", inspect.getdoc(func) or "")
+    parsed = JobOptions.parse(key=key or func.__name__, kind=kind, **options)
+    hints = typing.get_type_hints(func)
+    context_param = args_param = None
+    args_model: type[BaseModel] | None = None
+    resources: list[str] = []
+    for name in inspect.signature(func).parameters:
+        hint = hints.get(name)
+        if hint is JobContext:
+            context_param = name
+        elif isinstance(hint, type) and issubclass(hint, BaseModel):
+            if args_model is not None:
+                raise InvalidOptionsError("args", f"{func.__name__} takes two argument models")
+            args_param, args_model = name, hint
+        else:
+            resources.append(name)
+    if args_model is not None and kind is JobKind.RECURRING:
+        raise InvalidOptionsError("args", "recurring jobs take no arguments")
+    return JobSpec(
+        options=parsed,
+        func=func,
+        args_model=args_model,
+        context_param=context_param,
+        args_param=args_param,
+        resource_params=tuple(resources),
+    )
+
+
+def load_app(path: str) -> App:
+    """Import ``module:attribute`` (``attribute`` defaults to ``app``) and return the App."""
+    import importlib
+    import os
+    import sys
+
+    # Like uvicorn: the current directory is importable, so `--app examples.hello:app` works
+    # from a checkout without installing the app.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    module_name, _, attribute = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(f"cannot import app module {module_name!r}: {exc}") from exc
+    app = getattr(module, attribute or "app", None)
+    if not isinstance(app, App):
+        raise ConfigurationError(f"{path!r} is not a jobplane.App")
+    return app

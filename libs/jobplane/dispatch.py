@@ -1,0 +1,127 @@
+"""Triggering jobs: create instances in the store, then publish the Enqueued ones on the bus.
+
+The store write comes first and is the acknowledgement: once :meth:`Dispatcher.trigger`
+returns, the instance exists and will reach a terminal state. Publishing is the fast path; an
+instance whose message is lost (publish failed, Redis restarted) stays Enqueued with an old or
+empty ``published_at`` and is republished by the scheduler's sweep.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+import jsonschema
+
+from jobplane.bus.abc import Bus
+from jobplane.bus.envelope import Envelope
+from jobplane.domain.models import Instance, NewInstance
+from jobplane.domain.states import InstanceState
+from jobplane.errors import BusUnavailableError, InvalidOptionsError, JobplaneError
+from jobplane.store.abc import Store
+
+logger = logging.getLogger(__name__)
+
+
+class JobDisabledError(JobplaneError):
+    """The job is disabled: it takes no new instances."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"job {key!r} is disabled")
+        self.key = key
+
+
+class InvalidArgumentsError(InvalidOptionsError):
+    """Trigger arguments do not match the job's JSON Schema; ``field`` is the JSON path."""
+
+
+class Dispatcher:
+    """Creates and publishes instances. Does not own the store or the bus."""
+
+    def __init__(self, store: Store, bus: Bus) -> None:
+        self.store = store
+        self.bus = bus
+
+    async def trigger(
+        self,
+        key: str,
+        args: Any = None,
+        *,
+        run_at: datetime | None = None,
+        delay: timedelta | None = None,
+        priority: int | None = None,
+        pinned_worker: str | None = None,
+        idempotency_key: str | None = None,
+        actor: str = "client",
+    ) -> Instance:
+        """Create one instance of ``key`` and publish it if it is due now."""
+        if delay is not None:
+            run_at = (await self.store.now()) + delay
+        request = NewInstance(
+            job_key=key,
+            args=args,
+            run_at=run_at,
+            priority=priority,
+            pinned_worker=pinned_worker,
+            idempotency_key=idempotency_key,
+            actor=actor,
+        )
+        [instance] = await self.trigger_many([request])
+        return instance
+
+    async def trigger_many(self, requests: Sequence[NewInstance]) -> list[Instance]:
+        """Validate, create in one batch, publish what is Enqueued. Raises JobNotFoundError,
+        JobDisabledError or InvalidArgumentsError before anything is created."""
+        definitions = {
+            d.key: d for d in await self.store.list_definitions({r.job_key for r in requests})
+        }
+        for request in requests:
+            definition = definitions.get(request.job_key)
+            if definition is None:
+                continue  # create_instances raises JobNotFoundError with the key
+            if definition.options.disabled:
+                raise JobDisabledError(request.job_key)
+            if definition.args_schema is not None:
+                validate_args(definition.args_schema, request.args)
+        instances = await self.store.create_instances(requests)
+        await self.publish(instances)
+        return instances
+
+    async def publish(self, instances: Sequence[Instance]) -> None:
+        """Publish the Enqueued, not yet published ones among ``instances``; record it."""
+        due = [i for i in instances if i.state is InstanceState.ENQUEUED and not i.published_at]
+        if not due:
+            return
+        try:
+            await self.bus.publish([(i.queue, envelope_for(i)) for i in due])
+        except BusUnavailableError:
+            # Not an error for the caller: the instance is stored; the sweep republishes it.
+            logger.warning(
+                "bus unavailable; %d instance(s) left for the sweep to publish",
+                len(due),
+                extra={"action": "dispatch.publish_deferred"},
+            )
+            return
+        await self.store.mark_published([i.id for i in due])
+
+
+def envelope_for(instance: Instance) -> Envelope:
+    return Envelope(
+        instance_id=instance.id,
+        job_key=instance.job_key,
+        priority=instance.priority,
+        pinned_worker=instance.pinned_worker,
+    )
+
+
+def validate_args(schema: dict[str, Any], args: Any) -> None:
+    """Raise :class:`InvalidArgumentsError` naming the JSON path of the first bad field."""
+    validator = jsonschema.Draft202012Validator(schema)
+    error = jsonschema.exceptions.best_match(
+        validator.iter_errors(args if args is not None else {})
+    )
+    if error is not None:
+        path = ".".join(str(p) for p in error.absolute_path)
+        raise InvalidArgumentsError(f"args.{path}" if path else "args", error.message)

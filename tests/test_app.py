@@ -1,0 +1,106 @@
+"""The job SDK: declaring jobs, binding arguments and resources, loading an app."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+from uuid import uuid4
+
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from jobplane import App, JobContext
+from jobplane.app import load_app
+from jobplane.errors import ConfigurationError, InvalidOptionsError
+
+
+class Args(BaseModel):
+    n: int
+
+
+def _ctx(key: str) -> JobContext:
+    return JobContext(instance_id=uuid4(), job_key=key, attempt=1, scheduled_at=None, worker_id="w")
+
+
+def test_triggered_job_publishes_its_argument_schema_and_binds() -> None:
+    app = App()
+
+    @app.triggered(key="double", retries=2, queue="math")
+    async def double(ctx: JobContext, args: Args, cache: dict[str, int]) -> int:
+        return args.n * 2
+
+    spec = app.jobs["double"]
+    assert spec.options.retries == 2 and spec.options.queue == "math" and spec.is_async
+    schema = spec.args_schema()
+    assert schema is not None and schema["properties"]["n"]["type"] == "integer"
+    ctx = _ctx("double")
+    kwargs = spec.bind(ctx, {"n": 3}, {"cache": {}})
+    assert kwargs["ctx"] is ctx and kwargs["args"] == Args(n=3) and kwargs["cache"] == {}
+    with pytest.raises(ValidationError):
+        spec.bind(ctx, {"n": "x"}, {"cache": {}})
+    with pytest.raises(ConfigurationError, match="cache"):
+        spec.bind(ctx, {"n": 1}, {})
+
+
+def test_recurring_job_defaults_key_and_description() -> None:
+    app = App(queue="ops")
+
+    @app.recurring("0 * * * *", timezone="Europe/Berlin")
+    def hourly() -> None:
+        """Runs every hour."""
+
+    spec = app.jobs["hourly"]
+    assert spec.options.kind == "recurring" and spec.options.cron == "0 * * * *"
+    assert spec.options.description == "Runs every hour." and spec.options.queue == "ops"
+    assert not spec.is_async and spec.args_schema() is None
+
+
+def test_bad_declarations_fail_at_import_with_the_field() -> None:
+    app = App()
+    with pytest.raises(InvalidOptionsError) as info:
+
+        @app.recurring("not a cron")
+        def broken() -> None: ...
+
+    assert info.value.field == "cron"
+
+    @app.triggered()
+    def once() -> None: ...
+
+    with pytest.raises(InvalidOptionsError, match="twice"):
+
+        @app.triggered(key="once")
+        def again() -> None: ...
+
+    with pytest.raises(InvalidOptionsError) as info:
+
+        @app.recurring("* * * * *")
+        def with_args(args: Args) -> None: ...
+
+    assert info.value.field == "args"
+
+
+async def test_lifespan_runs_hooks_in_order() -> None:
+    app = App()
+    events: list[str] = []
+
+    @app.on_startup
+    async def start() -> Mapping[str, Any]:
+        events.append("start")
+        return {"db": "pool"}
+
+    @app.on_shutdown
+    async def stop(resources: Mapping[str, Any]) -> None:
+        events.append(f"stop {resources['db']}")
+
+    async with app.lifespan() as resources:
+        assert resources == {"db": "pool"}
+    assert events == ["start", "stop pool"]
+
+
+def test_load_app() -> None:
+    assert isinstance(load_app("examples.hello:app"), App)
+    with pytest.raises(ConfigurationError, match="cannot import"):
+        load_app("no_such_module:app")
+    with pytest.raises(ConfigurationError, match=r"not a jobplane\.App"):
+        load_app("examples.hello:greet")
