@@ -55,7 +55,11 @@ class Consumer(Protocol):
 
     async def requeue(self, deliveries: Sequence[Delivery]) -> None:
         """Put copies of the entries back at the end of their streams and ack the originals,
-        in one round trip (used for a job this worker does not know)."""
+        in one round trip (a job no live worker knows yet: try again later)."""
+
+    async def forward(self, deliveries: Sequence[Delivery], worker_id: str) -> None:
+        """Move the entries to ``worker_id``'s own stream and ack the originals, in one round
+        trip (a job this worker does not know, for a worker that does)."""
 
 
 class Bus(Protocol):

@@ -84,7 +84,9 @@ class Event:
     data: dict[str, Any]
 
     def encode(self) -> bytes:
-        return json.dumps({"v": ENVELOPE_VERSION, "kind": self.kind.value, "data": self.data}).encode()
+        return json.dumps(
+            {"v": ENVELOPE_VERSION, "kind": self.kind.value, "data": self.data}
+        ).encode()
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Event:

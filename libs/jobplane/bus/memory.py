@@ -1,0 +1,240 @@
+"""The in-process bus: the embedded default of ``jobplane dev``.
+
+It keeps the Redis Streams semantics the worker relies on: consumer groups with a pending list
+per consumer, entries that stay until acknowledged (ack deletes), reclaim of entries idle on
+any consumer, dead letters for undecodable entries, pending-update marks and broadcast events.
+Only one process sees it, so it carries only what that process triggers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Collection, Sequence
+from dataclasses import dataclass, field
+
+from jobplane.bus.abc import DeadLetter, Delivery
+from jobplane.bus.envelope import Envelope, Event
+from jobplane.bus.keys import Keys, band_of
+from jobplane.errors import EnvelopeError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    consumer: str
+    delivered_at: float
+    count: int
+
+
+@dataclass
+class _Stream:
+    entries: dict[int, bytes] = field(default_factory=dict)  # insertion order = id order
+    last_delivered: int = 0  # the group's cursor: entries above it were never delivered
+    pending: dict[int, _Pending] = field(default_factory=dict)
+
+
+class MemoryBus:
+    """An asyncio bus inside one process. Create it inside the running loop's lifetime."""
+
+    def __init__(self, keys: Keys | None = None) -> None:
+        self.keys = keys or Keys()
+        self._streams: dict[str, _Stream] = {}
+        self._dead: dict[str, list[DeadLetter]] = {}
+        self._ids = itertools.count(1)
+        self._changed = asyncio.Condition()
+        self._pending_updates: dict[str, int] = {}
+        self._subscribers: list[asyncio.Queue[Event | None]] = []
+        self._epoch = uuid.uuid4().hex
+        self._closed = False
+
+    async def close(self) -> None:
+        self._closed = True
+        for queue in self._subscribers:
+            queue.put_nowait(None)
+
+    async def ping(self) -> None:
+        return None
+
+    async def epoch(self) -> str:
+        return self._epoch
+
+    def _stream(self, key: str) -> _Stream:
+        return self._streams.setdefault(key, _Stream())
+
+    def _append(self, key: str, raw: bytes) -> int:
+        entry_id = next(self._ids)
+        self._stream(key).entries[entry_id] = raw
+        return entry_id
+
+    def _append_raw(self, key: str, raw: bytes) -> None:
+        """Add an entry as-is (tests use it to inject malformed entries)."""
+        self._append(key, raw)
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def publish(self, envelopes: Sequence[tuple[str, Envelope]]) -> None:
+        for queue, envelope in envelopes:
+            if envelope.pinned_worker is not None:
+                key = self.keys.worker_stream(envelope.pinned_worker)
+            else:
+                key = self.keys.queue_stream(queue, band_of(envelope.priority))
+            self._append(key, envelope.encode())
+        await self._notify()
+
+    def consumer(self, worker_id: str, queues: Sequence[str]) -> MemoryConsumer:
+        return MemoryConsumer(self, worker_id, queues)
+
+    async def dead_letters(self, queue: str, count: int = 100) -> list[DeadLetter]:
+        return self._dead.get(self.keys.dead_letter(queue), [])[:count]
+
+    async def stream_lengths(self, queue: str) -> dict[str, int]:
+        return {key: len(self._stream(key).entries) for key in self.keys.queue_streams(queue)}
+
+    async def set_pending_updates(self, versions: dict[str, int]) -> None:
+        self._pending_updates.update(versions)
+
+    async def get_pending_updates(self, keys: Collection[str] | None = None) -> dict[str, int]:
+        if keys is None:
+            return dict(self._pending_updates)
+        return {k: v for k, v in self._pending_updates.items() if k in keys}
+
+    async def clear_pending_update(self, key: str, version: int) -> bool:
+        if self._pending_updates.get(key) == version:
+            del self._pending_updates[key]
+            return True
+        return False
+
+    async def publish_event(self, event: Event) -> None:
+        for queue in self._subscribers:
+            queue.put_nowait(event)
+
+    async def subscribe(self) -> AsyncIterator[Event]:
+        queue: asyncio.Queue[Event | None] = asyncio.Queue()
+        self._subscribers.append(queue)
+        try:
+            while not self._closed:
+                event = await queue.get()
+                if event is None:
+                    return
+                yield event
+        finally:
+            self._subscribers.remove(queue)
+
+
+class MemoryConsumer:
+    """One worker's consumer on the in-process bus."""
+
+    def __init__(self, bus: MemoryBus, worker_id: str, queues: Sequence[str]) -> None:
+        self.bus = bus
+        self.name = worker_id
+        keys = bus.keys
+        # Highest priority first: the worker's pinned stream, then each queue's bands.
+        self.streams = [keys.worker_stream(worker_id)] + [
+            key for queue in queues for key in keys.queue_streams(queue)
+        ]
+        self._dead_of = {keys.worker_stream(worker_id): keys.worker_dead_letter(worker_id)}
+        for queue in queues:
+            for key in keys.queue_streams(queue):
+                self._dead_of[key] = keys.dead_letter(queue)
+
+    async def read(self, count: int, block_ms: int) -> list[Delivery]:
+        found = self._take_new(count)
+        if found:
+            return found
+        deadline = time.monotonic() + block_ms / 1000
+        async with self.bus._changed:
+            while not found and not self.bus._closed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(self.bus._changed.wait(), remaining)
+                except TimeoutError:
+                    break
+                found = self._take_new(count)
+        return found
+
+    def _take_new(self, count: int) -> list[Delivery]:
+        out: list[Delivery] = []
+        now = time.monotonic()
+        for key in self.streams:
+            stream = self.bus._stream(key)
+            for entry_id, raw in list(stream.entries.items()):
+                if len(out) >= count:
+                    return out
+                if entry_id <= stream.last_delivered:
+                    continue
+                stream.last_delivered = entry_id
+                stream.pending[entry_id] = _Pending(self.name, now, 1)
+                delivery = self._decode(key, entry_id, raw, 1)
+                if delivery is not None:
+                    out.append(delivery)
+        return out
+
+    def _decode(self, key: str, entry_id: int, raw: bytes, count: int) -> Delivery | None:
+        try:
+            envelope = Envelope.decode(raw)
+        except EnvelopeError as exc:
+            dead_key = self._dead_of[key]
+            self.bus._dead.setdefault(dead_key, []).append(
+                DeadLetter(stream=key, entry_id=str(entry_id), raw=raw, error=str(exc))
+            )
+            self._forget(key, entry_id)
+            logger.warning(
+                "undecodable entry %s on %s moved to %s: %s",
+                entry_id,
+                key,
+                dead_key,
+                exc,
+                extra={"action": "bus.dead_letter", "stream": key},
+            )
+            return None
+        return Delivery(
+            stream=key, entry_id=str(entry_id), envelope=envelope, times_delivered=count
+        )
+
+    def _forget(self, key: str, entry_id: int) -> None:
+        stream = self.bus._stream(key)
+        stream.entries.pop(entry_id, None)
+        stream.pending.pop(entry_id, None)
+
+    async def ack(self, deliveries: Sequence[Delivery]) -> None:
+        for d in deliveries:
+            self._forget(d.stream, int(d.entry_id))
+
+    async def reclaim(self, min_idle_ms: int, count: int) -> list[Delivery]:
+        out: list[Delivery] = []
+        now = time.monotonic()
+        for key in self.streams:
+            stream = self.bus._stream(key)
+            for entry_id, pending in list(stream.pending.items()):
+                if len(out) >= count:
+                    return out
+                if (now - pending.delivered_at) * 1000 < min_idle_ms:
+                    continue
+                stream.pending[entry_id] = _Pending(self.name, now, pending.count + 1)
+                delivery = self._decode(key, entry_id, stream.entries[entry_id], pending.count + 1)
+                if delivery is not None:
+                    out.append(delivery)
+        return out
+
+    async def requeue(self, deliveries: Sequence[Delivery]) -> None:
+        await self._move(deliveries, None)
+
+    async def forward(self, deliveries: Sequence[Delivery], worker_id: str) -> None:
+        await self._move(deliveries, self.bus.keys.worker_stream(worker_id))
+
+    async def _move(self, deliveries: Sequence[Delivery], target: str | None) -> None:
+        for d in deliveries:
+            raw = self.bus._stream(d.stream).entries.get(int(d.entry_id))
+            if raw is not None:
+                self.bus._append(target or d.stream, raw)
+            self._forget(d.stream, int(d.entry_id))
+        await self.bus._notify()

@@ -1,0 +1,342 @@
+"""The Redis Streams bus (production).
+
+Entries carry one field, ``d``: the envelope's JSON bytes. Queue streams are never trimmed
+(an unread entry must not vanish); entries are deleted when acknowledged, which the worker does
+as soon as its claim has committed in Postgres.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from jobplane.bus.abc import DeadLetter, Delivery
+from jobplane.bus.envelope import Envelope, Event
+from jobplane.bus.keys import GROUP, Keys, band_of
+from jobplane.errors import BusUnavailableError, EnvelopeError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+DEAD_LETTER_MAXLEN = 10_000
+
+# Compare-and-delete: a newer edit's mark survives the clearing of an older one.
+CLEAR_PENDING_LUA = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
+    return redis.call('HDEL', KEYS[1], ARGV[1])
+end
+return 0
+"""
+
+
+@asynccontextmanager
+async def _translated(what: str) -> AsyncIterator[None]:
+    """Connection failures become :class:`BusUnavailableError` (one line, no driver types)."""
+    try:
+        yield
+    except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        raise BusUnavailableError(f"Redis unavailable ({what}): {exc}") from exc
+
+
+class RedisBus:
+    """Redis Streams bus. Closes ``client`` on :meth:`close` only if ``owns_client``."""
+
+    def __init__(self, client: aioredis.Redis, keys: Keys, *, owns_client: bool) -> None:
+        self.client = client
+        self.keys = keys
+        self._owns_client = owns_client
+        self._closed = False
+        self._clear_pending = client.register_script(CLEAR_PENDING_LUA)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._owns_client:
+            await self.client.aclose()
+
+    async def ping(self) -> None:
+        async with _translated("ping"):
+            await self.client.ping()
+
+    async def epoch(self) -> str:
+        async with _translated("info"):
+            info = await self.client.info("server")
+        return str(info["run_id"])
+
+    async def publish(self, envelopes: Sequence[tuple[str, Envelope]]) -> None:
+        if not envelopes:
+            return
+        async with _translated("publish"):
+            pipe = self.client.pipeline(transaction=False)
+            for queue, envelope in envelopes:
+                if envelope.pinned_worker is not None:
+                    key = self.keys.worker_stream(envelope.pinned_worker)
+                else:
+                    key = self.keys.queue_stream(queue, band_of(envelope.priority))
+                pipe.xadd(key, {"d": envelope.encode()})  # never MAXLEN: unread stays
+            await pipe.execute()
+
+    def consumer(self, worker_id: str, queues: Sequence[str]) -> RedisConsumer:
+        return RedisConsumer(self, worker_id, queues)
+
+    async def dead_letters(self, queue: str, count: int = 100) -> list[DeadLetter]:
+        async with _translated("xrange"):
+            entries: Any = await self.client.xrange(self.keys.dead_letter(queue), count=count)
+        out = []
+        for _, fields in entries or []:
+            out.append(
+                DeadLetter(
+                    stream=_text(fields.get(b"stream", b"")),
+                    entry_id=_text(fields.get(b"id", b"")),
+                    raw=bytes(fields.get(b"d", b"")),
+                    error=_text(fields.get(b"error", b"")),
+                )
+            )
+        return out
+
+    async def stream_lengths(self, queue: str) -> dict[str, int]:
+        keys = self.keys.queue_streams(queue)
+        async with _translated("xlen"):
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.xlen(key)
+            lengths = await pipe.execute()
+        return dict(zip(keys, lengths, strict=True))
+
+    async def set_pending_updates(self, versions: dict[str, int]) -> None:
+        if versions:
+            async with _translated("hset"):
+                await self.client.hset(self.keys.pending_updates(), mapping=versions)  # type: ignore[arg-type]
+
+    async def get_pending_updates(self, keys: Collection[str] | None = None) -> dict[str, int]:
+        name = self.keys.pending_updates()
+        async with _translated("hget"):
+            if keys is None:
+                raw = await self.client.hgetall(name)
+                return {_text(k): int(v) for k, v in raw.items()}
+            wanted = list(keys)
+            if not wanted:
+                return {}
+            values = await self.client.hmget(name, wanted)
+        return {k: int(v) for k, v in zip(wanted, values, strict=True) if v is not None}
+
+    async def clear_pending_update(self, key: str, version: int) -> bool:
+        async with _translated("clear pending"):
+            removed = await self._clear_pending(
+                keys=[self.keys.pending_updates()], args=[key, str(version)]
+            )
+        return bool(removed)
+
+    async def publish_event(self, event: Event) -> None:
+        async with _translated("publish event"):
+            await self.client.publish(self.keys.events_channel(), event.encode())
+
+    async def subscribe(self) -> AsyncIterator[Event]:
+        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+        try:
+            async with _translated("subscribe"):
+                await pubsub.subscribe(self.keys.events_channel())
+            while not self._closed:
+                async with _translated("events"):
+                    message = await pubsub.get_message(timeout=1.0)
+                if message is None or message.get("type") != "message":
+                    continue
+                try:
+                    yield Event.decode(message["data"])
+                except EnvelopeError as exc:
+                    logger.warning(
+                        "dropped an undecodable event: %s", exc, extra={"action": "bus.bad_event"}
+                    )
+        finally:
+            await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+
+class RedisConsumer:
+    """One worker's consumer: its stable name is the worker id, so a restarted worker finds
+    its pending entries again."""
+
+    def __init__(self, bus: RedisBus, worker_id: str, queues: Sequence[str]) -> None:
+        self.bus = bus
+        self.client = bus.client
+        self.name = worker_id
+        keys = bus.keys
+        # Highest priority first: the worker's pinned stream, then each queue's bands.
+        self.streams = [keys.worker_stream(worker_id)] + [
+            key for queue in queues for key in keys.queue_streams(queue)
+        ]
+        self._dead_of = {keys.worker_stream(worker_id): keys.worker_dead_letter(worker_id)}
+        for queue in queues:
+            for key in keys.queue_streams(queue):
+                self._dead_of[key] = keys.dead_letter(queue)
+        self._groups_ready = False
+
+    async def _ensure_groups(self) -> None:
+        for key in self.streams:
+            try:
+                await self.client.xgroup_create(key, GROUP, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+        self._groups_ready = True
+
+    async def _call(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
+        """Run ``op``; if the group vanished (Redis restarted empty, stream deleted), recreate
+        the groups and retry once."""
+        async with _translated(what):
+            if not self._groups_ready:
+                await self._ensure_groups()
+            try:
+                return await op()
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                logger.warning(
+                    "consumer group missing on %s; recreating it",
+                    what,
+                    extra={"action": "bus.nogroup"},
+                )
+                await self._ensure_groups()
+                return await op()
+
+    async def read(self, count: int, block_ms: int) -> list[Delivery]:
+        found = await self._read_each(count)
+        if found:
+            return found
+        # Nothing anywhere: block on all streams at once, one entry, then fill the batch.
+        streams: dict[Any, Any] = dict.fromkeys(self.streams, ">")
+        reply = await self._call(
+            "xreadgroup",
+            lambda: self.client.xreadgroup(GROUP, self.name, streams, count=1, block=block_ms),
+        )
+        found = await self._deliveries(reply)
+        if found and count > len(found):
+            found += await self._read_each(count - len(found))
+        return found
+
+    async def _read_each(self, count: int) -> list[Delivery]:
+        """Non-blocking reads, stream by stream in priority order, never more than ``count``."""
+        out: list[Delivery] = []
+        for key in self.streams:
+            remaining = count - len(out)
+            if remaining <= 0:
+                break
+            reply = await self._call(
+                "xreadgroup",
+                lambda key=key, n=remaining: self.client.xreadgroup(  # type: ignore[misc]
+                    GROUP, self.name, {key: ">"}, count=n
+                ),
+            )
+            out += await self._deliveries(reply)
+        return out
+
+    async def _deliveries(self, reply: Any) -> list[Delivery]:
+        out: list[Delivery] = []
+        for stream, entries in _by_stream(reply):
+            for entry_id, fields in entries:
+                delivery = await self._decode(stream, entry_id, fields, 1)
+                if delivery is not None:
+                    out.append(delivery)
+        return out
+
+    async def _decode(
+        self, stream: str, entry_id: bytes | str, fields: dict[bytes, bytes] | None, count: int
+    ) -> Delivery | None:
+        entry = _text(entry_id)
+        raw = (fields or {}).get(b"d")
+        try:
+            if raw is None:
+                raise EnvelopeError("entry has no 'd' field")
+            envelope = Envelope.decode(raw)
+        except EnvelopeError as exc:
+            await self._dead_letter(stream, entry, raw or b"", str(exc))
+            return None
+        return Delivery(stream=stream, entry_id=entry, envelope=envelope, times_delivered=count)
+
+    async def _dead_letter(self, stream: str, entry_id: str, raw: bytes, error: str) -> None:
+        dead = self._dead_of[stream]
+        pipe = self.client.pipeline(transaction=False)
+        pipe.xadd(
+            dead,
+            {"d": raw, "stream": stream, "id": entry_id, "error": error},
+            maxlen=DEAD_LETTER_MAXLEN,
+            approximate=True,
+        )
+        pipe.xack(stream, GROUP, entry_id)
+        pipe.xdel(stream, entry_id)
+        async with _translated("dead letter"):
+            await pipe.execute()
+        logger.warning(
+            "undecodable entry %s on %s moved to %s: %s",
+            entry_id,
+            stream,
+            dead,
+            error,
+            extra={"action": "bus.dead_letter", "stream": stream},
+        )
+
+    async def ack(self, deliveries: Sequence[Delivery]) -> None:
+        if not deliveries:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for d in deliveries:
+            pipe.xack(d.stream, GROUP, d.entry_id)
+            pipe.xdel(d.stream, d.entry_id)
+        async with _translated("ack"):
+            await pipe.execute()
+
+    async def reclaim(self, min_idle_ms: int, count: int) -> list[Delivery]:
+        out: list[Delivery] = []
+        for key in self.streams:
+            remaining = count - len(out)
+            if remaining <= 0:
+                break
+            reply = await self._call(
+                "xautoclaim",
+                lambda key=key, n=remaining: self.client.xautoclaim(  # type: ignore[misc]
+                    key, GROUP, self.name, min_idle_ms, "0-0", count=n
+                ),
+            )
+            for entry_id, fields in reply[1]:
+                if fields is None:
+                    continue  # deleted while pending
+                delivery = await self._decode(key, entry_id, fields, 2)
+                if delivery is not None:
+                    out.append(delivery)
+        return out
+
+    async def requeue(self, deliveries: Sequence[Delivery]) -> None:
+        await self._move(deliveries, None)
+
+    async def forward(self, deliveries: Sequence[Delivery], worker_id: str) -> None:
+        await self._move(deliveries, self.bus.keys.worker_stream(worker_id))
+
+    async def _move(self, deliveries: Sequence[Delivery], target: str | None) -> None:
+        if not deliveries:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for d in deliveries:
+            # The copy is added before the original goes: a crash in between duplicates the
+            # message (harmless: the claim is a compare-and-set) but never loses it.
+            pipe.xadd(target or d.stream, {"d": d.envelope.encode()})
+            pipe.xack(d.stream, GROUP, d.entry_id)
+            pipe.xdel(d.stream, d.entry_id)
+        async with _translated("requeue"):
+            await pipe.execute()
+
+
+def _by_stream(reply: Any) -> list[tuple[str, list[tuple[bytes, dict[bytes, bytes]]]]]:
+    """XREADGROUP replies are a list (RESP2) or a dict (RESP3) of stream → entries."""
+    if not reply:
+        return []
+    items = reply.items() if isinstance(reply, dict) else reply
+    return [(_text(stream), entries) for stream, entries in items]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
