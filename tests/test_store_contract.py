@@ -344,3 +344,31 @@ async def test_leader_lease_terms(store: SqlStore) -> None:
     assert not await store.release_leadership(0, "a", term=1)  # a stale leader is fenced off
     leader = await store.get_leader(0)
     assert leader is not None and leader.holder == "b"
+
+
+async def test_heartbeat_extends_the_lease_and_records_progress(store: SqlStore) -> None:
+    await define(store, "job")
+    [inst] = await enqueue(store)
+    [claim] = (await store.claim([inst.id], "w1", 1, ["job"])).claimed
+    first_expiry = claim.instance.lease_expires_at
+    assert first_expiry is not None
+    kept = await store.heartbeat([(inst.id, claim.token)], 60, {inst.id: (0.5, "half way")})
+    assert kept == {inst.id: False}
+    after = await store.get_instance(inst.id)
+    assert after.lease_expires_at is not None and after.lease_expires_at > first_expiry
+    assert after.progress == 0.5 and after.progress_message == "half way"
+    # A stale token records no progress.
+    await store.heartbeat([(inst.id, claim.token + 1)], 60, {inst.id: (0.9, "late")})
+    assert (await store.get_instance(inst.id)).progress == 0.5
+
+
+async def test_checkpoint_is_fenced_and_survives_to_the_next_attempt(store: SqlStore) -> None:
+    await define(store, "job", retries=1, backoff={"kind": "none"})
+    [inst] = await enqueue(store)
+    [c1] = (await store.claim([inst.id], "w1", 10, ["job"])).claimed
+    assert await store.save_checkpoint(inst.id, c1.token, {"page": 7})
+    assert not await store.save_checkpoint(inst.id, c1.token + 1, {"page": 99})
+    await store.complete([Outcome(inst.id, c1.token, S.FAILED)])
+    [c2] = (await store.claim([inst.id], "w2", 10, ["job"])).claimed
+    assert c2.instance.checkpoint == {"page": 7} and c2.instance.attempt == 2
+    assert not await store.save_checkpoint(inst.id, c1.token, {"page": 100})

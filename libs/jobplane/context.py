@@ -5,11 +5,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 from uuid import UUID
+
+from jobplane.errors import JobplaneError
+
+
+class LeaseLostError(JobplaneError):
+    """This attempt no longer holds its instance (lease expired, re-claimed): its writes are
+    refused. The job should stop; its outcome will not be recorded."""
 
 
 class Cancellation:
@@ -61,8 +68,15 @@ class JobContext:
     attempt: int
     scheduled_at: datetime | None
     worker_id: str
+    #: The checkpoint saved by an earlier attempt of this instance (``None`` on the first).
+    last_checkpoint: Any = None
     cancellation: Cancellation = field(default_factory=Cancellation)
     logger: logging.LoggerAdapter[logging.Logger] = field(init=False)
+    #: Set by the worker: persists a checkpoint, fenced by the claim token.
+    saver: Callable[[Any], Awaitable[bool]] | None = field(default=None, repr=False)
+    loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
+    #: Latest progress not yet written; the worker sends it with the next heartbeat.
+    pending_progress: tuple[float, str | None] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.logger = _InstanceLogger(
@@ -74,3 +88,25 @@ class JobContext:
     def cancelled(self) -> bool:
         """True once the attempt should stop (cancel requested, timeout, shutdown, lease lost)."""
         return self.cancellation.is_set()
+
+    def progress(self, fraction: float, message: str | None = None) -> None:
+        """Report how far the job is (0 to 1). Cheap, from sync or async code: the latest value
+        is written with the attempt's next heartbeat."""
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"progress fraction must be within [0, 1], got {fraction}")
+        self.pending_progress = (fraction, message)
+
+    async def checkpoint(self, data: Any) -> None:
+        """Persist ``data`` (JSON) now; the next attempt of this instance gets it back as
+        :attr:`last_checkpoint`. Raises :class:`LeaseLostError` if this attempt was fenced."""
+        if self.saver is None:
+            raise RuntimeError("checkpoint() is only available inside a worker")
+        if not await self.saver(data):
+            raise LeaseLostError(f"instance {self.instance_id}: checkpoint refused, lease lost")
+        self.last_checkpoint = data
+
+    def checkpoint_sync(self, data: Any) -> None:
+        """:meth:`checkpoint` for sync jobs (they run in a pool thread)."""
+        if self.loop is None:
+            raise RuntimeError("checkpoint_sync() is only available inside a worker")
+        asyncio.run_coroutine_threadsafe(self.checkpoint(data), self.loop).result()

@@ -12,11 +12,12 @@ import logging
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
+from uuid import UUID
 
 import jsonschema
 
 from jobplane.bus.abc import Bus
-from jobplane.bus.envelope import Envelope
+from jobplane.bus.envelope import Envelope, Event, EventKind
 from jobplane.domain.models import Instance, NewInstance
 from jobplane.domain.states import InstanceState
 from jobplane.errors import BusUnavailableError, InvalidOptionsError, JobplaneError
@@ -88,6 +89,27 @@ class Dispatcher:
         instances = await self.store.create_instances(requests)
         await self.publish(instances)
         return instances
+
+    async def cancel(self, instance_id: UUID, actor: str = "client") -> Instance:
+        """Cancel an instance: a Scheduled or Enqueued one ends Cancelled at once; a running one
+        gets ``cancel_requested``, and an event tells its worker within a second (its heartbeat
+        reads the flag too, so a lost event only delays the cancel). Raises
+        IllegalTransitionError for a terminal instance, InstanceNotFoundError if unknown."""
+        instance = await self.store.request_cancel(instance_id, actor)
+        if instance.state is InstanceState.PROCESSING:
+            event = Event(
+                EventKind.CANCEL_REQUESTED,
+                {"instance_id": str(instance.id), "worker_id": instance.worker_id},
+            )
+            try:
+                await self.bus.publish_event(event)
+            except BusUnavailableError:
+                logger.warning(
+                    "bus unavailable; instance %s is cancelled at its next heartbeat",
+                    instance.id,
+                    extra={"action": "dispatch.cancel_deferred", "instance_id": str(instance.id)},
+                )
+        return instance
 
     async def publish(self, instances: Sequence[Instance]) -> None:
         """Publish the Enqueued, not yet published ones among ``instances``; record it."""

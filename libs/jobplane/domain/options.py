@@ -46,6 +46,13 @@ class MisfirePolicy(StrEnum):
     SKIP = "skip"
 
 
+class Isolation(StrEnum):
+    """Where a job's code runs inside the worker."""
+
+    NONE = "none"  # async jobs on the event loop, sync jobs in the thread pool
+    PROCESS = "process"  # a child process per attempt: a timeout or cancel kills it for real
+
+
 class BackoffKind(StrEnum):
     NONE = "none"
     FIXED = "fixed"
@@ -95,6 +102,7 @@ class JobOptions(BaseModel):
     backoff: Backoff = Backoff()
     max_unexpected_retries: int = Field(default=3, ge=0)
     timeout_s: float = Field(default=3600.0, gt=0)
+    isolation: Isolation = Isolation.NONE
     disabled: bool = False
     # Recurring only.
     cron: str | None = None

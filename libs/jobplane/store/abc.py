@@ -8,7 +8,7 @@ transaction. A write that matches nothing changed nothing and left no history: c
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Protocol
 from uuid import UUID
@@ -112,10 +112,18 @@ class Store(Protocol):
         """
 
     async def heartbeat(
-        self, leases: Collection[tuple[UUID, int]], lease_s: float
+        self,
+        leases: Collection[tuple[UUID, int]],
+        lease_s: float,
+        progress: Mapping[UUID, tuple[float, str | None]] | None = None,
     ) -> dict[UUID, bool]:
-        """Extend the leases still held (id and token match, Processing). Returns, for each
-        lease kept, whether a cancel was requested; a lease missing from the answer was lost."""
+        """Extend the leases still held (id and token match, Processing) to ``lease_s`` from
+        the store's clock, and record the latest ``progress`` of those. Returns, for each lease
+        kept, whether a cancel was requested; a lease missing from the answer was lost."""
+
+    async def save_checkpoint(self, instance_id: UUID, claim_token: int, data: Any) -> bool:
+        """Persist a job's checkpoint (JSON) for its next attempt; fenced by the claim token.
+        ``False`` if the attempt no longer holds the instance."""
 
     async def complete(self, outcomes: Sequence[Outcome]) -> dict[UUID, InstanceState]:
         """Record the end of attempts (fenced by their claim tokens); release their slots.

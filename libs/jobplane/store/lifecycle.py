@@ -7,13 +7,14 @@ the job's concurrency slot back in the same transaction.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
 from sqlalchemy import (
     Row,
+    and_,
     or_,
     select,
     tuple_,
@@ -42,6 +43,9 @@ from jobplane.store.tables import (
 )
 
 LIMIT_REASON = "max concurrency reached"
+
+#: (fraction done in [0, 1], message) reported by a running job.
+Progress = tuple[float, str | None]
 
 
 class LifecycleStore(SqlBase):
@@ -186,22 +190,48 @@ class LifecycleStore(SqlBase):
         )
 
     async def heartbeat(
-        self, leases: Collection[tuple[UUID, int]], lease_s: float
+        self,
+        leases: Collection[tuple[UUID, int]],
+        lease_s: float,
+        progress: Mapping[UUID, Progress] | None = None,
     ) -> dict[UUID, bool]:
         if not leases:
             return {}
+        progress = progress or {}
         async with self._write() as conn:
             now = await self._now(conn)
+            fenced = and_(
+                tuple_(I.id, I.claim_token).in_(list(leases)), I.state == S.PROCESSING.value
+            )
             result = await conn.execute(
                 update(job_instances)
-                .where(
-                    tuple_(I.id, I.claim_token).in_(list(leases)),
-                    I.state == S.PROCESSING.value,
-                )
+                .where(fenced)
                 .values(lease_expires_at=now + timedelta(seconds=lease_s))
                 .returning(I.id, I.cancel_requested)
             )
-            return {r.id: r.cancel_requested for r in result}
+            kept = {r.id: r.cancel_requested for r in result}
+            for instance_id, (fraction, message) in progress.items():
+                if instance_id in kept:  # the lease (and so the token) was just checked
+                    await conn.execute(
+                        update(job_instances)
+                        .where(I.id == instance_id, fenced)
+                        .values(progress=fraction, progress_message=message)
+                    )
+            return kept
+
+    async def save_checkpoint(self, instance_id: UUID, claim_token: int, data: Any) -> bool:
+        async with self._write() as conn:
+            result = await conn.execute(
+                update(job_instances)
+                .where(
+                    I.id == instance_id,
+                    I.claim_token == claim_token,  # fencing: a stale attempt saves nothing
+                    I.state == S.PROCESSING.value,
+                )
+                .values(checkpoint=data)
+                .returning(I.id)
+            )
+            return result.first() is not None
 
     async def complete(self, outcomes: Sequence[Outcome]) -> dict[UUID, InstanceState]:
         if not outcomes:

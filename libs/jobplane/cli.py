@@ -1,0 +1,179 @@
+"""The ``jobplane`` command: one entry point, the subcommand picks the role.
+
+Roles are imported lazily, so ``jobplane migrate`` never loads worker code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
+
+import typer
+
+from jobplane.errors import JobplaneError
+from jobplane.settings import CommonSettings, DevSettings, WorkerSettings
+
+cli = typer.Typer(
+    name="jobplane",
+    help="Jobplane: a distributed job scheduler for Python services.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+AppOption = Annotated[str, typer.Option("--app", help="The App to load, as module:attribute.")]
+QueuesOption = Annotated[
+    str | None, typer.Option("--queues", help="Comma-separated queues to consume.")
+]
+ConcurrencyOption = Annotated[
+    int | None, typer.Option("--concurrency", min=1, help="Jobs run at once by this worker.")
+]
+GraceOption = Annotated[
+    float | None,
+    typer.Option("--grace", min=0, help="Seconds running jobs get to finish on SIGTERM."),
+]
+
+
+def main() -> None:
+    cli()
+
+
+def run(coro_factory: Callable[[], Awaitable[Any]], log_level: str) -> None:
+    """Run a role; a JobplaneError (bad setting, unreachable service) is one line, exit 2."""
+    logging.basicConfig(
+        level=log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        asyncio.run(_main(coro_factory))
+    except JobplaneError as exc:
+        # One line, never wrapped: scripts and log collectors read it.
+        typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
+        raise typer.Exit(2) from None
+
+
+async def _main(coro_factory: Callable[[], Awaitable[Any]]) -> Any:
+    return await coro_factory()
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT (the graceful stop)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+@cli.command()
+def migrate() -> None:
+    """Create or upgrade the database schema to the latest revision."""
+    settings = CommonSettings()
+
+    async def go() -> None:
+        from jobplane.runtime import migrate_database
+
+        revision = await migrate_database(settings.database_url)
+        typer.echo(f"database schema at revision {revision}", err=True)
+
+    run(go, settings.log_level)
+
+
+@cli.command()
+def worker(
+    app: AppOption,
+    queues: QueuesOption = None,
+    concurrency: ConcurrencyOption = None,
+    grace: GraceOption = None,
+    worker_id: Annotated[
+        str | None, typer.Option("--worker-id", help="Stable id (consumer name, leases).")
+    ] = None,
+) -> None:
+    """Run a worker: consume queues from Redis, run jobs, record outcomes in Postgres."""
+    settings = WorkerSettings(**_given(queues, concurrency, grace, worker_id))
+
+    async def go() -> None:
+        from jobplane.runtime import run_worker
+
+        await run_worker(app, settings, stop_on_signals())
+
+    run(go, settings.log_level)
+
+
+@cli.command()
+def api(
+    host: Annotated[str | None, typer.Option("--host", help="Interface to bind.")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="Port to listen on.")] = None,
+) -> None:
+    """Serve the REST API (/api/v1), health, readiness and metrics."""
+    from jobplane_api.settings import ApiSettings
+
+    overrides: dict[str, Any] = {}
+    if host is not None:
+        overrides["host"] = host
+    if port is not None:
+        overrides["port"] = port
+    settings = ApiSettings(**overrides)
+
+    async def go() -> None:
+        from jobplane_api.main import run_api
+
+        await run_api(settings, stop_on_signals())
+
+    run(go, settings.log_level)
+
+
+@cli.command()
+def dev(
+    app: AppOption,
+    trigger: Annotated[
+        list[str] | None,
+        typer.Option("--trigger", help="KEY or KEY=JSON-args to trigger at start (repeatable)."),
+    ] = None,
+    exit_when_done: Annotated[
+        bool, typer.Option("--exit-when-done", help="Stop once the triggered jobs have ended.")
+    ] = False,
+    concurrency: ConcurrencyOption = None,
+) -> None:
+    """Run every role in one process on the embedded default (SQLite file, in-process bus)."""
+    settings = DevSettings(**_given(None, concurrency, None, None))
+    requests = [_parse_trigger(t) for t in trigger or []]
+
+    async def go() -> None:
+        from jobplane.runtime import run_dev
+
+        await run_dev(app, settings, stop_on_signals(), requests, exit_when_done)
+
+    run(go, settings.log_level)
+
+
+def _given(
+    queues: str | None, concurrency: int | None, grace: float | None, worker_id: str | None
+) -> dict[str, Any]:
+    """Flags given on the command line; they override the JOBPLANE_* environment."""
+    values: dict[str, Any] = {}
+    if queues:
+        values["queues"] = [q.strip() for q in queues.split(",") if q.strip()]
+    if concurrency is not None:
+        values["concurrency"] = concurrency
+    if grace is not None:
+        values["grace_s"] = grace
+    if worker_id:
+        values["worker_id"] = worker_id
+    return values
+
+
+def _parse_trigger(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep:
+        return key, None
+    try:
+        return key, json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise typer.BadParameter(f"--trigger {key}: arguments are not JSON: {exc}") from exc

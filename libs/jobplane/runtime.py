@@ -1,0 +1,150 @@
+"""Wiring of the roles: build the store and the bus from settings, check them, run the role.
+
+Everything is created here (from ``main()``), never at import time, and closed on the way out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+from uuid import UUID
+
+from rich.console import Console
+from rich.table import Table
+
+from jobplane.app import load_app
+from jobplane.bus.abc import Bus
+from jobplane.bus.factory import open_bus
+from jobplane.dispatch import Dispatcher
+from jobplane.domain.models import Instance
+from jobplane.errors import ConfigurationError, StoreUnavailableError
+from jobplane.settings import CommonSettings, DevSettings, WorkerSettings
+from jobplane.store import migrate
+from jobplane.store.factory import make_engine, open_store, redact
+from jobplane.store.sql import SqlStore
+
+logger = logging.getLogger(__name__)
+
+
+async def migrate_database(url: str) -> str:
+    """Upgrade the schema at ``url`` to the head revision; return it."""
+    engine = make_engine(url)
+    try:
+        await migrate.upgrade(engine)
+        return await migrate.current_revision(engine) or "base"
+    except StoreUnavailableError:
+        raise
+    except OSError as exc:
+        raise StoreUnavailableError(f"cannot reach {redact(url)}: {exc}") from exc
+    finally:
+        await engine.dispose()
+
+
+@asynccontextmanager
+async def backends(settings: CommonSettings) -> AsyncIterator[tuple[SqlStore, Bus]]:
+    """The store and the bus, checked reachable and migrated; closed on exit."""
+    store = open_store(settings.database_url)
+    try:
+        await _check_store(store, settings.database_url)
+        bus = open_bus(settings.redis_url, settings.key_prefix)
+        try:
+            await bus.ping()
+            yield store, bus
+        finally:
+            await bus.close()
+    finally:
+        await store.close()
+
+
+async def _check_store(store: SqlStore, url: str) -> None:
+    try:
+        await store.ping()
+        revision = await migrate.current_revision(store.engine)
+    except StoreUnavailableError as exc:
+        raise StoreUnavailableError(f"cannot reach the database {redact(url)}: {exc}") from exc
+    head = migrate.head_revision()
+    if revision != head:
+        raise ConfigurationError(
+            f"database {redact(url)} is at schema revision {revision or 'none'}, "
+            f"this version needs {head}: run `jobplane migrate`"
+        )
+
+
+async def run_worker(app_path: str, settings: WorkerSettings, stop: asyncio.Event) -> None:
+    from jobplane_worker.worker import Worker
+
+    app = load_app(app_path)
+    if settings.redis_url.startswith("memory://"):
+        logger.warning(
+            "JOBPLANE_REDIS_URL is not set: the in-process bus only carries jobs triggered "
+            "in this process (use `jobplane dev` for that)",
+            extra={"action": "worker.memory_bus"},
+        )
+    async with backends(settings) as (store, bus):
+        await Worker(app, store, bus, settings).run(stop)
+
+
+async def run_dev(
+    app_path: str,
+    settings: DevSettings,
+    stop: asyncio.Event,
+    requests: Sequence[tuple[str, Any]],
+    exit_when_done: bool,
+) -> None:
+    """Every role in one process: migrate, run a worker, trigger ``requests``."""
+    from jobplane_worker.worker import Worker
+
+    app = load_app(app_path)
+    await migrate_database(settings.database_url)
+    async with backends(settings) as (store, bus):
+        worker = Worker(app, store, bus, settings)
+        running = asyncio.create_task(worker.run(stop))
+        await _wait_registered(store, app.jobs.keys(), running)
+        dispatcher = Dispatcher(store, bus)
+        triggered = [await dispatcher.trigger(key, args, actor="dev") for key, args in requests]
+        if exit_when_done:
+            await _until_ended(store, [i.id for i in triggered], running)
+            stop.set()
+        await running
+        if triggered:
+            # Not a terminal (a pipe, a log): wide enough that rows are never wrapped.
+            console = Console() if sys.stdout.isatty() else Console(width=200)
+            console.print(await summary(store, [i.id for i in triggered]))
+
+
+async def _wait_registered(store: SqlStore, keys: Any, running: asyncio.Task[None]) -> None:
+    while not running.done():
+        if {d.key for d in await store.list_definitions(list(keys))} == set(keys):
+            return
+        await asyncio.sleep(0.02)
+    await running  # it failed: raise its error
+
+
+async def _until_ended(store: SqlStore, ids: list[UUID], running: asyncio.Task[None]) -> None:
+    while not running.done():
+        instances = [await store.get_instance(i) for i in ids]
+        if all(i.state.is_terminal for i in instances):
+            return
+        await asyncio.sleep(0.05)
+
+
+async def summary(store: SqlStore, ids: list[UUID]) -> Table:
+    """A table of instances with their history, for the terminal."""
+    table = Table(title="Jobplane instances", show_lines=True)
+    for column in ("instance", "job", "state", "result / error", "history"):
+        table.add_column(column)
+    for instance_id in ids:
+        instance: Instance = await store.get_instance(instance_id)
+        history = await store.transitions(instance_id)
+        steps = " → ".join(t.to_state.value for t in history)
+        outcome = (
+            f"{instance.error.type}: {instance.error.message}"
+            if instance.error
+            else repr(instance.result)
+        )
+        table.add_row(str(instance.id), instance.job_key, instance.state.value, outcome, steps)
+    return table

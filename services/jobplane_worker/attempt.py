@@ -1,0 +1,163 @@
+"""Running one attempt of a job: call the function, turn what happened into an Outcome."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import random
+import traceback
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from jobplane.app import JobSpec, Resources
+from jobplane.context import JobContext
+from jobplane.domain.models import Claim, ErrorInfo, Outcome
+from jobplane.domain.options import Isolation
+from jobplane.domain.states import InstanceState
+from jobplane_worker.isolation import ChildFailedError, run_in_child
+
+logger = logging.getLogger(__name__)
+
+CANCEL_REQUESTED = "cancel requested"
+TIMEOUT = "timeout"
+
+
+@dataclass
+class Attempt:
+    """A claimed instance being run by this worker."""
+
+    claim: Claim
+    ctx: JobContext
+    task: asyncio.Task[Outcome | None] | None = None
+    lease_lost: bool = False
+    released: bool = False
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def lease(self) -> tuple[Any, int]:
+        return (self.claim.instance.id, self.claim.token)
+
+
+async def run_attempt(
+    attempt: Attempt, spec: JobSpec, resources: Resources, pool: Executor
+) -> Outcome:
+    """Run the job function once and describe the end of the attempt.
+
+    Async jobs run on the event loop under the job's timeout; sync jobs run in ``pool``. On
+    timeout the job's cancellation is signalled; a sync job that ignores it keeps its thread
+    (and so its slot) until its code returns, and is reported as a runaway.
+    """
+    claim, ctx = attempt.claim, attempt.ctx
+    timeout = claim.options.timeout_s
+    try:
+        if claim.options.isolation is Isolation.PROCESS:
+            result = await run_in_child(spec, ctx, claim.instance.args, timeout)
+        elif spec.is_async:
+            kwargs = spec.bind(ctx, claim.instance.args, resources)
+            result = await _run_async(spec, kwargs, timeout, ctx)
+        else:
+            kwargs = spec.bind(ctx, claim.instance.args, resources)
+            result = await _run_sync(spec, kwargs, timeout, ctx, pool)
+        if ctx.cancellation.reason == CANCEL_REQUESTED:
+            return _cancelled(claim)  # the job noticed the cancel and returned early
+        return _succeeded(claim, result)
+    except TimeoutError:
+        return _failed(claim, TimeoutError(f"timed out after {timeout:g} s"), reason=TIMEOUT)
+    except asyncio.CancelledError:
+        if ctx.cancellation.reason == CANCEL_REQUESTED:
+            return _cancelled(claim)
+        raise  # the worker is stopping: the attempt is released, not failed
+    except Exception as exc:
+        if ctx.cancellation.reason == CANCEL_REQUESTED:
+            return _cancelled(claim)
+        return _failed(claim, exc)
+
+
+async def _run_async(
+    spec: JobSpec, kwargs: dict[str, Any], timeout_s: float, ctx: JobContext
+) -> Any:
+    task = asyncio.ensure_future(spec.func(**kwargs))
+    cancel_wait = asyncio.ensure_future(ctx.cancellation.wait())
+    try:
+        done, _ = await asyncio.wait(
+            {task, cancel_wait}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        if task in done:
+            return task.result()
+        reason = ctx.cancellation.reason if cancel_wait in done else TIMEOUT
+        ctx.cancellation.set(reason or TIMEOUT)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        if reason == TIMEOUT:
+            raise TimeoutError
+        raise asyncio.CancelledError
+    finally:
+        cancel_wait.cancel()
+        if not task.done():
+            task.cancel()
+
+
+async def _run_sync(
+    spec: JobSpec, kwargs: dict[str, Any], timeout_s: float, ctx: JobContext, pool: Executor
+) -> Any:
+    loop = asyncio.get_running_loop()
+    future = loop.run_in_executor(pool, functools.partial(spec.func, **kwargs))
+    try:
+        return await asyncio.wait_for(asyncio.shield(future), timeout_s)
+    except TimeoutError:
+        ctx.cancellation.set(TIMEOUT)
+        if not future.done():
+            logger.warning(
+                "sync job %s (%s) ignores its timeout; it keeps its slot until it returns",
+                ctx.job_key,
+                ctx.instance_id,
+                extra={
+                    "action": "worker.runaway",
+                    "instance_id": str(ctx.instance_id),
+                    "job_key": ctx.job_key,
+                },
+            )
+        # The thread cannot be killed: wait for it so the concurrency slot is never freed
+        # while the code still runs.
+        await asyncio.gather(future, return_exceptions=True)
+        raise
+
+
+def _cancelled(claim: Claim) -> Outcome:
+    return Outcome(claim.instance.id, claim.token, InstanceState.CANCELLED, reason=CANCEL_REQUESTED)
+
+
+def _succeeded(claim: Claim, result: Any) -> Outcome:
+    if isinstance(result, BaseModel):
+        result = result.model_dump(mode="json")
+    try:
+        json.dumps(result)
+    except (TypeError, ValueError) as exc:
+        return _failed(claim, TypeError(f"job result is not JSON serialisable: {exc}"))
+    return Outcome(claim.instance.id, claim.token, InstanceState.SUCCEEDED, result=result)
+
+
+def _failed(claim: Claim, exc: BaseException, reason: str | None = None) -> Outcome:
+    retry_number = claim.instance.retries_used + 1
+    delay = claim.options.backoff.delay_for(retry_number, random.random())
+    if isinstance(exc, ChildFailedError):
+        error = ErrorInfo(type=exc.type_name, message=str(exc), traceback=exc.child_traceback)
+    else:
+        error = ErrorInfo(
+            type=type(exc).__name__,
+            message=str(exc),
+            traceback="".join(traceback.format_exception(exc)),
+        )
+    return Outcome(
+        claim.instance.id,
+        claim.token,
+        InstanceState.FAILED,
+        error=error,
+        reason=reason or "exception",
+        retry_delay_s=delay,
+    )

@@ -1,0 +1,418 @@
+"""The worker role: consume queues, claim in batches, run jobs, record outcomes in batches.
+
+Order of operations for one bus entry, and why:
+
+1. read (batched XREADGROUP) — the entry is pending on this consumer;
+2. claim in the store (one statement per batch) — from now on Postgres and the lease own it;
+3. ack + delete the entry — only after the claim committed, so a crash before it leaves the
+   entry pending and another worker reclaims it;
+4. run, heartbeat the lease, then record the outcome (batched, fenced by the claim token) —
+   retried with backoff while the store is unreachable: an outcome is never dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import random
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+from uuid import UUID
+
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
+
+from jobplane import __version__
+from jobplane.app import App, Resources
+from jobplane.bus.abc import Bus, Consumer, Delivery
+from jobplane.bus.envelope import EventKind
+from jobplane.context import JobContext
+from jobplane.dispatch import envelope_for
+from jobplane.domain.models import Claim, Instance, Outcome, WorkerInfo
+from jobplane.domain.options import OnLimit
+from jobplane.domain.states import InstanceState
+from jobplane.errors import BusUnavailableError, StoreUnavailableError, UnavailableError
+from jobplane.settings import WorkerSettings
+from jobplane.store.abc import Store
+from jobplane_worker.attempt import CANCEL_REQUESTED, Attempt, run_attempt
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_REASON = "worker shutdown"
+
+
+class Worker:
+    """One worker process's engine. Does not own the store or the bus."""
+
+    def __init__(self, app: App, store: Store, bus: Bus, settings: WorkerSettings) -> None:
+        self.app = app
+        self.store = store
+        self.bus = bus
+        self.settings = settings
+        self.id = settings.worker_id
+        self.running: dict[UUID, Attempt] = {}
+        self._outcomes: asyncio.Queue[tuple[Attempt, Outcome]] = asyncio.Queue()
+        self._slot_freed = asyncio.Event()
+        self._side_tasks: set[asyncio.Task[Any]] = set()
+        self._resources: Resources = {}
+        self._pool = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="jobplane-job")
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Run until ``stop`` is set, then stop gracefully (see :meth:`_drain`)."""
+        async with self.app.lifespan() as resources:
+            self._resources = resources
+            await self.register()
+            consumer = self.bus.consumer(self.id, self.settings.queues)
+            side = [
+                asyncio.create_task(self._record_loop(), name="jobplane-record"),
+                asyncio.create_task(self._heartbeat_loop(), name="jobplane-heartbeat"),
+                asyncio.create_task(self._events_loop(), name="jobplane-events"),
+            ]
+            try:
+                await self._consume(consumer, stop, side)
+                await self._drain()
+                await self._outcomes.join()
+            finally:
+                for task in [*side, *self._side_tasks]:
+                    task.cancel()
+                await asyncio.gather(*side, *self._side_tasks, return_exceptions=True)
+                self._pool.shutdown(wait=False, cancel_futures=True)
+                await self._quietly(self.store.worker_stopped(self.id))
+        logger.info("worker %s stopped", self.id, extra={"action": "worker.stopped"})
+
+    async def register(self) -> None:
+        """Register the app's jobs (first registration persists options) and this worker."""
+        for spec in self.app.jobs.values():
+            stored, created = await self.store.register_definition(
+                spec.options, spec.args_schema(), actor=f"worker:{self.id}"
+            )
+            if not created and stored.options != spec.options:
+                # The stored options win (they may have been edited); report the drift.
+                changed = sorted(
+                    k
+                    for k, v in spec.options.model_dump().items()
+                    if stored.options.model_dump().get(k) != v
+                )
+                logger.warning(
+                    "job %s: code options differ from the stored ones (%s); the stored ones apply",
+                    spec.key,
+                    ", ".join(changed),
+                    extra={"action": "worker.options_drift", "job_key": spec.key},
+                )
+        await self.store.register_worker(
+            WorkerInfo(
+                id=self.id,
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                queues=tuple(self.settings.queues),
+                capacity=self.settings.concurrency,
+                version=__version__,
+                jobs=tuple(sorted(self.app.jobs)),
+            )
+        )
+        logger.info(
+            "worker %s ready: queues %s, %d job(s), concurrency %d",
+            self.id,
+            ",".join(self.settings.queues),
+            len(self.app.jobs),
+            self.settings.concurrency,
+            extra={"action": "worker.ready"},
+        )
+
+    # -- consuming -------------------------------------------------------------------------
+
+    async def _consume(
+        self, consumer: Consumer, stop: asyncio.Event, side: list[asyncio.Task[Any]]
+    ) -> None:
+        reclaim_every = self.settings.reclaim_idle_s / 2
+        last_reclaim = time.monotonic()
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            while not stop.is_set():
+                _raise_if_dead(side)
+                free = self.settings.concurrency - len(self.running)
+                if free <= 0:
+                    # The worker-wide limit holds back consumption; it never Skips.
+                    self._slot_freed.clear()
+                    freed = asyncio.ensure_future(self._slot_freed.wait())
+                    await asyncio.wait({stopping, freed}, return_when=asyncio.FIRST_COMPLETED)
+                    freed.cancel()
+                    continue
+                count = min(free, self.settings.batch_size)
+                try:
+                    if time.monotonic() - last_reclaim >= reclaim_every:
+                        last_reclaim = time.monotonic()
+                        idle_ms = int(self.settings.reclaim_idle_s * 1000)
+                        deliveries = await consumer.reclaim(idle_ms, count)
+                    else:
+                        deliveries = await consumer.read(count, self.settings.poll_ms)
+                    await self._handle(consumer, deliveries)
+                except UnavailableError as exc:
+                    # Stop claiming while the store or bus is away; unacked entries stay
+                    # pending and are reclaimed once it is back.
+                    logger.warning(
+                        "%s; retrying in 1 s", exc, extra={"action": "worker.unavailable"}
+                    )
+                    await asyncio.sleep(1)
+        finally:
+            stopping.cancel()
+
+    async def _handle(self, consumer: Consumer, deliveries: list[Delivery]) -> None:
+        if not deliveries:
+            return
+        known = [d for d in deliveries if d.envelope.job_key in self.app.jobs]
+        unknown = [d for d in deliveries if d.envelope.job_key not in self.app.jobs]
+        if unknown:
+            self._spawn(self._requeue_later(consumer, unknown))
+        if not known:
+            return
+        ids = list(dict.fromkeys(d.envelope.instance_id for d in known))
+        result = await self.store.claim(ids, self.id, self.settings.lease_s, self.app.jobs.keys())
+        # The claim has committed: Postgres and the lease own these instances now, so the
+        # entries go (a long job is never re-delivered). Skipped, parked and stale ones too.
+        await consumer.ack(known)
+        for claim in result.claimed:
+            self._start(claim)
+
+    async def _requeue_later(self, consumer: Consumer, deliveries: list[Delivery]) -> None:
+        """Leave a job this worker does not know for a worker that does: forward it to a live
+        worker that registered the job; if none is live, put it back after a delay (until then
+        it stays pending here, so a crash loses nothing)."""
+        by_key: dict[str, list[Delivery]] = {}
+        for d in deliveries:
+            by_key.setdefault(d.envelope.job_key, []).append(d)
+        workers = await self.store.list_workers()
+        now = await self.store.now()
+        for key, group in by_key.items():
+            live = [
+                w.id
+                for w in workers
+                if key in w.jobs
+                and w.id != self.id
+                and w.stopped_at is None
+                and w.heartbeat_at is not None
+                and (now - w.heartbeat_at).total_seconds() < 3 * self.settings.heartbeat_s + 5
+            ]
+            if live:
+                await consumer.forward(group, random.choice(live))
+                logger.info(
+                    "no job %s here; forwarded %d entr(ies) to a worker that knows it",
+                    key,
+                    len(group),
+                    extra={"action": "worker.forward_unknown", "job_key": key},
+                )
+                continue
+            logger.info(
+                "no live worker knows job %s; putting %d entr(ies) back",
+                key,
+                len(group),
+                extra={"action": "worker.unknown_job", "job_key": key},
+            )
+            await asyncio.sleep(self.settings.unknown_job_delay_s)
+            await consumer.requeue(group)
+
+    # -- running ---------------------------------------------------------------------------
+
+    def _start(self, claim: Claim) -> None:
+        instance = claim.instance
+        ctx = JobContext(
+            instance_id=instance.id,
+            job_key=instance.job_key,
+            attempt=instance.attempt,
+            scheduled_at=instance.scheduled_at,
+            worker_id=self.id,
+            last_checkpoint=instance.checkpoint,
+            saver=functools.partial(self.store.save_checkpoint, instance.id, claim.token),
+            loop=asyncio.get_running_loop(),
+        )
+        attempt = Attempt(claim=claim, ctx=ctx)
+        self.running[instance.id] = attempt
+        attempt.task = asyncio.create_task(self._run(attempt), name=f"job-{instance.id}")
+
+    async def _run(self, attempt: Attempt) -> None:
+        spec = self.app.jobs[attempt.claim.instance.job_key]
+        try:
+            outcome = await run_attempt(attempt, spec, self._resources, self._pool)
+        except asyncio.CancelledError:
+            return  # stopped by _drain, which releases the instance
+        finally:
+            self.running.pop(attempt.claim.instance.id, None)
+            self._slot_freed.set()
+        if outcome is not None and not attempt.lease_lost:
+            self._outcomes.put_nowait((attempt, outcome))
+
+    async def _record_loop(self) -> None:
+        """Record outcomes in batches: whatever is ready, never waiting to fill a batch."""
+        while True:
+            batch = [await self._outcomes.get()]
+            while not self._outcomes.empty() and len(batch) < self.settings.batch_size:
+                batch.append(self._outcomes.get_nowait())
+            try:
+                await self._record(batch)
+            finally:
+                for _ in batch:
+                    self._outcomes.task_done()
+
+    async def _record(self, batch: list[tuple[Attempt, Outcome]]) -> None:
+        outcomes = [outcome for _, outcome in batch]
+        async for retry in AsyncRetrying(
+            retry=retry_if_exception_type(StoreUnavailableError),
+            wait=wait_exponential(multiplier=0.2, max=5),
+            reraise=True,
+        ):
+            with retry:
+                ended = await self.store.complete(outcomes)
+        requeued: list[Instance] = []
+        wait_keys: dict[str, int] = {}
+        for attempt, outcome in batch:
+            instance = attempt.claim.instance
+            state = ended.get(outcome.instance_id)
+            if state is None:
+                continue  # fenced off: the store logged it
+            logger.info(
+                "instance %s of %s ended %s",
+                instance.id,
+                instance.job_key,
+                state.value,
+                extra={
+                    "action": "worker.recorded",
+                    "instance_id": str(instance.id),
+                    "job_key": instance.job_key,
+                    "state": state.value,
+                },
+            )
+            if state is InstanceState.ENQUEUED:
+                requeued.append(instance)
+            if attempt.claim.options.on_limit is OnLimit.WAIT:
+                wait_keys[instance.job_key] = wait_keys.get(instance.job_key, 0) + 1
+        for key, freed in wait_keys.items():
+            requeued.extend(await self.store.republish_waiting([key], freed))
+        await self._publish(requeued)
+
+    async def _publish(self, instances: list[Instance]) -> None:
+        if not instances:
+            return
+        try:
+            await self.bus.publish([(i.queue, envelope_for(i)) for i in instances])
+        except BusUnavailableError:
+            logger.warning(
+                "bus unavailable; %d instance(s) left for the sweep to publish",
+                len(instances),
+                extra={"action": "worker.publish_deferred"},
+            )
+            return
+        await self.store.mark_published([i.id for i in instances])
+
+    # -- leases ----------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_s)
+            try:
+                await self.store.worker_heartbeat(self.id)
+                await self._renew_leases()
+            except StoreUnavailableError as exc:
+                logger.warning("heartbeat failed: %s", exc, extra={"action": "worker.heartbeat"})
+
+    async def _renew_leases(self) -> None:
+        attempts = [a for a in self.running.values() if not a.lease_lost]
+        if not attempts:
+            return
+        progress = {}
+        for attempt in attempts:
+            if attempt.ctx.pending_progress is not None:
+                progress[attempt.claim.instance.id] = attempt.ctx.pending_progress
+                attempt.ctx.pending_progress = None
+        kept = await self.store.heartbeat(
+            [a.lease for a in attempts], self.settings.lease_s, progress
+        )
+        for attempt in attempts:
+            instance_id = attempt.claim.instance.id
+            if instance_id not in kept:
+                # Another worker may own it now; every write of ours would be refused anyway.
+                attempt.lease_lost = True
+                attempt.ctx.cancellation.set("lease lost")
+                logger.warning(
+                    "lost the lease of instance %s; stopping it",
+                    instance_id,
+                    extra={"action": "worker.lease_lost", "instance_id": str(instance_id)},
+                )
+            elif kept[instance_id]:
+                attempt.ctx.cancellation.set(CANCEL_REQUESTED)
+
+    async def _events_loop(self) -> None:
+        """Cancel requests reach the running attempt at once (the heartbeat is the backstop)."""
+        while True:
+            try:
+                async for event in self.bus.subscribe():
+                    if event.kind is not EventKind.CANCEL_REQUESTED:
+                        continue
+                    attempt = self.running.get(UUID(str(event.data.get("instance_id"))))
+                    if attempt is not None:
+                        attempt.ctx.cancellation.set(CANCEL_REQUESTED)
+            except (BusUnavailableError, ValueError) as exc:
+                logger.warning(
+                    "event subscription failed: %s; resubscribing",
+                    exc,
+                    extra={"action": "worker.events"},
+                )
+            await asyncio.sleep(1)  # the subscription ended: subscribe again
+
+    # -- graceful stop ---------------------------------------------------------------------
+
+    async def _drain(self) -> None:
+        """Let running jobs finish within the grace period; then signal cancellation and
+        release what still runs (Processing → Enqueued, no retry used) for another worker."""
+        tasks = [a.task for a in self.running.values() if a.task is not None]
+        if tasks:
+            logger.info(
+                "stopping: waiting up to %g s for %d running job(s)",
+                self.settings.grace_s,
+                len(tasks),
+                extra={"action": "worker.draining"},
+            )
+            await asyncio.wait(tasks, timeout=self.settings.grace_s)
+        left = list(self.running.values())
+        for attempt in left:
+            attempt.ctx.cancellation.set(SHUTDOWN_REASON)
+            if attempt.task is not None:
+                attempt.task.cancel()
+        released: list[Instance] = []
+        for attempt in left:
+            instance = await self.store.transition(
+                attempt.claim.instance.id,
+                InstanceState.ENQUEUED,
+                expect=[InstanceState.PROCESSING],
+                claim_token=attempt.claim.token,
+                actor=self.id,
+                reason=SHUTDOWN_REASON,
+            )
+            if instance is not None:
+                released.append(instance)
+        await self._publish(released)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
+
+    async def _quietly(self, coro: Any) -> None:
+        try:
+            await coro
+        except UnavailableError as exc:
+            logger.warning("%s", exc, extra={"action": "worker.cleanup"})
+
+
+def _raise_if_dead(side: list[asyncio.Task[Any]]) -> None:
+    """A dead side task (recorder, heartbeat) stops the worker instead of leaving it half alive."""
+    for task in side:
+        if task.done():
+            exc = task.exception() if not task.cancelled() else None
+            raise RuntimeError(f"{task.get_name()} stopped") from exc

@@ -1,0 +1,172 @@
+"""The walking skeleton and the worker's behaviour, on every store and bus combination."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from jobplane import App, JobContext
+from jobplane.bus.abc import Bus
+from jobplane.dispatch import Dispatcher
+from jobplane.domain.states import InstanceState as S
+from jobplane.store.sql import SqlStore
+from tests.apps.basic import app
+from tests.worker_helpers import running_worker, settled, wait_for
+
+
+async def test_triggered_job_runs_to_succeeded_with_history(store: SqlStore, bus: Bus) -> None:
+    async with running_worker(app, store, bus) as worker:
+        dispatcher = Dispatcher(store, bus)
+        instance = await dispatcher.trigger("echo", {"value": 41})
+        assert instance.state is S.ENQUEUED
+        [done] = await settled(store, [instance.id])
+    assert done.state is S.SUCCEEDED
+    assert done.result == {"value": 41, "worker": worker.id}
+    history = await store.transitions(instance.id)
+    assert [(t.from_state, t.to_state) for t in history] == [
+        (None, S.ENQUEUED),
+        (S.ENQUEUED, S.PROCESSING),
+        (S.PROCESSING, S.SUCCEEDED),
+    ]
+    assert history[1].actor == worker.id
+
+
+async def test_sync_and_async_jobs_in_one_batch(store: SqlStore, bus: Bus) -> None:
+    async with running_worker(app, store, bus, concurrency=8):
+        dispatcher = Dispatcher(store, bus)
+        made = [await dispatcher.trigger("echo", {"value": i}) for i in range(10)]
+        made += [await dispatcher.trigger("add_sync", {"value": i}) for i in range(10)]
+        done = await settled(store, [i.id for i in made])
+    assert {i.state for i in done} == {S.SUCCEEDED}
+    assert sorted(i.result for i in done if i.job_key == "add_sync") == list(range(1, 11))
+
+
+async def test_exception_retries_then_terminates_with_the_traceback(
+    store: SqlStore, bus: Bus
+) -> None:
+    async with running_worker(app, store, bus):
+        instance = await Dispatcher(store, bus).trigger("always_fails")
+        [done] = await settled(store, [instance.id])
+    assert done.state is S.TERMINATED and done.retries_used == 2 and done.attempt == 3
+    assert done.error is not None and done.error.type == "ValueError"
+    assert done.error.traceback is not None and "no luck" in done.error.traceback
+    steps = [t.to_state for t in await store.transitions(instance.id)]
+    assert steps.count(S.FAILED) == 3 and steps[-1] is S.TERMINATED
+
+
+async def test_async_timeout_fails_the_attempt(store: SqlStore, bus: Bus) -> None:
+    async with running_worker(app, store, bus):
+        instance = await Dispatcher(store, bus).trigger("too_slow")
+        [done] = await settled(store, [instance.id])
+    assert done.state is S.TERMINATED
+    failed = [t for t in await store.transitions(instance.id) if t.to_state is S.FAILED]
+    assert failed[0].reason == "timeout"
+
+
+async def test_result_that_is_not_json_fails_clearly(store: SqlStore, bus: Bus) -> None:
+    async with running_worker(app, store, bus):
+        instance = await Dispatcher(store, bus).trigger("returns_garbage")
+        [done] = await settled(store, [instance.id])
+    assert done.state is S.TERMINATED
+    assert done.error is not None and "not JSON serialisable" in done.error.message
+
+
+async def test_cancel_while_running(store: SqlStore, bus: Bus) -> None:
+    async with running_worker(app, store, bus):
+        instance = await Dispatcher(store, bus).trigger("sync_sleeper")
+
+        async def running() -> bool:
+            return (await store.get_instance(instance.id)).state is S.PROCESSING
+
+        await wait_for(running)
+        await Dispatcher(store, bus).cancel(instance.id, "test")
+        [done] = await settled(store, [instance.id])
+    assert done.state is S.CANCELLED
+
+
+async def test_max_concurrency_skips_the_excess(store: SqlStore, bus: Bus) -> None:
+    limited = App("limited")
+
+    @limited.triggered(max_concurrency=1)
+    async def single(ctx: JobContext) -> None:
+        await asyncio.sleep(0.5)
+
+    async with running_worker(limited, store, bus, concurrency=4):
+        dispatcher = Dispatcher(store, bus)
+        made = [await dispatcher.trigger("single") for _ in range(3)]
+        done = await settled(store, [i.id for i in made])
+    assert sorted(i.state for i in done) == sorted([S.SUCCEEDED, S.SKIPPED, S.SKIPPED])
+
+
+async def test_progress_and_checkpoint_reach_the_store(store: SqlStore, bus: Bus) -> None:
+    steps = App("steps")
+
+    @steps.triggered(retries=1, backoff={"kind": "none"})
+    async def paged(ctx: JobContext) -> int:
+        start = ctx.last_checkpoint or 0
+        ctx.progress(0.5, "half")
+        await ctx.checkpoint(start + 10)
+        await asyncio.sleep(0.5)  # a heartbeat carries the progress
+        if ctx.attempt == 1:
+            raise RuntimeError("first attempt fails after its checkpoint")
+        return int(start)
+
+    async with running_worker(steps, store, bus):
+        instance = await Dispatcher(store, bus).trigger("paged")
+        [done] = await settled(store, [instance.id])
+    assert done.state is S.SUCCEEDED and done.result == 10  # restored on the next attempt
+    assert done.checkpoint == 20 and done.progress == 0.5 and done.progress_message == "half"
+
+
+async def test_job_unknown_to_a_worker_is_left_for_one_that_knows_it(
+    store: SqlStore, bus: Bus
+) -> None:
+    partial = App("partial")
+
+    @partial.triggered(key="echo")
+    async def other_echo() -> None: ...
+
+    # The definition of add_sync exists, but the first worker does not know it.
+    async with running_worker(app, store, bus, worker_id="knows-all", queues=["unused"]):
+        pass
+    async with running_worker(partial, store, bus, worker_id="knows-echo"):
+        instance = await Dispatcher(store, bus).trigger("add_sync", {"value": 1})
+        await asyncio.sleep(0.5)
+        assert (await store.get_instance(instance.id)).state is S.ENQUEUED
+        async with running_worker(app, store, bus, worker_id="knows-all-2"):
+            [done] = await settled(store, [instance.id])
+    assert done.state is S.SUCCEEDED and done.worker_id == "knows-all-2"
+
+
+async def test_process_isolation_runs_and_reports_errors(store: SqlStore, bus: Bus) -> None:
+    async with running_worker(app, store, bus):
+        dispatcher = Dispatcher(store, bus)
+        ok = await dispatcher.trigger("child_square", {"value": 12})
+        bad = await dispatcher.trigger("child_fails")
+        ok_done, bad_done = await settled(store, [ok.id, bad.id], timeout_s=60)
+    assert ok_done.state is S.SUCCEEDED and ok_done.result == 144
+    assert bad_done.state is S.TERMINATED and bad_done.error is not None
+    assert bad_done.error.type == "KeyError" and "inside the child" in (
+        bad_done.error.traceback or ""
+    )
+
+
+async def test_process_isolation_kills_a_runaway_and_frees_its_slot(
+    store: SqlStore, bus: Bus, tmp_path: Path
+) -> None:
+    pid_file = tmp_path / "pid"
+    async with running_worker(app, store, bus):
+        instance = await Dispatcher(store, bus).trigger("runaway", {"path": str(pid_file)})
+        [done] = await settled(store, [instance.id], timeout_s=60)
+        # The slot was given back: a second instance can claim it.
+        again = await Dispatcher(store, bus).trigger("runaway", {"path": str(pid_file)})
+        [second] = await settled(store, [again.id], timeout_s=60)
+    assert done.state is S.TERMINATED and done.error is not None
+    assert done.error.type == "TimeoutError"
+    assert second.state is S.TERMINATED and second.attempt == 1
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # the child is really gone

@@ -1,0 +1,115 @@
+"""The worker as a real process: graceful stop on SIGTERM, Postgres + Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from subprocess import Popen
+
+import pytest
+
+from jobplane.bus.abc import Bus
+from jobplane.dispatch import Dispatcher
+from jobplane.domain.states import InstanceState as S
+from jobplane.store.factory import open_store
+from jobplane.store.sql import SqlStore
+from tests.cli_helpers import spawn_cli
+from tests.worker_helpers import settled, wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+async def pg_store(pg_database_url: str) -> AsyncIterator[SqlStore]:
+    store = open_store(pg_database_url)
+    yield store
+    await store.close()
+
+
+@pytest.fixture
+def spawn_worker(
+    pg_database_url: str, redis_url: str, redis_prefix: str, tmp_path: Path
+) -> Iterator[object]:
+    procs: list[Popen[str]] = []
+
+    def spawn(worker_id: str, *extra: str, **env: str) -> Popen[str]:
+        proc = spawn_cli(
+            "worker",
+            "--app",
+            "tests.apps.basic:app",
+            "--worker-id",
+            worker_id,
+            *extra,
+            JOBPLANE_DATABASE_URL=pg_database_url,
+            JOBPLANE_REDIS_URL=redis_url,
+            JOBPLANE_KEY_PREFIX=redis_prefix,
+            JOBPLANE_HEARTBEAT_S="0.2",
+            JOBPLANE_POLL_MS="100",
+            JOBPLANE_TEST_MARKER=str(tmp_path / "started"),
+            **env,
+        )
+        procs.append(proc)
+        return proc
+
+    yield spawn
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+        if proc.stdout:
+            proc.stdout.close()
+
+
+async def _migrated(store: SqlStore) -> None:
+    from jobplane.store.migrate import current_revision, head_revision
+
+    assert await current_revision(store.engine) == head_revision()
+
+
+async def test_worker_process_runs_jobs_and_stops_cleanly_on_sigterm(
+    pg_store: SqlStore, redis_bus: Bus, spawn_worker: object
+) -> None:
+    await _migrated(pg_store)
+    proc = spawn_worker("proc-1")  # type: ignore[operator]
+    await wait_for(lambda: _has_definitions(pg_store), what="job registration", timeout_s=30)
+    dispatcher = Dispatcher(pg_store, redis_bus)
+    made = [await dispatcher.trigger("echo", {"value": i}) for i in range(20)]
+    made += [await dispatcher.trigger("add_sync", {"value": i}) for i in range(5)]
+    done = await settled(pg_store, [i.id for i in made], timeout_s=60)
+    assert {i.state for i in done} == {S.SUCCEEDED}
+    assert {i.worker_id for i in done} == {"proc-1"}
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    [worker] = await pg_store.list_workers()
+    assert worker.stopped_at is not None
+
+
+async def test_sigterm_mid_job_releases_it_for_another_worker(
+    pg_store: SqlStore, redis_bus: Bus, spawn_worker: object, tmp_path: Path
+) -> None:
+    first = spawn_worker("first", "--grace", "0.5", JOBPLANE_TEST_SLEEP_S="30")  # type: ignore[operator]
+    await wait_for(lambda: _has_definitions(pg_store), what="job registration", timeout_s=30)
+    instance = await Dispatcher(pg_store, redis_bus).trigger("sleepy")
+    marker = tmp_path / "started"
+    await wait_for(lambda: _exists(marker), what="the job to start", timeout_s=30)
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=30) == 0
+    released = await pg_store.get_instance(instance.id)
+    assert released.state is S.ENQUEUED and released.retries_used == 0
+    spawn_worker("second", JOBPLANE_TEST_SLEEP_S="0.1")  # type: ignore[operator]
+    [done] = await settled(pg_store, [instance.id], timeout_s=60)
+    assert done.state is S.SUCCEEDED and done.worker_id == "second"
+    assert done.retries_used == 0 and done.attempt == 2
+    history = [(t.from_state, t.to_state, t.reason) for t in await pg_store.transitions(done.id)]
+    assert (S.PROCESSING, S.ENQUEUED, "worker shutdown") in history
+    assert not any(to is S.FAILED for _, to, _ in history)
+
+
+async def _has_definitions(store: SqlStore) -> bool:
+    return len(await store.list_definitions()) > 0
+
+
+async def _exists(path: Path) -> bool:
+    return await asyncio.to_thread(path.exists)
