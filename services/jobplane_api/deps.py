@@ -1,0 +1,39 @@
+"""Dependencies of the routes, as ``Annotated`` aliases. Everything comes from app.state, which
+the lifespan fills: nothing is built at import time."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from jobplane.bus.abc import Bus
+from jobplane.dispatch import Dispatcher
+from jobplane.store.sql import SqlStore
+from jobplane_api.settings import ApiSettings
+
+
+def get_store(request: Request) -> SqlStore:
+    store: SqlStore = request.app.state.store
+    return store
+
+
+def get_bus(request: Request) -> Bus:
+    bus: Bus = request.app.state.bus
+    return bus
+
+
+def get_dispatcher(request: Request) -> Dispatcher:
+    dispatcher: Dispatcher = request.app.state.dispatcher
+    return dispatcher
+
+
+def get_settings(request: Request) -> ApiSettings:
+    settings: ApiSettings = request.app.state.settings
+    return settings
+
+
+StoreDep = Annotated[SqlStore, Depends(get_store)]
+BusDep = Annotated[Bus, Depends(get_bus)]
+DispatcherDep = Annotated[Dispatcher, Depends(get_dispatcher)]
+SettingsDep = Annotated[ApiSettings, Depends(get_settings)]

@@ -1,0 +1,110 @@
+"""Instances: list, read with history, cancel, retry, batch trigger."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Annotated
+from uuid import UUID
+
+from fastapi import APIRouter, Query, status
+
+from jobplane.domain.models import InstanceFilter, InstanceSource, NewInstance
+from jobplane.domain.states import InstanceState
+from jobplane.errors import IllegalTransitionError
+from jobplane_api.deps import DispatcherDep, StoreDep
+from jobplane_api.schemas import BatchTriggerIn, InstanceOut, InstancePage
+
+router = APIRouter(prefix="/api/v1/instances", tags=["instances"])
+
+
+@router.get("", summary="List instances", response_model=InstancePage)
+async def list_instances(
+    store: StoreDep,
+    job: str | None = None,
+    state: Annotated[list[InstanceState] | None, Query()] = None,
+    created_after: datetime | None = None,
+    created_before: datetime | None = None,
+    worker: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    before: Annotated[UUID | None, Query(description="Cursor from the previous page.")] = None,
+) -> InstancePage:
+    """Newest first, keyset-paginated: pass ``next_cursor`` back as ``before``."""
+    page = await store.list_instances(
+        InstanceFilter(
+            job_key=job,
+            states=tuple(state or ()),
+            created_after=created_after,
+            created_before=created_before,
+            worker_id=worker,
+        ),
+        limit=limit,
+        before=before,
+    )
+    return InstancePage(items=[InstanceOut.of(i) for i in page.items], next_cursor=page.next_cursor)
+
+
+@router.post(
+    "/batch",
+    summary="Trigger many instances",
+    status_code=status.HTTP_201_CREATED,
+    response_model=list[InstanceOut],
+)
+async def batch_trigger(
+    dispatcher: DispatcherDep, store: StoreDep, body: BatchTriggerIn
+) -> list[InstanceOut]:
+    """Create up to 1,000 instances in one statement; all or none."""
+    now = await store.now()
+    requests = [
+        NewInstance(
+            job_key=item.job_key,
+            args=item.args,
+            run_at=item.run_at
+            or (now + timedelta(seconds=item.delay_s) if item.delay_s is not None else None),
+            priority=item.priority,
+            pinned_worker=item.pinned_worker,
+            actor="api",
+        )
+        for item in body.items
+    ]
+    return [InstanceOut.of(i) for i in await dispatcher.trigger_many(requests)]
+
+
+@router.get("/{instance_id}", summary="Get an instance", response_model=InstanceOut)
+async def get_instance(store: StoreDep, instance_id: UUID) -> InstanceOut:
+    """The instance with its transitions, progress, checkpoint, result or error."""
+    instance = await store.get_instance(instance_id)
+    return InstanceOut.of(instance, await store.transitions(instance_id))
+
+
+@router.post("/{instance_id}/cancel", summary="Cancel an instance", response_model=InstanceOut)
+async def cancel_instance(dispatcher: DispatcherDep, instance_id: UUID) -> InstanceOut:
+    """Queued instances end Cancelled; a running one is told to stop. 409 when terminal."""
+    return InstanceOut.of(await dispatcher.cancel(instance_id, "api"))
+
+
+@router.post(
+    "/{instance_id}/retry",
+    summary="Retry a terminal instance",
+    status_code=status.HTTP_201_CREATED,
+    response_model=InstanceOut,
+)
+async def retry_instance(
+    dispatcher: DispatcherDep, store: StoreDep, instance_id: UUID
+) -> InstanceOut:
+    """A new instance linked by ``retry_of``; the old one's history is never rewritten."""
+    old = await store.get_instance(instance_id)
+    if not old.state.is_terminal:
+        raise IllegalTransitionError(old.state, "retry (only terminal instances)")
+    [new] = await dispatcher.trigger_many(
+        [
+            NewInstance(
+                job_key=old.job_key,
+                args=old.args,
+                source=InstanceSource.RETRY,
+                priority=old.priority,
+                retry_of=old.id,
+                actor="api",
+            )
+        ]
+    )
+    return InstanceOut.of(new)

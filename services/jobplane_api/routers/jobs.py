@@ -1,0 +1,140 @@
+"""Jobs: list, read, edit options, pause and resume, trigger."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, HTTPException, Query, status
+
+from jobplane.bus.envelope import Event, EventKind
+from jobplane.cron import next_fire_times
+from jobplane.domain.models import JobDefinition
+from jobplane.domain.options import JobKind
+from jobplane.errors import InvalidOptionsError
+from jobplane_api.deps import BusDep, DispatcherDep, StoreDep
+from jobplane_api.schemas import InstanceOut, JobOut, JobPatch, TriggerIn
+
+router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
+
+TRIGGER_EXAMPLE = {"args": {"name": "Ada"}, "delay_s": 0, "priority": 5}
+
+
+async def _out(store: StoreDep, definition: JobDefinition, fires: int) -> JobOut:
+    options = definition.options
+    upcoming = []
+    if fires and options.cron and not definition.paused and not options.disabled:
+        upcoming = next_fire_times(options.cron, options.timezone, await store.now(), fires)
+    return JobOut.of(definition, upcoming)
+
+
+@router.get("", summary="List jobs", response_model=list[JobOut])
+async def list_jobs(
+    store: StoreDep,
+    kind: JobKind | None = None,
+    queue: str | None = None,
+    paused: bool | None = None,
+    q: Annotated[str | None, Query(description="Text in the key, name or description.")] = None,
+) -> list[JobOut]:
+    """Every job definition, filtered by kind, queue, paused state or text."""
+    out = []
+    needle = (q or "").lower()
+    for d in await store.list_definitions():
+        o = d.options
+        if kind is not None and o.kind is not kind:
+            continue
+        if queue is not None and o.queue != queue:
+            continue
+        if paused is not None and d.paused != paused:
+            continue
+        if needle and needle not in f"{o.key} {o.name} {o.description}".lower():
+            continue
+        out.append(await _out(store, d, 1))
+    return out
+
+
+@router.get("/{key}", summary="Get a job", response_model=JobOut)
+async def get_job(store: StoreDep, key: str) -> JobOut:
+    """Options, version, argument JSON Schema and the next 10 fire times."""
+    return await _out(store, await store.get_definition(key), 10)
+
+
+@router.patch("/{key}", summary="Edit a job's options", response_model=JobOut)
+async def edit_job(
+    store: StoreDep,
+    bus: BusDep,
+    key: str,
+    patch: JobPatch,
+    x_actor: Annotated[str | None, Header()] = None,
+) -> JobOut:
+    """Change options (validated); ``version`` must be the one you read, else 409. The edit
+    applies to the next fire and the next claim, without restarting anything."""
+    current = await store.get_definition(key)
+    if patch.version != current.version:
+        raise HTTPException(
+            status.HTTP_409_CONFLICT,
+            f"job {key!r} is at version {current.version}, not {patch.version}",
+        )
+    options = current.options.edited(**patch.options)
+    saved = await store.save_definition(
+        options, expected_version=patch.version, actor=x_actor or "api"
+    )
+    if saved is None:
+        raise HTTPException(status.HTTP_409_CONFLICT, f"job {key!r} was edited meanwhile")
+    await _announce(bus, saved)
+    return await _out(store, saved, 10)
+
+
+@router.post("/{key}/pause", summary="Pause a job", response_model=JobOut)
+async def pause_job(store: StoreDep, bus: BusDep, key: str) -> JobOut:
+    """A paused recurring job does not fire until resumed."""
+    saved = await store.set_paused(key, True, "api")
+    await _announce(bus, saved)
+    return await _out(store, saved, 10)
+
+
+@router.post("/{key}/resume", summary="Resume a job", response_model=JobOut)
+async def resume_job(store: StoreDep, bus: BusDep, key: str) -> JobOut:
+    """The next fire follows the job's misfire policy."""
+    saved = await store.set_paused(key, False, "api")
+    await _announce(bus, saved)
+    return await _out(store, saved, 10)
+
+
+@router.post(
+    "/{key}/instances",
+    summary="Trigger a job",
+    status_code=status.HTTP_201_CREATED,
+    response_model=InstanceOut,
+    openapi_extra={"requestBody": {"content": {"application/json": {"example": TRIGGER_EXAMPLE}}}},
+)
+async def trigger_job(
+    dispatcher: DispatcherDep,
+    key: str,
+    body: TriggerIn,
+    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+) -> InstanceOut:
+    """Create an instance with validated arguments, now or later (``run_at`` or ``delay_s``).
+    Replaying an ``Idempotency-Key`` returns the first instance."""
+    if body.run_at is not None and body.delay_s is not None:
+        raise InvalidOptionsError("delay_s", "give run_at or delay_s, not both")
+    if body.run_at is not None and body.run_at.tzinfo is None:
+        raise InvalidOptionsError("run_at", "must be timezone-aware")
+    instance = await dispatcher.trigger(
+        key,
+        body.args,
+        run_at=body.run_at,
+        delay=timedelta(seconds=body.delay_s) if body.delay_s is not None else None,
+        priority=body.priority,
+        pinned_worker=body.pinned_worker,
+        idempotency_key=idempotency_key,
+        actor="api",
+    )
+    return InstanceOut.of(instance)
+
+
+async def _announce(bus: BusDep, saved: JobDefinition) -> None:
+    """Tell every cache: the pending-update mark, then the event (the fast path)."""
+    await bus.set_pending_updates({saved.key: saved.version})
+    data: dict[str, Any] = {"keys": [saved.key]}
+    await bus.publish_event(Event(EventKind.DEFINITIONS_CHANGED, data))

@@ -1,0 +1,68 @@
+"""Workers, scheduler, stats, health, readiness and metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+
+from jobplane.domain.models import InstanceFilter
+from jobplane.domain.states import InstanceState
+from jobplane.errors import UnavailableError
+from jobplane_api.deps import BusDep, StoreDep
+from jobplane_api.metrics import render_metrics
+from jobplane_api.problems import problem
+from jobplane_api.schemas import SchedulerOut, StatsOut, WorkerOut
+
+router = APIRouter(tags=["system"])
+
+
+@router.get("/api/v1/workers", summary="List workers", response_model=list[WorkerOut])
+async def list_workers(store: StoreDep) -> list[WorkerOut]:
+    """Every registered worker with the instances it is running now."""
+    running = await store.list_instances(
+        InstanceFilter(states=(InstanceState.PROCESSING,)), limit=10_000
+    )
+    by_worker: dict[str, list[object]] = {}
+    for i in running.items:
+        by_worker.setdefault(i.worker_id or "", []).append(i.id)
+    return [WorkerOut.of(w, by_worker.get(w.id, [])) for w in await store.list_workers()]  # type: ignore[arg-type]
+
+
+@router.get("/api/v1/scheduler", summary="Scheduler leader", response_model=SchedulerOut)
+async def scheduler(store: StoreDep) -> SchedulerOut:
+    """Who leads, in which term, since when."""
+    lease = await store.get_leader(0)
+    if lease is None:
+        return SchedulerOut(leader=None, term=None, since=None, expires_at=None)
+    return SchedulerOut(
+        leader=lease.holder, term=lease.term, since=lease.acquired_at, expires_at=lease.expires_at
+    )
+
+
+@router.get("/api/v1/stats", summary="Instance counts", response_model=StatsOut)
+async def stats(store: StoreDep, job: str | None = None) -> StatsOut:
+    """Instances in each state (all jobs, or one)."""
+    return StatsOut(by_state=await store.count_by_state(job))
+
+
+@router.get("/healthz", summary="Liveness", tags=["health"])
+async def healthz() -> dict[str, str]:
+    """The process answers."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz", summary="Readiness", tags=["health"], response_model=None)
+async def readyz(store: StoreDep, bus: BusDep) -> dict[str, str] | Response:
+    """Postgres and Redis are reachable."""
+    try:
+        await store.ping()
+        await bus.ping()
+    except UnavailableError as exc:
+        return problem(503, "Not ready", str(exc))
+    return {"status": "ready"}
+
+
+@router.get("/metrics", summary="Prometheus metrics", tags=["health"])
+async def metrics(store: StoreDep) -> Response:
+    """Instance counts by state and job, in the Prometheus text format."""
+    body, content_type = await render_metrics(store)
+    return Response(body, media_type=content_type)

@@ -1,0 +1,217 @@
+"""API schemas: what crosses the HTTP boundary (never ORM rows, never domain objects)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+from uuid import UUID
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jobplane.domain.models import Instance, JobDefinition, Transition, WorkerInfo
+from jobplane.domain.options import PRIORITY_MAX, PRIORITY_MIN, JobOptions
+from jobplane.domain.states import InstanceState
+
+
+class Problem(BaseModel):
+    """RFC 9457 problem details."""
+
+    type: str = "about:blank"
+    title: str
+    status: int
+    detail: str | None = None
+    instance: str | None = None
+    errors: list[dict[str, Any]] | None = Field(
+        default=None, description="Validation errors: JSON path of the field and the reason."
+    )
+
+
+class JobOut(BaseModel):
+    key: str
+    version: int
+    paused: bool
+    options: JobOptions
+    args_schema: dict[str, Any] | None
+    updated_at: datetime | None
+    updated_by: str | None
+    next_fire_times: list[datetime] = Field(
+        default_factory=list, description="Next fire times of a recurring job (UTC)."
+    )
+
+    @classmethod
+    def of(cls, definition: JobDefinition, next_fires: list[datetime] | None = None) -> JobOut:
+        return cls(
+            key=definition.key,
+            version=definition.version,
+            paused=definition.paused,
+            options=definition.options,
+            args_schema=definition.args_schema,
+            updated_at=definition.updated_at,
+            updated_by=definition.updated_by,
+            next_fire_times=next_fires or [],
+        )
+
+
+class JobPatch(BaseModel):
+    """Options to change; ``version`` must be the version you read (optimistic lock)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(description="The version being edited; 409 if it moved on.")
+    options: dict[str, Any] = Field(
+        description='Options to change, e.g. {"cron": "*/5 * * * *", "retries": 3}.'
+    )
+
+
+class TriggerIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    args: Any = Field(default=None, description="JSON arguments, validated against the job.")
+    run_at: datetime | None = Field(default=None, description="Run at this time (aware).")
+    delay_s: float | None = Field(default=None, ge=0, description="Run after this many seconds.")
+    priority: int | None = Field(default=None, ge=PRIORITY_MIN, le=PRIORITY_MAX)
+    pinned_worker: str | None = Field(default=None, max_length=200)
+
+
+class BatchTriggerItem(TriggerIn):
+    job_key: str
+
+
+class BatchTriggerIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    items: list[BatchTriggerItem] = Field(min_length=1, max_length=1000)
+
+
+class ErrorOut(BaseModel):
+    type: str
+    message: str
+    traceback: str | None = None
+
+
+class TransitionOut(BaseModel):
+    seq: int
+    from_state: InstanceState | None
+    to_state: InstanceState
+    at: datetime
+    actor: str
+    reason: str | None
+    claim_token: int | None
+
+    @classmethod
+    def of(cls, t: Transition) -> TransitionOut:
+        return cls(
+            seq=t.seq,
+            from_state=t.from_state,
+            to_state=t.to_state,
+            at=t.at,
+            actor=t.actor,
+            reason=t.reason,
+            claim_token=t.claim_token,
+        )
+
+
+class InstanceOut(BaseModel):
+    id: UUID
+    job_key: str
+    state: InstanceState
+    source: str
+    queue: str
+    priority: int
+    args: Any
+    created_at: datetime
+    scheduled_at: datetime | None
+    run_at: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    attempt: int
+    retries_used: int
+    unexpected_retries_used: int
+    worker_id: str | None
+    cancel_requested: bool
+    pinned_worker: str | None
+    retry_of: UUID | None
+    progress: float | None
+    progress_message: str | None
+    checkpoint: Any
+    result: Any
+    error: ErrorOut | None
+    reason: str | None
+    transitions: list[TransitionOut] | None = None
+
+    @classmethod
+    def of(cls, i: Instance, transitions: list[Transition] | None = None) -> InstanceOut:
+        return cls(
+            id=i.id,
+            job_key=i.job_key,
+            state=i.state,
+            source=i.source.value,
+            queue=i.queue,
+            priority=i.priority,
+            args=i.args,
+            created_at=i.created_at,
+            scheduled_at=i.scheduled_at,
+            run_at=i.run_at,
+            started_at=i.started_at,
+            finished_at=i.finished_at,
+            attempt=i.attempt,
+            retries_used=i.retries_used,
+            unexpected_retries_used=i.unexpected_retries_used,
+            worker_id=i.worker_id,
+            cancel_requested=i.cancel_requested,
+            pinned_worker=i.pinned_worker,
+            retry_of=i.retry_of,
+            progress=i.progress,
+            progress_message=i.progress_message,
+            checkpoint=i.checkpoint,
+            result=i.result,
+            error=ErrorOut(**i.error.to_json()) if i.error else None,
+            reason=i.reason,
+            transitions=[TransitionOut.of(t) for t in transitions] if transitions else None,
+        )
+
+
+class InstancePage(BaseModel):
+    items: list[InstanceOut]
+    next_cursor: UUID | None = Field(description="Pass as `before` to get the next page.")
+
+
+class WorkerOut(BaseModel):
+    id: str
+    host: str
+    pid: int
+    queues: list[str]
+    jobs: list[str]
+    capacity: int
+    version: str
+    started_at: datetime | None
+    heartbeat_at: datetime | None
+    stopped_at: datetime | None
+    running: list[UUID] = Field(default_factory=list, description="Instances it runs now.")
+
+    @classmethod
+    def of(cls, w: WorkerInfo, running: list[UUID]) -> WorkerOut:
+        return cls(
+            id=w.id,
+            host=w.host,
+            pid=w.pid,
+            queues=list(w.queues),
+            jobs=list(w.jobs),
+            capacity=w.capacity,
+            version=w.version,
+            started_at=w.started_at,
+            heartbeat_at=w.heartbeat_at,
+            stopped_at=w.stopped_at,
+            running=running,
+        )
+
+
+class SchedulerOut(BaseModel):
+    leader: str | None
+    term: int | None
+    since: datetime | None
+    expires_at: datetime | None
+
+
+class StatsOut(BaseModel):
+    by_state: dict[InstanceState, int]

@@ -1,0 +1,166 @@
+"""REST v1 over real stores and buses: every endpoint's success path and its errors."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from uuid import uuid4
+
+import httpx
+import pytest
+
+from jobplane.bus.abc import Bus
+from jobplane.domain.options import JobOptions
+from jobplane.store.sql import SqlStore
+from jobplane_api.main import create_app
+from jobplane_api.settings import ApiSettings
+from tests.apps.basic import app as jobs_app
+
+PROBLEM = "application/problem+json"
+
+
+@pytest.fixture
+async def api(store: SqlStore, bus: Bus) -> AsyncIterator[httpx.AsyncClient]:
+    for spec in jobs_app.jobs.values():
+        await store.register_definition(spec.options, spec.args_schema(), "test")
+    await store.register_definition(
+        JobOptions.parse(key="tick", kind="recurring", cron="0 12 * * *", timezone="Europe/Berlin"),
+        None,
+        "test",
+    )
+    app = create_app(ApiSettings(auth_enabled=False, max_body_bytes=4096), store=store, bus=bus)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
+            yield client
+
+
+def _problem(response: httpx.Response, status: int) -> dict[str, object]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith(PROBLEM)
+    body = response.json()
+    assert body["status"] == status and body["title"]
+    return body  # type: ignore[no-any-return]
+
+
+async def test_list_and_get_jobs(api: httpx.AsyncClient) -> None:
+    response = await api.get("/api/v1/jobs")
+    assert response.status_code == 200
+    keys = {j["key"] for j in response.json()}
+    assert {"echo", "tick", "always_fails"} <= keys
+    recurring = (await api.get("/api/v1/jobs", params={"kind": "recurring"})).json()
+    assert [j["key"] for j in recurring] == ["tick"]
+    assert (await api.get("/api/v1/jobs", params={"q": "ECHO"})).json()[0]["key"] == "echo"
+    tick = (await api.get("/api/v1/jobs/tick")).json()
+    assert len(tick["next_fire_times"]) == 10 and tick["version"] == 1
+    echo = (await api.get("/api/v1/jobs/echo")).json()
+    assert echo["args_schema"]["properties"]["value"]["type"] == "integer"
+    _problem(await api.get("/api/v1/jobs/nope"), 404)
+
+
+async def test_edit_pause_resume(api: httpx.AsyncClient, bus: Bus) -> None:
+    edited = await api.patch(
+        "/api/v1/jobs/tick", json={"version": 1, "options": {"cron": "*/5 * * * *"}}
+    )
+    assert edited.status_code == 200, edited.text
+    assert edited.json()["options"]["cron"] == "*/5 * * * *" and edited.json()["version"] == 2
+    assert (await bus.get_pending_updates(["tick"])) == {"tick": 2}
+    stale = await api.patch("/api/v1/jobs/tick", json={"version": 1, "options": {"retries": 1}})
+    _problem(stale, 409)
+    bad = await api.patch("/api/v1/jobs/tick", json={"version": 2, "options": {"cron": "nope"}})
+    body = _problem(bad, 422)
+    assert body["errors"] == [{"field": "cron", "reason": bad.json()["errors"][0]["reason"]}]
+    immutable = await api.patch("/api/v1/jobs/tick", json={"version": 2, "options": {"key": "x"}})
+    assert _problem(immutable, 422)["errors"][0]["field"] == "key"  # type: ignore[index]
+    paused = (await api.post("/api/v1/jobs/tick/pause")).json()
+    assert paused["paused"] and paused["next_fire_times"] == []
+    resumed = (await api.post("/api/v1/jobs/tick/resume")).json()
+    assert not resumed["paused"] and resumed["version"] == 4
+    _problem(await api.post("/api/v1/jobs/nope/pause"), 404)
+
+
+async def test_trigger_validates_arguments_and_replays_idempotency_keys(
+    api: httpx.AsyncClient,
+) -> None:
+    created = await api.post("/api/v1/jobs/echo/instances", json={"args": {"value": 3}})
+    assert created.status_code == 201, created.text
+    assert created.json()["state"] == "enqueued" and created.json()["args"] == {"value": 3}
+    bad = await api.post("/api/v1/jobs/echo/instances", json={"args": {"value": "three"}})
+    assert _problem(bad, 422)["errors"][0]["field"] == "args.value"  # type: ignore[index]
+    missing = await api.post("/api/v1/jobs/echo/instances", json={"args": {}})
+    assert _problem(missing, 422)["errors"][0]["field"] == "args"  # type: ignore[index]
+    _problem(await api.post("/api/v1/jobs/nope/instances", json={}), 404)
+    _problem(await api.post("/api/v1/jobs/echo/instances", json={"priority": 99}), 422)
+    _problem(await api.post("/api/v1/jobs/echo/instances", content=b"{not json"), 422)
+    headers = {"Idempotency-Key": "order-1"}
+    first = await api.post(
+        "/api/v1/jobs/echo/instances", json={"args": {"value": 1}}, headers=headers
+    )
+    again = await api.post(
+        "/api/v1/jobs/echo/instances", json={"args": {"value": 1}}, headers=headers
+    )
+    assert first.json()["id"] == again.json()["id"]
+    delayed = await api.post(
+        "/api/v1/jobs/echo/instances", json={"args": {"value": 1}, "delay_s": 3600}
+    )
+    assert delayed.json()["state"] == "scheduled"
+
+
+async def test_body_limit_is_413(api: httpx.AsyncClient) -> None:
+    big = {"args": {"value": 1, "padding": "x" * 10_000}}
+    _problem(await api.post("/api/v1/jobs/echo/instances", json=big), 413)
+
+
+async def test_instances_list_get_cancel_retry(api: httpx.AsyncClient) -> None:
+    ids = []
+    for i in range(3):
+        r = await api.post("/api/v1/jobs/echo/instances", json={"args": {"value": i}})
+        ids.append(r.json()["id"])
+    page = (await api.get("/api/v1/instances", params={"job": "echo", "limit": 2})).json()
+    assert [i["id"] for i in page["items"]] == [ids[2], ids[1]]
+    rest = (
+        await api.get(
+            "/api/v1/instances", params={"job": "echo", "limit": 2, "before": page["next_cursor"]}
+        )
+    ).json()
+    assert [i["id"] for i in rest["items"]] == [ids[0]] and rest["next_cursor"] is None
+    one = (await api.get(f"/api/v1/instances/{ids[0]}")).json()
+    assert [t["to_state"] for t in one["transitions"]] == ["enqueued"]
+    cancelled = await api.post(f"/api/v1/instances/{ids[0]}/cancel")
+    assert cancelled.json()["state"] == "cancelled"
+    _problem(await api.post(f"/api/v1/instances/{ids[0]}/cancel"), 409)
+    retried = await api.post(f"/api/v1/instances/{ids[0]}/retry")
+    assert retried.status_code == 201 and retried.json()["retry_of"] == ids[0]
+    _problem(await api.post(f"/api/v1/instances/{ids[1]}/retry"), 409)  # not terminal
+    _problem(await api.get(f"/api/v1/instances/{uuid4()}"), 404)
+    _problem(await api.get("/api/v1/instances/not-a-uuid"), 422)
+    states = (await api.get("/api/v1/instances", params={"state": ["cancelled"]})).json()
+    assert [i["id"] for i in states["items"]] == [ids[0]]
+    _problem(await api.get("/api/v1/instances", params={"state": ["bogus"]}), 422)
+
+
+async def test_batch_trigger_is_all_or_nothing(api: httpx.AsyncClient) -> None:
+    items = [{"job_key": "echo", "args": {"value": i}} for i in range(5)]
+    created = await api.post("/api/v1/instances/batch", json={"items": items})
+    assert created.status_code == 201 and len(created.json()) == 5
+    bad = [*items, {"job_key": "echo", "args": {"value": "x"}}]
+    _problem(await api.post("/api/v1/instances/batch", json={"items": bad}), 422)
+    total = (await api.get("/api/v1/stats", params={"job": "echo"})).json()["by_state"]
+    assert total == {"enqueued": 5}
+
+
+async def test_workers_scheduler_health_metrics(api: httpx.AsyncClient) -> None:
+    assert (await api.get("/api/v1/workers")).json() == []
+    assert (await api.get("/api/v1/scheduler")).json()["leader"] is None
+    assert (await api.get("/healthz")).json() == {"status": "ok"}
+    assert (await api.get("/readyz")).json() == {"status": "ready"}
+    await api.post("/api/v1/jobs/echo/instances", json={"args": {"value": 1}})
+    metrics = await api.get("/metrics")
+    assert 'jobplane_instances{job="echo",state="enqueued"} 1.0' in metrics.text
+
+
+async def test_openapi_documents_every_route(api: httpx.AsyncClient) -> None:
+    spec = (await api.get("/openapi.json")).json()
+    for path, operations in spec["paths"].items():
+        for method, operation in operations.items():
+            assert operation.get("summary"), f"{method} {path} has no summary"
+            assert operation.get("description"), f"{method} {path} has no description"
