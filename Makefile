@@ -1,0 +1,35 @@
+# The two commands of the README: `make demo` and `make test`.
+.PHONY: demo test lint typecheck pytest lock bench clean
+
+demo:  ## install (runtime lock) and run the example on the embedded default
+	@scripts/bootstrap.sh runtime
+	@rm -f jobplane-demo.db*
+	JOBPLANE_DATABASE_URL=sqlite:///jobplane-demo.db .venv/bin/jobplane dev \
+	  --app examples.hello:app \
+	  --trigger 'greet={"name": "Ada", "excited": true}' \
+	  --trigger crunch \
+	  --exit-when-done
+
+test:  ## install (dev lock), check the servers, lint, type-check, run every test
+	@scripts/bootstrap.sh dev
+	@scripts/services.sh
+	$(MAKE) --no-print-directory lint typecheck pytest
+
+lint:
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+
+typecheck:
+	.venv/bin/mypy
+
+pytest:
+	.venv/bin/pytest $(PYTEST_ARGS)
+
+lock:  ## refresh the lock files after changing dependencies (needs uv)
+	uv pip compile pyproject.toml requirements/build.in --python-version 3.11 \
+	  --generate-hashes -o requirements/runtime.lock
+	uv pip compile pyproject.toml requirements/build.in --extra dev --python-version 3.11 \
+	  --generate-hashes -o requirements/dev.lock
+
+clean:
+	rm -rf .venv .mypy_cache .ruff_cache .pytest_cache jobplane-demo.db*

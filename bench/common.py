@@ -1,0 +1,98 @@
+"""Shared set-up for benchmarks: a fresh Postgres database and a Redis key prefix."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import psycopg
+import redis.asyncio as aioredis
+from sqlalchemy.engine import make_url
+
+from jobplane.bus.abc import Bus
+from jobplane.bus.factory import open_bus
+from jobplane.runtime import migrate_database
+from jobplane.store.factory import open_store
+from jobplane.store.sql import SqlStore
+
+ROOT = Path(__file__).resolve().parent.parent
+POSTGRES_URL = os.environ.get(
+    "JOBPLANE_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
+)
+REDIS_URL = os.environ.get("JOBPLANE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def _admin(sql: str) -> None:
+    dsn = make_url(POSTGRES_URL).set(drivername="postgresql").render_as_string(False)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql)  # type: ignore[arg-type]
+
+
+@asynccontextmanager
+async def environment() -> AsyncIterator[tuple[str, str, SqlStore]]:
+    """(database url, key prefix, store) on a new database, removed afterwards."""
+    name = f"jpbench_{uuid.uuid4().hex[:10]}"
+    prefix = f"jpbench-{uuid.uuid4().hex[:10]}"
+    _admin(f'CREATE DATABASE "{name}"')
+    url = make_url(POSTGRES_URL).set(database=name).render_as_string(False)
+    try:
+        await migrate_database(url)
+        store = open_store(url, pool_size=5)
+        try:
+            yield url, prefix, store
+        finally:
+            await store.close()
+    finally:
+        _admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        client = aioredis.from_url(REDIS_URL)
+        keys = [k async for k in client.scan_iter(match=f"{prefix}:*", count=1000)]
+        if keys:
+            await client.unlink(*keys)
+        await client.aclose()
+
+
+def spawn_worker(url: str, prefix: str, index: int, concurrency: int) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "JOBPLANE_DATABASE_URL": url,
+        "JOBPLANE_REDIS_URL": REDIS_URL,
+        "JOBPLANE_KEY_PREFIX": prefix,
+        "JOBPLANE_LOG_LEVEL": "WARNING",
+    }
+    return subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "jobplane"),
+            "worker",
+            "--app",
+            "bench.apps:app",
+            "--concurrency",
+            str(concurrency),
+            "--worker-id",
+            f"bench-{index}",
+        ],
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def bus_for(prefix: str) -> Bus:
+    return open_bus(REDIS_URL, prefix)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout_s: float = 300) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError("benchmark did not finish in time")
+        await asyncio.sleep(0.05)

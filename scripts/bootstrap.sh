@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Create .venv (if needed) and install Jobplane from the lock file, reproducibly.
+#   scripts/bootstrap.sh runtime   # what `make demo` needs
+#   scripts/bootstrap.sh dev       # plus the test and lint tools
+set -euo pipefail
+cd "$(dirname "$0")/.."
+kind="${1:-dev}"
+lock="requirements/${kind}.lock"
+[ -f "$lock" ] || { echo "bootstrap: no lock file $lock" >&2; exit 2; }
+python="${PYTHON:-python3}"
+"$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+  || { echo "bootstrap: Python >= 3.11 is needed ($python is $("$python" -V 2>&1))" >&2; exit 2; }
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+stamp=".venv/.installed-${kind}"
+# Reinstall only when the lock or the project metadata changed.
+if [ ! -f "$stamp" ] || [ "$lock" -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check --require-hashes -r "$lock"
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
+    --no-build-isolation -e .
+  touch "$stamp"
+fi

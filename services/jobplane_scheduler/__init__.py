@@ -1,0 +1,3 @@
+"""The scheduler role: leader election, exact cron firing, promotions, recovery sweeps."""
+
+from __future__ import annotations
