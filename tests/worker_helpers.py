@@ -24,6 +24,7 @@ FAST = {
     "reclaim_idle_s": 1.0,
     "unknown_job_delay_s": 0.1,
     "grace_s": 1.0,
+    "timeout_grace_s": 0.2,
 }
 
 

@@ -20,34 +20,53 @@ class LeaseLostError(JobplaneError):
 
 
 class Cancellation:
-    """A cancellation signal usable from async code (``await wait()``) and from sync code in a
-    pool thread (``is_set``, ``wait_sync(timeout)``). Set by the worker, on the event loop."""
+    """A cancellation signal usable from async code (``await wait()``, or a callback that
+    cancels the job's task) and from sync code in a pool thread (``is_set``,
+    ``wait_sync(timeout)``). Set by the worker, on the event loop. Cheap to create: the
+    primitives behind it are made only when someone waits."""
 
     def __init__(self) -> None:
-        self._thread_event = threading.Event()
+        self._set = False
+        self._thread_event: threading.Event | None = None
         self._async_event: asyncio.Event | None = None
+        self._callbacks: list[Callable[[], object]] = []
         self.reason: str | None = None
 
     def set(self, reason: str) -> None:
-        if self._thread_event.is_set():
+        if self._set:
             return
         self.reason = reason
-        self._thread_event.set()
+        self._set = True  # a plain bool: reads from pool threads are safe under the GIL
+        if self._thread_event is not None:
+            self._thread_event.set()
         if self._async_event is not None:
             self._async_event.set()
+        for callback in self._callbacks:
+            callback()
+
+    def on_set(self, callback: Callable[[], object]) -> None:
+        """Call ``callback`` (on the event loop) when the signal is set."""
+        if self._set:
+            callback()
+        else:
+            self._callbacks.append(callback)
 
     def is_set(self) -> bool:
-        return self._thread_event.is_set()
+        return self._set
 
     async def wait(self) -> str | None:
         if self._async_event is None:
             self._async_event = asyncio.Event()
-            if self._thread_event.is_set():
+            if self._set:
                 self._async_event.set()
         await self._async_event.wait()
         return self.reason
 
     def wait_sync(self, timeout: float | None = None) -> bool:
+        if self._thread_event is None:
+            self._thread_event = threading.Event()
+            if self._set:
+                self._thread_event.set()
         return self._thread_event.wait(timeout)
 
 

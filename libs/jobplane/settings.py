@@ -41,7 +41,7 @@ class WorkerSettings(CommonSettings):
     #: Jobs running at once in this worker (async and sync together).
     concurrency: int = Field(default=16, ge=1)
     #: Bus entries read per round trip.
-    batch_size: int = Field(default=64, ge=1)
+    batch_size: int = Field(default=256, ge=1)
     #: How long a read blocks when the queues are empty (bounded so the worker can stop).
     poll_ms: int = Field(default=1000, ge=10)
     heartbeat_s: float = Field(default=2.0, gt=0)
@@ -52,6 +52,9 @@ class WorkerSettings(CommonSettings):
     unknown_job_delay_s: float = Field(default=1.0, ge=0)
     #: Seconds running jobs get to finish on SIGTERM before they are released.
     grace_s: float = Field(default=30.0, ge=0)
+    #: After a job's timeout its cancellation is signalled; this long later an async job is
+    #: cancelled outright (a sync job keeps its thread and slot until its code returns).
+    timeout_grace_s: float = Field(default=5.0, ge=0)
 
 
 class DevSettings(WorkerSettings):

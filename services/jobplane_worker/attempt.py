@@ -44,7 +44,7 @@ class Attempt:
 
 
 async def run_attempt(
-    attempt: Attempt, spec: JobSpec, resources: Resources, pool: Executor
+    attempt: Attempt, spec: JobSpec, resources: Resources, pool: Executor, grace_s: float
 ) -> Outcome:
     """Run the job function once and describe the end of the attempt.
 
@@ -59,7 +59,7 @@ async def run_attempt(
             result = await run_in_child(spec, ctx, claim.instance.args, timeout)
         elif spec.is_async:
             kwargs = spec.bind(ctx, claim.instance.args, resources)
-            result = await _run_async(spec, kwargs, timeout, ctx)
+            result = await _run_async(spec, kwargs, timeout, grace_s, ctx)
         else:
             kwargs = spec.bind(ctx, claim.instance.args, resources)
             result = await _run_sync(spec, kwargs, timeout, ctx, pool)
@@ -79,27 +79,38 @@ async def run_attempt(
 
 
 async def _run_async(
-    spec: JobSpec, kwargs: dict[str, Any], timeout_s: float, ctx: JobContext
+    spec: JobSpec, kwargs: dict[str, Any], timeout_s: float, grace_s: float, ctx: JobContext
 ) -> Any:
-    task = asyncio.ensure_future(spec.func(**kwargs))
-    cancel_wait = asyncio.ensure_future(ctx.cancellation.wait())
-    try:
-        done, _ = await asyncio.wait(
-            {task, cancel_wait}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
-        )
-        if task in done:
-            return task.result()
-        reason = ctx.cancellation.reason if cancel_wait in done else TIMEOUT
-        ctx.cancellation.set(reason or TIMEOUT)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        if reason == TIMEOUT:
-            raise TimeoutError
-        raise asyncio.CancelledError
-    finally:
-        cancel_wait.cancel()
-        if not task.done():
+    """Await the job in this task. Timeout, two phases: the cancellation signal is set, and
+    the task is cancelled only if the job has not returned ``grace_s`` later. A cancel request
+    or a shutdown cancels the task at once (asyncio cancellation is itself cooperative)."""
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    hard: list[asyncio.TimerHandle] = []
+
+    def on_signal() -> None:
+        if ctx.cancellation.reason == TIMEOUT:
+            hard.append(loop.call_later(grace_s, task.cancel))
+        else:
             task.cancel()
+
+    ctx.cancellation.on_set(on_signal)
+    soft = loop.call_later(timeout_s, ctx.cancellation.set, TIMEOUT)
+    try:
+        result = await spec.func(**kwargs)
+    except asyncio.CancelledError:
+        if ctx.cancellation.reason != TIMEOUT:
+            raise
+        task.uncancel()
+        raise TimeoutError from None
+    finally:
+        soft.cancel()
+        for handle in hard:
+            handle.cancel()
+    if ctx.cancellation.reason == TIMEOUT:
+        raise TimeoutError  # it noticed the signal and returned: the attempt still timed out
+    return result
 
 
 async def _run_sync(

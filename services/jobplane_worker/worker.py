@@ -42,6 +42,8 @@ from jobplane_worker.attempt import CANCEL_REQUESTED, Attempt, run_attempt
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_REASON = "worker shutdown"
+#: Claims in flight at once: the next batch is read while the previous one is being claimed.
+MAX_CLAIMS_IN_FLIGHT = 1
 
 
 class Worker:
@@ -59,6 +61,9 @@ class Worker:
         self._side_tasks: set[asyncio.Task[Any]] = set()
         self._resources: Resources = {}
         self._pool = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="jobplane-job")
+        self._reserved = 0  # entries read and being claimed: they count against capacity
+        self._last_reclaim = time.monotonic()
+        self._failure: Exception | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -129,38 +134,68 @@ class Worker:
     async def _consume(
         self, consumer: Consumer, stop: asyncio.Event, side: list[asyncio.Task[Any]]
     ) -> None:
-        reclaim_every = self.settings.reclaim_idle_s / 2
-        last_reclaim = time.monotonic()
+        """Read batches no larger than the free capacity and claim them; the next read goes
+        out while a claim is in flight (at most ``MAX_CLAIMS_IN_FLIGHT``)."""
         stopping = asyncio.ensure_future(stop.wait())
+        inflight: set[asyncio.Task[None]] = set()
         try:
             while not stop.is_set():
                 _raise_if_dead(side)
-                free = self.settings.concurrency - len(self.running)
-                if free <= 0:
+                if self._failure is not None:
+                    raise RuntimeError("claiming a batch failed") from self._failure
+                free = self.settings.concurrency - len(self.running) - self._reserved
+                if free <= 0 or len(inflight) >= MAX_CLAIMS_IN_FLIGHT:
                     # The worker-wide limit holds back consumption; it never Skips.
-                    self._slot_freed.clear()
-                    freed = asyncio.ensure_future(self._slot_freed.wait())
-                    await asyncio.wait({stopping, freed}, return_when=asyncio.FIRST_COMPLETED)
-                    freed.cancel()
+                    await self._wait_for_room(stopping, inflight)
                     continue
-                count = min(free, self.settings.batch_size)
                 try:
-                    if time.monotonic() - last_reclaim >= reclaim_every:
-                        last_reclaim = time.monotonic()
-                        idle_ms = int(self.settings.reclaim_idle_s * 1000)
-                        deliveries = await consumer.reclaim(idle_ms, count)
-                    else:
-                        deliveries = await consumer.read(count, self.settings.poll_ms)
-                    await self._handle(consumer, deliveries)
-                except UnavailableError as exc:
-                    # Stop claiming while the store or bus is away; unacked entries stay
-                    # pending and are reclaimed once it is back.
-                    logger.warning(
-                        "%s; retrying in 1 s", exc, extra={"action": "worker.unavailable"}
+                    deliveries = await self._next_batch(
+                        consumer, min(free, self.settings.batch_size)
                     )
+                except UnavailableError as exc:
+                    self._pause_warning(exc)
                     await asyncio.sleep(1)
+                    continue
+                if deliveries:
+                    self._reserved += len(deliveries)
+                    task = asyncio.create_task(self._handle_reserved(consumer, deliveries))
+                    inflight.add(task)
+                    task.add_done_callback(inflight.discard)
         finally:
             stopping.cancel()
+            await asyncio.gather(*inflight, return_exceptions=True)
+
+    async def _next_batch(self, consumer: Consumer, count: int) -> list[Delivery]:
+        """New entries, or, every ``reclaim_idle_s / 2``, entries idle on a silent consumer."""
+        if time.monotonic() - self._last_reclaim >= self.settings.reclaim_idle_s / 2:
+            self._last_reclaim = time.monotonic()
+            return await consumer.reclaim(int(self.settings.reclaim_idle_s * 1000), count)
+        return await consumer.read(count, self.settings.poll_ms)
+
+    async def _wait_for_room(
+        self, stopping: asyncio.Future[Any], inflight: set[asyncio.Task[None]]
+    ) -> None:
+        self._slot_freed.clear()
+        freed = asyncio.ensure_future(self._slot_freed.wait())
+        await asyncio.wait({stopping, freed, *inflight}, return_when=asyncio.FIRST_COMPLETED)
+        freed.cancel()
+
+    async def _handle_reserved(self, consumer: Consumer, deliveries: list[Delivery]) -> None:
+        try:
+            await self._handle(consumer, deliveries)
+        except UnavailableError as exc:
+            # Stop claiming while the store or bus is away; the unacked entries stay pending
+            # and are reclaimed once it is back.
+            self._pause_warning(exc)
+            await asyncio.sleep(1)
+        except Exception as exc:
+            self._failure = exc  # a bug: stop the worker rather than run half alive
+        finally:
+            self._reserved -= len(deliveries)
+            self._slot_freed.set()
+
+    def _pause_warning(self, exc: Exception) -> None:
+        logger.warning("%s; retrying in 1 s", exc, extra={"action": "worker.unavailable"})
 
     async def _handle(self, consumer: Consumer, deliveries: list[Delivery]) -> None:
         if not deliveries:
@@ -237,7 +272,9 @@ class Worker:
     async def _run(self, attempt: Attempt) -> None:
         spec = self.app.jobs[attempt.claim.instance.job_key]
         try:
-            outcome = await run_attempt(attempt, spec, self._resources, self._pool)
+            outcome = await run_attempt(
+                attempt, spec, self._resources, self._pool, self.settings.timeout_grace_s
+            )
         except asyncio.CancelledError:
             return  # stopped by _drain, which releases the instance
         finally:

@@ -283,10 +283,13 @@ class RedisConsumer:
     async def ack(self, deliveries: Sequence[Delivery]) -> None:
         if not deliveries:
             return
-        pipe = self.client.pipeline(transaction=False)
+        by_stream: dict[str, list[str]] = {}
         for d in deliveries:
-            pipe.xack(d.stream, GROUP, d.entry_id)
-            pipe.xdel(d.stream, d.entry_id)
+            by_stream.setdefault(d.stream, []).append(d.entry_id)
+        pipe = self.client.pipeline(transaction=False)
+        for stream, ids in by_stream.items():  # two commands per stream, whatever the batch
+            pipe.xack(stream, GROUP, *ids)
+            pipe.xdel(stream, *ids)
         async with _translated("ack"):
             await pipe.execute()
 

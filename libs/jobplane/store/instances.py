@@ -83,16 +83,29 @@ class InstanceStore(SqlBase):
                     if v["id"] in inserted_ids
                 ],
             )
-            return await self._resolve_created(conn, new, inserted_ids)
+            by_id = {
+                r.id: rows.instance_from_row(r._mapping)
+                for r in await conn.execute(select(job_instances).where(I.id.in_(inserted_ids)))
+            }
+            return await self._resolve_created(conn, new, by_id)
+
+    async def _check_keys(self, conn: AsyncConnection, keys: set[str]) -> None:
+        """Raise JobNotFoundError for the first key without a definition."""
+        found = set(
+            (
+                await conn.execute(
+                    select(job_definitions.c.key).where(job_definitions.c.key.in_(keys))
+                )
+            ).scalars()
+        )
+        for key in sorted(keys - found):
+            raise JobNotFoundError(key)
 
     async def _resolve_created(
-        self, conn: AsyncConnection, new: Sequence[NewInstance], inserted: set[UUID]
+        self, conn: AsyncConnection, new: Sequence[NewInstance], by_id: dict[UUID, Instance]
     ) -> list[Instance]:
-        """The instances standing for ``new``, in order: inserted, or the existing duplicate."""
-        by_id = {
-            r.id: rows.instance_from_row(r._mapping)
-            for r in await conn.execute(select(job_instances).where(I.id.in_(inserted)))
-        }
+        """The instances standing for ``new``, in order: inserted (``by_id``), or the existing
+        duplicate (a cron occurrence or an idempotency key seen before)."""
         result: list[Instance] = []
         for n in new:
             if n.id in by_id:

@@ -12,7 +12,7 @@ from uuid import UUID
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from jobplane.domain.models import Claim, ClaimResult, Outcome
+from jobplane.domain.models import Claim, ClaimResult, Instance, NewInstance, Outcome
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState, check_transition
 from jobplane.store import rows
@@ -138,7 +138,84 @@ SELECT id, state FROM done
 """
 
 
+# One statement creates a batch of instances with their creation history. The initial state is
+# decided against the database's clock (a ``run_at`` in the future means Scheduled), and a
+# duplicate cron occurrence or idempotency key is not inserted (the unique indexes), so two
+# schedulers firing one tick, or a replayed trigger, create nothing twice.
+CREATE_SQL = f"""
+WITH input AS (
+    SELECT * FROM unnest(
+        CAST(:ids AS uuid[]), CAST(:job_keys AS text[]), CAST(:sources AS text[]),
+        CAST(:queues AS text[]), CAST(:priorities AS integer[]), CAST(:args AS text[]),
+        CAST(:scheduled_at AS timestamptz[]), CAST(:run_at AS timestamptz[]),
+        CAST(:held AS boolean[]), CAST(:pinned AS text[]), CAST(:retry_of AS uuid[]),
+        CAST(:idempotency AS text[]), CAST(:skip_reasons AS text[]), CAST(:actors AS text[])
+    ) AS t(id, job_key, source, queue, priority, args, scheduled_at, run_at, held,
+           pinned_worker, retry_of, idempotency_key, skip_reason, actor)
+),
+resolved AS (
+    SELECT t.*, d.options,
+           CASE WHEN t.skip_reason IS NOT NULL THEN 'skipped'
+                WHEN t.held OR t.run_at > now() THEN 'scheduled'
+                ELSE 'enqueued' END AS state
+    FROM input t JOIN job_definitions d ON d.key = t.job_key
+),
+ins AS (
+    INSERT INTO job_instances (
+        id, job_key, state, source, queue, priority, args, created_at, scheduled_at, run_at,
+        finished_at, pinned_worker, retry_of, idempotency_key, reason
+    )
+    SELECT id, job_key, state, source, COALESCE(queue, options ->> 'queue'),
+           COALESCE(priority, CAST(options ->> 'priority' AS integer)), CAST(args AS jsonb),
+           now(), scheduled_at, CASE WHEN held THEN NULL ELSE run_at END,
+           CASE WHEN state = 'skipped' THEN now() END, pinned_worker, retry_of,
+           idempotency_key, skip_reason
+    FROM resolved
+    ON CONFLICT DO NOTHING
+    RETURNING {_cols("job_instances")}
+),
+history AS (
+    INSERT INTO instance_transitions (instance_id, from_state, to_state, actor, reason)
+    SELECT ins.id, NULL, ins.state, r.actor, r.skip_reason
+    FROM ins JOIN resolved r ON r.id = ins.id
+    RETURNING 1
+)
+SELECT * FROM ins
+"""
+
+
+# Built once: SQLAlchemy then compiles each of them once per process, not once per call.
+CREATE = text(CREATE_SQL).columns(*job_instances.c)
+CLAIM = text(CLAIM_SQL).columns(*job_instances.c, job_options=job_instances.c.args.type)
+COMPLETE = text(COMPLETE_SQL)
+
+
 class PostgresStore(SqlStore):
+    async def create_instances(self, new: Sequence[NewInstance]) -> list[Instance]:
+        if not new:
+            return []
+        params: dict[str, Any] = {
+            "ids": [n.id for n in new],
+            "job_keys": [n.job_key for n in new],
+            "sources": [n.source.value for n in new],
+            "queues": [n.queue for n in new],
+            "priorities": [n.priority for n in new],
+            "args": [None if n.args is None else json.dumps(n.args) for n in new],
+            "scheduled_at": [n.scheduled_at for n in new],
+            "run_at": [n.run_at for n in new],
+            "held": [n.held for n in new],
+            "pinned": [n.pinned_worker for n in new],
+            "retry_of": [n.retry_of for n in new],
+            "idempotency": [n.idempotency_key for n in new],
+            "skip_reasons": [n.skip_reason for n in new],
+            "actors": [n.actor for n in new],
+        }
+        async with self._write() as conn:
+            await self._check_keys(conn, {n.job_key for n in new})
+            result = await conn.execute(CREATE, params)
+            by_id = {row.id: rows.instance_from_row(row._mapping) for row in result}
+            return await self._resolve_created(conn, new, by_id)
+
     async def _next_tokens(self, conn: AsyncConnection, count: int) -> list[int]:
         result = await conn.execute(
             text("SELECT nextval('claim_token_seq') FROM generate_series(1, :n)"), {"n": count}
@@ -150,10 +227,9 @@ class PostgresStore(SqlStore):
     ) -> ClaimResult:
         if not ids:
             return ClaimResult()
-        statement = text(CLAIM_SQL).columns(*job_instances.c, job_options=job_instances.c.args.type)
         async with self._write() as conn:
             result = await conn.execute(
-                statement,
+                CLAIM,
                 {
                     "ids": list(dict.fromkeys(ids)),
                     "jobs": list(jobs),
@@ -166,14 +242,13 @@ class PostgresStore(SqlStore):
         claimed: list[Claim] = []
         skipped: list[UUID] = []
         waiting: list[UUID] = []
+        options: dict[str, JobOptions] = {}  # parsed once per job key, not once per row
         for row in found:
             if row["outcome"] == "claimed":
-                claimed.append(
-                    Claim(
-                        instance=rows.instance_from_row(row),
-                        options=JobOptions.model_validate(row["job_options"]),
-                    )
-                )
+                key = row["job_key"]
+                if key not in options:
+                    options[key] = JobOptions.model_validate(row["job_options"])
+                claimed.append(Claim(instance=rows.instance_from_row(row), options=options[key]))
             elif row["outcome"] == "skipped":
                 skipped.append(row["id"])
             else:
@@ -200,7 +275,7 @@ class PostgresStore(SqlStore):
             "reasons": [o.reason for o in outcomes],
         }
         async with self._write() as conn:
-            result = await conn.execute(text(COMPLETE_SQL), params)
+            result = await conn.execute(COMPLETE, params)
             ended = {row.id: S(row.state) for row in result}
             for outcome in outcomes:
                 if outcome.instance_id not in ended:
