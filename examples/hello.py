@@ -59,7 +59,7 @@ def crunch(ctx: JobContext) -> int:
     return total
 
 
-@app.recurring("*/10 * * * * *", timezone="UTC")
+@app.recurring("* * * * * */10", timezone="UTC")
 def heartbeat(ctx: JobContext) -> None:
-    """Fires every 10 seconds once the scheduler runs (or by hand)."""
+    """Fires every 10 seconds (the sixth cron field is seconds)."""
     ctx.logger.info("still alive")

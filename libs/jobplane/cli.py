@@ -117,6 +117,22 @@ def worker(
 
 
 @cli.command()
+def scheduler() -> None:
+    """Run a scheduler replica: one leader fires cron ticks, promotes delayed instances,
+    releases expired leases and republishes lost messages; the others stand by."""
+    from jobplane_scheduler.settings import SchedulerSettings
+
+    settings = SchedulerSettings()
+
+    async def go() -> None:
+        from jobplane_scheduler.main import run_scheduler
+
+        await run_scheduler(settings, stop_on_signals())
+
+    run(go, settings.log_level)
+
+
+@cli.command()
 def api(
     host: Annotated[str | None, typer.Option("--host", help="Interface to bind.")] = None,
     port: Annotated[int | None, typer.Option("--port", help="Port to listen on.")] = None,

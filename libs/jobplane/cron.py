@@ -6,7 +6,7 @@ Fire times are computed in the job's IANA time zone and returned as aware UTC da
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from croniter import CroniterError, croniter
@@ -44,3 +44,57 @@ def next_fire_times(expression: str, tz: str, after: datetime, count: int) -> li
     zone = validate_timezone(tz)
     it = croniter(expression, after.astimezone(zone))
     return [it.get_next(datetime) for _ in range(count)]
+
+
+class CronSchedule:
+    """Fire times of one expression in one time zone, with the daylight-saving rules of Vixie
+    cron (and Cronos):
+
+    - a wall-clock time skipped in spring (e.g. 02:30 when clocks jump 02:00 → 03:00) fires
+      once, right after the gap (03:00);
+    - a time repeated in autumn (02:30 happens twice when clocks go 03:00 → 02:00) fires once,
+      the first time, when the hour field is fixed (``30 2 * * *``);
+    - expressions whose hour field is ``*`` or a step (``*/15 * * * *``, ``0 */2 * * *``, any
+      seconds or minutes step) keep their cadence in elapsed time across both changes.
+
+    All times going in and out are aware; results are in UTC.
+    """
+
+    def __init__(self, expression: str, timezone: str) -> None:
+        self.expression = validate_cron(expression)
+        self.zone = validate_timezone(timezone)
+        hour_field = self.expression.split()[1]
+        # A fixed hour (e.g. 2, 1-3, 2,14) fires once per wall-clock time.
+        self._fixed_hour = not hour_field.startswith("*")
+
+    def next_after(self, after: datetime) -> datetime:
+        """The first fire time strictly after ``after``."""
+        if after.tzinfo is None:
+            raise ValueError("after must be timezone-aware")
+        it = croniter(self.expression, after.astimezone(self.zone))
+        while True:
+            candidate: datetime = it.get_next(datetime)
+            if not (self._fixed_hour and _second_of_repeated(candidate)):
+                return candidate.astimezone(UTC)
+
+    def between(self, after: datetime, until: datetime, limit: int) -> list[datetime]:
+        """Fire times in ``(after, until]``, at most ``limit`` (the earliest ones)."""
+        out: list[datetime] = []
+        current = after
+        while len(out) < limit:
+            current = self.next_after(current)
+            if current > until:
+                break
+            out.append(current)
+        return out
+
+
+def _second_of_repeated(moment: datetime) -> bool:
+    """Whether ``moment`` is the second occurrence of a wall-clock time repeated in autumn."""
+    wall = moment.replace(tzinfo=None)
+    zone = moment.tzinfo
+    first = wall.replace(fold=0, tzinfo=zone)
+    second = wall.replace(fold=1, tzinfo=zone)
+    if first.utcoffset() == second.utcoffset():
+        return False  # not an ambiguous time
+    return moment.utcoffset() == second.utcoffset()

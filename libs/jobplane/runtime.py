@@ -29,6 +29,8 @@ from jobplane.store.sql import SqlStore
 
 logger = logging.getLogger(__name__)
 
+_COMMON = set(CommonSettings.model_fields)
+
 
 async def migrate_database(url: str) -> str:
     """Upgrade the schema at ``url`` to the head revision; return it."""
@@ -95,7 +97,10 @@ async def run_dev(
     requests: Sequence[tuple[str, Any]],
     exit_when_done: bool,
 ) -> None:
-    """Every role in one process: migrate, run a worker, trigger ``requests``."""
+    """Every role in one process: migrate, run a worker and a scheduler, trigger
+    ``requests``."""
+    from jobplane_scheduler.scheduler import Scheduler
+    from jobplane_scheduler.settings import SchedulerSettings
     from jobplane_worker.worker import Worker
 
     app = load_app(app_path)
@@ -103,13 +108,25 @@ async def run_dev(
     async with backends(settings) as (store, bus):
         worker = Worker(app, store, bus, settings)
         running = asyncio.create_task(worker.run(stop))
-        await _wait_registered(store, app.jobs.keys(), running)
-        dispatcher = Dispatcher(store, bus)
-        triggered = [await dispatcher.trigger(key, args, actor="dev") for key, args in requests]
-        if exit_when_done:
-            await _until_ended(store, [i.id for i in triggered], running)
+        scheduling: asyncio.Task[None] | None = None
+        triggered: list[Instance] = []
+        try:
+            await _wait_registered(store, app.jobs.keys(), running)
+            scheduler_settings = SchedulerSettings(**settings.model_dump(include=_COMMON))
+            scheduler = Scheduler(store, bus, scheduler_settings)
+            scheduling = asyncio.create_task(scheduler.run(stop))
+            dispatcher = Dispatcher(store, bus)
+            for key, args in requests:
+                triggered.append(await dispatcher.trigger(key, args, actor="dev"))
+            if exit_when_done:
+                await _until_ended(store, [i.id for i in triggered], running)
+                stop.set()
+            await running
+        finally:
+            # Whatever happened (a bad trigger, Ctrl-C), the roles stop cleanly before the
+            # store and bus close under them.
             stop.set()
-        await running
+            await asyncio.gather(running, *([scheduling] if scheduling else []))
         if triggered:
             # Not a terminal (a pipe, a log): wide enough that rows are never wrapped.
             console = Console() if sys.stdout.isatty() else Console(width=200)

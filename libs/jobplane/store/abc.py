@@ -72,8 +72,11 @@ class Store(Protocol):
 
     # -- instances -----------------------------------------------------------------------
 
-    async def create_instances(self, new: Sequence[NewInstance]) -> list[Instance]:
-        """Insert instances in one batch with their creation history, in order.
+    async def create_instances(
+        self, new: Sequence[NewInstance], *, fence: LeaderLease | None = None
+    ) -> list[Instance]:
+        """Insert instances in one batch with their creation history, in order. With
+        ``fence`` (a leader's lease) nothing is written unless that term is still live.
 
         Raises JobNotFoundError for an unknown key (nothing inserted). A cron occurrence whose
         (job key, scheduled time) exists, or an idempotency key already used for the job,
@@ -177,3 +180,35 @@ class Store(Protocol):
         """Give the lease up at once (graceful stop) if still held at ``term``."""
 
     async def get_leader(self, shard: int) -> LeaderLease | None: ...
+
+    # -- leader duties (each fenced by the leader's lease; NotLeaderError when deposed) ----
+
+    async def fire(self, lease: LeaderLease, new: Sequence[NewInstance]) -> list[Instance]:
+        """Create cron occurrences (and misfire records) as leader; a tick already recorded
+        is not created again (unique job key + scheduled time)."""
+
+    async def last_occurrences(self, keys: Collection[str]) -> dict[str, datetime]:
+        """The latest recorded cron tick of each job: where the next fire is computed from."""
+
+    async def promote_due(self, lease: LeaderLease, limit: int = 1000) -> list[Instance]:
+        """Scheduled instances whose ``run_at`` has come (database clock) → Enqueued."""
+
+    async def release_expired(self, lease: LeaderLease, limit: int = 1000) -> list[Instance]:
+        """Expired attempt leases: → Enqueued (an unexpected retry, no retry used), →
+        Terminated when unexpected retries are exhausted, → Cancelled if a cancel was pending.
+        Returns the released (Enqueued) ones, to publish."""
+
+    async def scheduled_due_within(self, seconds: float) -> list[datetime]:
+        """``run_at`` of the Scheduled instances due within ``seconds``."""
+
+    async def unpublished(self, older_than_s: float, limit: int = 1000) -> list[Instance]:
+        """Enqueued, unclaimed instances whose message may be lost."""
+
+    async def all_enqueued(self, after: UUID | None, limit: int = 1000) -> list[Instance]:
+        """Every Enqueued instance in id order, a page at a time."""
+
+    async def mark_dead_workers(self, silent_for_s: float) -> list[str]:
+        """Mark workers silent for ``silent_for_s`` as stopped; return their ids."""
+
+    async def delete_finished_before(self, before: datetime, limit: int = 1000) -> int:
+        """Retention: delete a batch of terminal instances (and history) finished before."""

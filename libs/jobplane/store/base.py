@@ -26,20 +26,19 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from jobplane.domain.models import LeaderLease
 from jobplane.domain.states import InstanceState
-from jobplane.errors import (
-    StoreUnavailableError,
-)
-from jobplane.store.tables import (
-    counters,
-    instance_transitions,
-    job_instances,
-)
+from jobplane.errors import JobplaneError, StoreUnavailableError
+from jobplane.store.tables import counters, instance_transitions, job_instances, scheduler_leases
 
 logger = logging.getLogger("jobplane.store")
 
 S = InstanceState
 I = job_instances.c  # noqa: E741 - the instance table's columns, used everywhere
+
+
+class NotLeaderError(JobplaneError):
+    """The lease of this term is no longer live: a leader write was refused."""
 
 
 class SqlBase:
@@ -103,6 +102,27 @@ class SqlBase:
         """Insert transition records (``at`` defaults to the database's clock)."""
         if records:
             await conn.execute(instance_transitions.insert(), records)
+
+    async def _fence(self, conn: AsyncConnection, lease: LeaderLease | None) -> None:
+        """Fence a leader write: share-lock the live lease row of its term. A takeover must
+        update that row, so it waits until this transaction commits; a deposed leader (lease
+        expired or taken, e.g. after a SIGSTOP) finds no live row and writes nothing."""
+        if lease is None:
+            return
+        live = (
+            await conn.execute(
+                select(scheduler_leases.c.term)
+                .where(
+                    scheduler_leases.c.shard == lease.shard,
+                    scheduler_leases.c.holder == lease.holder,
+                    scheduler_leases.c.term == lease.term,
+                    scheduler_leases.c.expires_at > self._clock(),
+                )
+                .with_for_update(read=True)
+            )
+        ).first()
+        if live is None:
+            raise NotLeaderError(f"term {lease.term} of shard {lease.shard} is over")
 
 
 def _aware(value: datetime | str) -> datetime:

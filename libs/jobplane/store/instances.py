@@ -19,6 +19,7 @@ from jobplane.domain.models import (
     Instance,
     InstanceFilter,
     InstanceSource,
+    LeaderLease,
     NewInstance,
     Page,
     Transition,
@@ -41,10 +42,13 @@ from jobplane.store.tables import (
 class InstanceStore(SqlBase):
     """Instance creation and reads."""
 
-    async def create_instances(self, new: Sequence[NewInstance]) -> list[Instance]:
+    async def create_instances(
+        self, new: Sequence[NewInstance], *, fence: LeaderLease | None = None
+    ) -> list[Instance]:
         if not new:
             return []
         async with self._write() as conn:
+            await self._fence(conn, fence)
             now = await self._now(conn)
             keys = {n.job_key for n in new}
             defs = {

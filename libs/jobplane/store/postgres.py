@@ -12,7 +12,14 @@ from uuid import UUID
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from jobplane.domain.models import Claim, ClaimResult, Instance, NewInstance, Outcome
+from jobplane.domain.models import (
+    Claim,
+    ClaimResult,
+    Instance,
+    LeaderLease,
+    NewInstance,
+    Outcome,
+)
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState, check_transition
 from jobplane.store import rows
@@ -191,7 +198,9 @@ COMPLETE = text(COMPLETE_SQL)
 
 
 class PostgresStore(SqlStore):
-    async def create_instances(self, new: Sequence[NewInstance]) -> list[Instance]:
+    async def create_instances(
+        self, new: Sequence[NewInstance], *, fence: LeaderLease | None = None
+    ) -> list[Instance]:
         if not new:
             return []
         params: dict[str, Any] = {
@@ -211,6 +220,7 @@ class PostgresStore(SqlStore):
             "actors": [n.actor for n in new],
         }
         async with self._write() as conn:
+            await self._fence(conn, fence)
             await self._check_keys(conn, {n.job_key for n in new})
             result = await conn.execute(CREATE, params)
             by_id = {row.id: rows.instance_from_row(row._mapping) for row in result}

@@ -7,9 +7,10 @@ from jobplane.store.cluster import ClusterStore
 from jobplane.store.definitions import DefinitionStore
 from jobplane.store.instances import InstanceStore
 from jobplane.store.lifecycle import LIMIT_REASON, LifecycleStore
+from jobplane.store.sweeps import SweepStore
 
 
-class SqlStore(DefinitionStore, InstanceStore, LifecycleStore, ClusterStore):
+class SqlStore(DefinitionStore, InstanceStore, LifecycleStore, ClusterStore, SweepStore):
     """Generic implementation of :class:`jobplane.store.abc.Store`; owns its engine."""
 
 

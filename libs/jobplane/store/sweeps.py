@@ -1,0 +1,259 @@
+"""The leader's duties in the store: fire cron ticks, promote due instances, release expired
+leases, find what to republish, mark dead workers, apply retention.
+
+Every write made as leader runs in a transaction that first takes a share lock on the live
+lease row of its term (:meth:`SweepStore._fence`). A takeover must update that row, so it waits
+until the write has committed, and a deposed leader (its lease expired or taken, e.g. after a
+SIGSTOP) finds no live row and writes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+from uuid import UUID
+
+from sqlalchemy import and_, delete, func, or_, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from jobplane.domain.models import Instance, InstanceSource, LeaderLease, NewInstance
+from jobplane.domain.options import JobOptions
+from jobplane.store import rows
+from jobplane.store.base import I, NotLeaderError, S, SqlBase
+from jobplane.store.tables import (
+    instance_transitions,
+    job_definitions,
+    job_instances,
+    job_slots,
+    workers,
+)
+
+EXHAUSTED = "max unexpected retries exhausted"
+LEASE_EXPIRED = "lease expired"
+
+
+class SweepStore(SqlBase):
+    """Leader-only operations. Each takes the leader's ``lease`` (its fencing token)."""
+
+    async def fire(self, lease: LeaderLease, new: Sequence[NewInstance]) -> list[Instance]:
+        """Create cron occurrences (and misfire records) as leader. A tick already recorded is
+        not created again (unique job key + scheduled time): the existing one is returned."""
+        return await self.create_instances(new, fence=lease)  # type: ignore[attr-defined,no-any-return]
+
+    async def last_occurrences(self, keys: Collection[str]) -> dict[str, datetime]:
+        """The latest recorded cron tick of each job (fired or recorded as missed)."""
+        if not keys:
+            return {}
+        async with self._read() as conn:
+            result = await conn.execute(
+                select(I.job_key, func.max(I.scheduled_at))
+                .where(I.job_key.in_(list(keys)), I.source == InstanceSource.CRON.value)
+                .group_by(I.job_key)
+            )
+            return {key: at for key, at in result if at is not None}
+
+    async def promote_due(self, lease: LeaderLease, limit: int = 1000) -> list[Instance]:
+        """Scheduled instances whose ``run_at`` has come (the database's clock) → Enqueued."""
+        async with self._write() as conn:
+            await self._fence(conn, lease)
+            due = (
+                (
+                    await conn.execute(
+                        select(I.id)
+                        .where(
+                            I.state == S.SCHEDULED.value,
+                            I.run_at.is_not(None),
+                            I.run_at <= self._clock(),
+                        )
+                        .order_by(I.run_at)
+                        .limit(limit)
+                        .with_for_update(skip_locked=True)
+                    )
+                )
+                .scalars()
+                .all()
+            )
+            return await self._move_many(conn, list(due), S.SCHEDULED, S.ENQUEUED, "due", {})
+
+    async def release_expired(self, lease: LeaderLease, limit: int = 1000) -> list[Instance]:
+        """Attempts whose lease expired: released to Enqueued (no retry used, one unexpected
+        retry counted), Terminated once unexpected retries are exhausted, or Cancelled if a
+        cancel was pending. The slot goes back in the same transaction."""
+        async with self._write() as conn:
+            await self._fence(conn, lease)
+            expired = (
+                await conn.execute(
+                    select(
+                        I.id,
+                        I.unexpected_retries_used,
+                        I.cancel_requested,
+                        job_definitions.c.options,
+                    )
+                    .join(job_definitions, job_definitions.c.key == I.job_key)
+                    .where(I.state == S.PROCESSING.value, I.lease_expires_at < self._clock())
+                    .order_by(I.lease_expires_at)
+                    .limit(limit)
+                    .with_for_update(of=job_instances, skip_locked=True)
+                )
+            ).all()
+            cancel = [r.id for r in expired if r.cancel_requested]
+            exhausted: list[UUID] = []
+            release: list[UUID] = []
+            for r in expired:
+                if r.cancel_requested:
+                    continue
+                allowed = JobOptions.model_validate(r.options).max_unexpected_retries
+                (exhausted if r.unexpected_retries_used >= allowed else release).append(r.id)
+            out = await self._move_many(
+                conn,
+                release,
+                S.PROCESSING,
+                S.ENQUEUED,
+                LEASE_EXPIRED,
+                {"unexpected_retries_used": I.unexpected_retries_used + 1},
+            )
+            await self._move_many(conn, exhausted, S.PROCESSING, S.TERMINATED, EXHAUSTED, {})
+            await self._move_many(
+                conn, cancel, S.PROCESSING, S.CANCELLED, "cancelled; its worker was lost", {}
+            )
+            return out
+
+    async def _move_many(
+        self,
+        conn: AsyncConnection,
+        ids: list[UUID],
+        from_state: S,
+        to_state: S,
+        reason: str,
+        values: dict[str, Any],
+    ) -> list[Instance]:
+        """Compare-and-set a set of rows ``from_state → to_state``, history included; leaving
+        Processing gives each job's slots back."""
+        if not ids:
+            return []
+        changes: dict[str, Any] = {"state": to_state.value, "reason": reason, **values}
+        if to_state.is_terminal:
+            changes["finished_at"] = self._clock()
+        if to_state is S.ENQUEUED:
+            changes["published_at"] = None
+        if from_state is S.PROCESSING:
+            changes["lease_expires_at"] = None
+        moved = [
+            rows.instance_from_row(r._mapping)
+            for r in await conn.execute(
+                update(job_instances)
+                .where(I.id.in_(ids), I.state == from_state.value)
+                .values(**changes)
+                .returning(*job_instances.c)
+            )
+        ]
+        if from_state is S.PROCESSING:
+            per_key: dict[str, int] = {}
+            for i in moved:
+                per_key[i.job_key] = per_key.get(i.job_key, 0) + 1
+            for key, n in sorted(per_key.items()):
+                await conn.execute(
+                    update(job_slots)
+                    .where(job_slots.c.job_key == key)
+                    .values(used=job_slots.c.used - n)
+                )
+        await self._history(
+            conn,
+            [
+                {
+                    "instance_id": i.id,
+                    "from_state": from_state.value,
+                    "to_state": to_state.value,
+                    "actor": "scheduler",
+                    "reason": reason,
+                    "claim_token": i.claim_token,
+                }
+                for i in moved
+            ],
+        )
+        return moved
+
+    async def scheduled_due_within(self, seconds: float) -> list[datetime]:
+        """``run_at`` of Scheduled instances due within ``seconds`` (the leader's timers)."""
+        async with self._read() as conn:
+            horizon = await self._now(conn) + timedelta(seconds=seconds)
+            result = await conn.execute(
+                select(I.run_at)
+                .where(I.state == S.SCHEDULED.value, I.run_at.is_not(None), I.run_at <= horizon)
+                .order_by(I.run_at)
+                .limit(1000)
+            )
+            return [at for at in result.scalars() if at is not None]
+
+    async def unpublished(self, older_than_s: float, limit: int = 1000) -> list[Instance]:
+        """Enqueued instances whose message may be gone: never published, or published longer
+        ago than ``older_than_s`` and still unclaimed. Instances parked by ``on_limit=wait``
+        (unpublished on purpose) are included only while their job has a free slot, so a full
+        job is not republished on every sweep."""
+        async with self._read() as conn:
+            cutoff = await self._now(conn) - timedelta(seconds=older_than_s)
+            result = await conn.execute(
+                select(job_instances)
+                .join(job_slots, job_slots.c.job_key == I.job_key)
+                .join(job_definitions, job_definitions.c.key == I.job_key)
+                .where(
+                    I.state == S.ENQUEUED.value,
+                    or_(I.published_at.is_(None), I.published_at < cutoff),
+                    I.created_at < cutoff,
+                    job_slots.c.used < job_definitions.c.max_concurrency,
+                )
+                .order_by(I.priority.desc(), I.id)
+                .limit(limit)
+            )
+            return [rows.instance_from_row(r._mapping) for r in result]
+
+    async def all_enqueued(self, after: UUID | None, limit: int = 1000) -> list[Instance]:
+        """Every Enqueued instance, in id order (republished after the bus lost everything)."""
+        query = select(job_instances).where(I.state == S.ENQUEUED.value).order_by(I.id)
+        if after is not None:
+            query = query.where(I.id > after)
+        async with self._read() as conn:
+            result = await conn.execute(query.limit(limit))
+            return [rows.instance_from_row(r._mapping) for r in result]
+
+    async def mark_dead_workers(self, silent_for_s: float) -> list[str]:
+        """Workers with no heartbeat for ``silent_for_s`` are marked stopped."""
+        async with self._write() as conn:
+            cutoff = await self._now(conn) - timedelta(seconds=silent_for_s)
+            result = await conn.execute(
+                update(workers)
+                .where(workers.c.stopped_at.is_(None), workers.c.heartbeat_at < cutoff)
+                .values(stopped_at=self._clock())
+                .returning(workers.c.id)
+            )
+            return list(result.scalars())
+
+    async def delete_finished_before(self, before: datetime, limit: int = 1000) -> int:
+        """Retention: delete up to ``limit`` terminal instances finished before ``before``,
+        with their history. Returns how many went (call again until 0)."""
+        terminal = [s.value for s in S if s.is_terminal]
+        async with self._write() as conn:
+            ids = (
+                (
+                    await conn.execute(
+                        select(I.id)
+                        .where(and_(I.state.in_(terminal), I.finished_at < before))
+                        .order_by(I.finished_at)
+                        .limit(limit)
+                        .with_for_update(skip_locked=True)
+                    )
+                )
+                .scalars()
+                .all()
+            )
+            if not ids:
+                return 0
+            await conn.execute(
+                delete(instance_transitions).where(instance_transitions.c.instance_id.in_(ids))
+            )
+            await conn.execute(delete(job_instances).where(I.id.in_(ids)))
+            return len(ids)
+
+
+__all__ = ["EXHAUSTED", "LEASE_EXPIRED", "NotLeaderError", "SweepStore"]

@@ -1,0 +1,156 @@
+"""The leader's cron bookkeeping: which tick of which job is due next, and what a misfire
+policy makes of the ticks missed while no leader ran.
+
+Pure logic over definitions and recorded occurrences; the leader does the I/O.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from jobplane.cron import CronSchedule
+from jobplane.domain.models import InstanceSource, JobDefinition, NewInstance
+from jobplane.domain.options import MisfirePolicy
+
+logger = logging.getLogger(__name__)
+
+MISFIRE = "misfire"
+
+
+@dataclass(order=True)
+class _Entry:
+    at: datetime
+    key: str = field(compare=True)
+    version: int = field(compare=False)
+
+
+@dataclass
+class CronTimers:
+    """A heap of the next fire time of every active recurring job."""
+
+    _heap: list[_Entry] = field(default_factory=list)
+    _schedules: dict[str, tuple[int, CronSchedule, JobDefinition]] = field(default_factory=dict)
+
+    def set_job(self, definition: JobDefinition, last: datetime | None, now: datetime) -> None:
+        """(Re)schedule a job from its last recorded occurrence (never from "now", so a new
+        leader continues exactly where the old one stopped)."""
+        options = definition.options
+        if not is_active(definition):
+            self._schedules.pop(definition.key, None)
+            return
+        assert options.cron is not None
+        schedule = CronSchedule(options.cron, options.timezone)
+        self._schedules[definition.key] = (definition.version, schedule, definition)
+        start = last or max(now, options.start_at or now)
+        if options.start_at and start < options.start_at:
+            start = options.start_at
+        nxt = schedule.next_after(start)
+        heapq.heappush(self._heap, _Entry(nxt, definition.key, definition.version))
+
+    def drop_job(self, key: str) -> None:
+        self._schedules.pop(key, None)
+
+    def next_time(self) -> datetime | None:
+        self._discard_stale()
+        return self._heap[0].at if self._heap else None
+
+    def pop_due(self, now: datetime) -> list[tuple[str, datetime]]:
+        """Every (job key, tick) due at ``now``; the caller records them, then calls
+        :meth:`advance` for each."""
+        due: list[tuple[str, datetime]] = []
+        while True:
+            self._discard_stale()
+            if not self._heap or self._heap[0].at > now:
+                return due
+            entry = heapq.heappop(self._heap)
+            due.append((entry.key, entry.at))
+
+    def advance(self, key: str, fired_at: datetime) -> None:
+        found = self._schedules.get(key)
+        if found is None:
+            return
+        version, schedule, definition = found
+        nxt = schedule.next_after(fired_at)
+        end = definition.options.end_at
+        if end is not None and nxt > end:
+            return
+        heapq.heappush(self._heap, _Entry(nxt, key, version))
+
+    def _discard_stale(self) -> None:
+        # Entries of a dropped job or of an older version of its definition are skipped.
+        while self._heap:
+            top = self._heap[0]
+            current = self._schedules.get(top.key)
+            if current is not None and current[0] == top.version:
+                return
+            heapq.heappop(self._heap)
+
+
+def is_active(definition: JobDefinition) -> bool:
+    options = definition.options
+    return bool(options.cron) and not definition.paused and not options.disabled
+
+
+def catch_up(definition: JobDefinition, last: datetime | None, now: datetime) -> list[NewInstance]:
+    """What the misfire policy makes of the ticks in ``(last, now]`` missed while no leader ran
+    (or while the job was paused): fired instances and Skipped records (reason "misfire").
+
+    At most ``misfire_max`` ticks are considered per call (the latest ones are what the policy
+    fires; older ones beyond the bound are reported in one log line, not recorded).
+    """
+    options = definition.options
+    if last is None or not is_active(definition) or options.cron is None:
+        return []
+    schedule = CronSchedule(options.cron, options.timezone)
+    until = min(now, options.end_at) if options.end_at else now
+    bound = options.misfire_max
+    missed = schedule.between(last, until, bound + 1)
+    if not missed:
+        return []
+    if len(missed) > bound:
+        # Find the latest ``bound`` ticks by walking from a later start.
+        missed = _latest(schedule, last, until, bound)
+        logger.warning(
+            "job %s missed more than %d ticks; older ones are not recorded",
+            definition.key,
+            bound,
+            extra={"action": "scheduler.misfire_overflow", "job_key": definition.key},
+        )
+    if options.misfire is MisfirePolicy.FIRE_ALL:
+        fire, skip = missed, []
+    elif options.misfire is MisfirePolicy.FIRE_ONCE:
+        fire, skip = missed[-1:], missed[:-1]
+    else:
+        fire, skip = [], missed
+    return [_occurrence(definition.key, at, MISFIRE) for at in skip] + [
+        _occurrence(definition.key, at, None) for at in fire
+    ]
+
+
+def _latest(schedule: CronSchedule, last: datetime, until: datetime, n: int) -> list[datetime]:
+    window: list[datetime] = []
+    current = last
+    while True:
+        current = schedule.next_after(current)
+        if current > until:
+            return window
+        window.append(current)
+        if len(window) > n:
+            window.pop(0)
+
+
+def _occurrence(key: str, at: datetime, skip_reason: str | None) -> NewInstance:
+    return NewInstance(
+        job_key=key,
+        source=InstanceSource.CRON,
+        scheduled_at=at,
+        skip_reason=skip_reason,
+        actor="scheduler",
+    )
+
+
+def occurrence(key: str, at: datetime) -> NewInstance:
+    return _occurrence(key, at, None)

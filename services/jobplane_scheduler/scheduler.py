@@ -1,0 +1,276 @@
+"""The scheduler role: elect one leader; the leader fires cron ticks on the second, promotes
+due instances, releases expired leases, republishes what the bus may have lost.
+
+Every replica runs :class:`Scheduler`. It renews or takes the lease every third of its TTL;
+while it holds it, :class:`LeaderDuties` run. Every write made as leader is fenced by the
+lease's term in the store, so a deposed leader (paused, partitioned) writes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from datetime import datetime, timedelta
+from typing import Any
+from uuid import UUID
+
+from jobplane.bus.abc import Bus
+from jobplane.bus.envelope import EventKind
+from jobplane.dispatch import Dispatcher
+from jobplane.domain.models import Instance, LeaderLease
+from jobplane.errors import UnavailableError
+from jobplane.store.base import NotLeaderError
+from jobplane.store.sql import SqlStore
+from jobplane_scheduler.cron_timers import CronTimers, catch_up, is_active, occurrence
+from jobplane_scheduler.settings import SchedulerSettings
+
+logger = logging.getLogger(__name__)
+
+Clock = Callable[[], Awaitable[datetime]]
+
+
+class Scheduler:
+    """One scheduler replica. Does not own the store or the bus."""
+
+    def __init__(self, store: SqlStore, bus: Bus, settings: SchedulerSettings) -> None:
+        self.store = store
+        self.bus = bus
+        self.settings = settings
+        self.lease: LeaderLease | None = None
+        self._duties: asyncio.Task[None] | None = None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Campaign until ``stop``; then hand leadership over at once (release the lease)."""
+        renew_every = self.settings.lease_ttl_s / 3
+        try:
+            while not stop.is_set():
+                await self._campaign()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), renew_every)
+        finally:
+            await self._resign()
+
+    async def _campaign(self) -> None:
+        s = self.settings
+        try:
+            lease = await self.store.acquire_leadership(s.shard, s.scheduler_id, s.lease_ttl_s)
+        except UnavailableError as exc:
+            logger.warning("cannot renew the lease: %s", exc, extra={"action": "scheduler.lease"})
+            lease = None
+            # The lease runs out by itself; stop acting as leader before it does.
+        if self._duties is not None and self._duties.done():
+            self._duties.result()  # a crashed duty loop stops the process, not half of it
+        if lease is None or (self.lease is not None and lease.term != self.lease.term):
+            await self._stop_duties()
+        if lease is not None and self._duties is None:
+            logger.info(
+                "leading shard %d, term %d",
+                lease.shard,
+                lease.term,
+                extra={"action": "scheduler.leading", "term": lease.term},
+            )
+            duties = LeaderDuties(self.store, self.bus, self.settings, lease)
+            self._duties = asyncio.create_task(duties.run(), name="jobplane-leader")
+        self.lease = lease
+
+    async def _stop_duties(self) -> None:
+        if self._duties is None:
+            return
+        self._duties.cancel()
+        await asyncio.gather(self._duties, return_exceptions=True)
+        self._duties = None
+        logger.info("no longer leading", extra={"action": "scheduler.following"})
+
+    async def _resign(self) -> None:
+        await self._stop_duties()
+        if self.lease is not None:
+            try:
+                await self.store.release_leadership(
+                    self.lease.shard, self.lease.holder, self.lease.term
+                )
+                logger.info(
+                    "released the lease of term %d",
+                    self.lease.term,
+                    extra={"action": "scheduler.resigned"},
+                )
+            except UnavailableError as exc:
+                logger.warning(
+                    "could not release the lease: %s", exc, extra={"action": "scheduler.resign"}
+                )
+            self.lease = None
+
+
+class LeaderDuties:
+    """What the leader does while its term lasts. Cancelled when the term ends."""
+
+    def __init__(
+        self, store: SqlStore, bus: Bus, settings: SchedulerSettings, lease: LeaderLease
+    ) -> None:
+        self.store = store
+        self.bus = bus
+        self.settings = settings
+        self.lease = lease
+        self.dispatcher = Dispatcher(store, bus)
+        self.timers = CronTimers()
+        self._versions: dict[str, int] = {}
+        self._wake = asyncio.Event()
+        self._epoch: str | None = None
+        self._delayed: list[datetime] = []
+
+    async def run(self) -> None:
+        try:
+            await self._load_definitions()
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._cron_loop())
+                group.create_task(self._sweep_loop())
+                group.create_task(self._event_loop())
+        except* NotLeaderError:
+            logger.warning(
+                "term %d is over; stopping leader duties",
+                self.lease.term,
+                extra={"action": "scheduler.deposed"},
+            )
+
+    # -- cron ------------------------------------------------------------------------------
+
+    async def _load_definitions(self) -> None:
+        """Load changed recurring definitions and catch up their missed ticks (a resumed or
+        edited job follows its misfire policy)."""
+        versions = await self.store.definition_versions()
+        changed = [k for k, v in versions.items() if self._versions.get(k) != v]
+        for key in set(self._versions) - set(versions):
+            self.timers.drop_job(key)
+        self._versions = versions
+        if not changed:
+            return
+        definitions = await self.store.list_definitions(changed)
+        last = await self.store.last_occurrences([d.key for d in definitions])
+        now = await self.store.now()
+        records = []
+        for definition in definitions:
+            if self.settings.debug_no_auto_cron or not is_active(definition):
+                self.timers.drop_job(definition.key)
+                continue
+            made = catch_up(definition, last.get(definition.key), now)
+            records.extend(made)
+            latest = max(
+                [last.get(definition.key)] + [m.scheduled_at for m in made],
+                key=lambda t: t or datetime.min.replace(tzinfo=now.tzinfo),
+            )
+            self.timers.set_job(definition, latest, now)
+        if records:
+            await self._fire(records)
+        self._wake.set()
+
+    async def _cron_loop(self) -> None:
+        while True:
+            now = await self.store.now()
+            due = self.timers.pop_due(now)
+            if due:
+                await self._fire([occurrence(key, at) for key, at in due])
+                for key, at in due:
+                    self.timers.advance(key, at)
+                continue
+            await self._sleep_until(self.timers.next_time(), now)
+
+    async def _sleep_until(self, at: datetime | None, now: datetime) -> None:
+        """Sleep on the local clock until ``at`` (or a wake-up); what is then written is checked
+        against the database's clock, so skew can never fire early."""
+        delay = self.settings.sweep_interval_s if at is None else (at - now).total_seconds()
+        self._wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), max(0.0, min(delay, 60.0)))
+
+    async def _fire(self, records: list[Any]) -> None:
+        instances = await self.store.fire(self.lease, records)
+        await self.dispatcher.publish(instances)
+        fired = [i for i in instances if not i.state.is_terminal]
+        if fired:
+            logger.debug("fired %d tick(s)", len(fired), extra={"action": "scheduler.fired"})
+
+    # -- sweeps ----------------------------------------------------------------------------
+
+    async def _sweep_loop(self) -> None:
+        last_retention = datetime.min
+        while True:
+            await self._sweep_once()
+            if self.settings.retention_days and datetime.now() - last_retention > timedelta(
+                minutes=1
+            ):
+                last_retention = datetime.now()
+                await self._retention()
+            await self._sleep_for_delayed()
+
+    async def _sweep_once(self) -> None:
+        """Find what no event announced: definitions edited, due instances, expired leases,
+        lost messages, a bus that restarted empty, dead workers."""
+        await self._load_definitions()
+        await self._publish(await self.store.promote_due(self.lease))
+        await self._publish(await self.store.release_expired(self.lease))
+        epoch = await self._bus_epoch()
+        if epoch is not None and self._epoch is not None and epoch != self._epoch:
+            logger.warning(
+                "the bus restarted; republishing every Enqueued instance",
+                extra={"action": "scheduler.bus_restarted"},
+            )
+            await self._republish_all()
+        if epoch is not None:
+            self._epoch = epoch
+        stale = await self.store.unpublished(self.settings.republish_after_s)
+        await self._publish(stale, force=True)
+        await self.store.mark_dead_workers(self.settings.dead_worker_after_s)
+        self._delayed = await self.store.scheduled_due_within(self.settings.sweep_interval_s)
+
+    async def _sleep_for_delayed(self) -> None:
+        """Sleep until the next sweep, waking at each delayed instance's run_at on the way so
+        delayed instances start to the millisecond, not to the sweep interval."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.settings.sweep_interval_s
+        for run_at in sorted(self._delayed):
+            delay = (run_at - await self.store.now()).total_seconds()
+            if loop.time() + max(delay, 0) >= end:
+                break
+            await asyncio.sleep(max(delay, 0))
+            await self._publish(await self.store.promote_due(self.lease))
+        await asyncio.sleep(max(0.0, end - loop.time()))
+
+    async def _republish_all(self) -> None:
+        after: UUID | None = None
+        while True:
+            page = await self.store.all_enqueued(after)
+            if not page:
+                return
+            await self._publish(page, force=True)
+            after = page[-1].id
+
+    async def _retention(self) -> None:
+        before = await self.store.now() - timedelta(days=self.settings.retention_days)
+        while await self.store.delete_finished_before(before):
+            pass
+
+    async def _publish(self, instances: list[Instance], *, force: bool = False) -> None:
+        if force:
+            # Republishing ignores published_at: the earlier message may be gone.
+            instances = [replace(i, published_at=None) for i in instances]
+        await self.dispatcher.publish(instances)
+
+    async def _bus_epoch(self) -> str | None:
+        try:
+            return await self.bus.epoch()
+        except UnavailableError:
+            return None
+
+    async def _event_loop(self) -> None:
+        """Definition edits reach the leader at once (the sweep's version check is the
+        backstop if the event is lost)."""
+        while True:
+            try:
+                async for event in self.bus.subscribe():
+                    if event.kind is EventKind.DEFINITIONS_CHANGED:
+                        await self._load_definitions()
+            except UnavailableError:
+                pass
+            await asyncio.sleep(1)

@@ -1,0 +1,29 @@
+"""Settings of the scheduler role (``JOBPLANE_*`` environment variables)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from pydantic import Field
+
+from jobplane.settings import CommonSettings
+
+
+class SchedulerSettings(CommonSettings):
+    #: This replica's name in the leader lease (host and pid by default: unique per process).
+    scheduler_id: str = Field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    #: Leader lease shard (one leader group per shard).
+    shard: int = Field(default=0, ge=0)
+    #: A crashed leader is replaced within this time; renewed every third of it.
+    lease_ttl_s: float = Field(default=5.0, gt=0)
+    #: The sweep in Postgres that finds what no event announced.
+    sweep_interval_s: float = Field(default=1.0, gt=0)
+    #: An Enqueued instance published this long ago and still unclaimed is published again.
+    republish_after_s: float = Field(default=30.0, gt=0)
+    #: A worker silent for this long is marked stopped.
+    dead_worker_after_s: float = Field(default=30.0, gt=0)
+    #: Terminal instances older than this are deleted (with their history); 0 keeps all.
+    retention_days: float = Field(default=0, ge=0)
+    #: Debug: recurring jobs never fire by themselves (run them by hand).
+    debug_no_auto_cron: bool = False

@@ -1,0 +1,114 @@
+"""Cron fire times across daylight-saving changes (rules in libs/jobplane/cron.py)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from zoneinfo import ZoneInfo
+
+import pytest
+
+from jobplane.cron import CronSchedule
+
+
+def fires(expr: str, tz: str, start: datetime, n: int) -> list[str]:
+    schedule = CronSchedule(expr, tz)
+    zone = ZoneInfo(tz)
+    out, current = [], start
+    for _ in range(n):
+        current = schedule.next_after(current)
+        assert current.tzinfo is UTC
+        out.append(current.astimezone(zone).strftime("%m-%d %H:%M%z"))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("expr", "tz", "start", "expected"),
+    [
+        # Spring: the skipped time fires once, right after the gap.
+        (
+            "30 2 * * *",
+            "Europe/Berlin",
+            datetime(2026, 3, 28, 12, tzinfo=UTC),
+            ["03-29 03:00+0200", "03-30 02:30+0200"],
+        ),
+        (
+            "30 2 * * *",
+            "America/New_York",
+            datetime(2026, 3, 7, 12, tzinfo=UTC),
+            ["03-08 03:00-0400", "03-09 02:30-0400"],
+        ),
+        (
+            "15 2 * * *",
+            "Australia/Lord_Howe",
+            datetime(2026, 10, 3, tzinfo=UTC),
+            ["10-04 02:30+1100", "10-05 02:15+1100"],
+        ),
+        (
+            "0 3 * * *",
+            "Pacific/Chatham",
+            datetime(2026, 9, 26, tzinfo=UTC),
+            ["09-27 03:45+1345", "09-28 03:00+1345"],
+        ),
+        # Autumn: a fixed time in the repeated hour fires once, the first time.
+        (
+            "30 2 * * *",
+            "Europe/Berlin",
+            datetime(2026, 10, 24, 12, tzinfo=UTC),
+            ["10-25 02:30+0200", "10-26 02:30+0100"],
+        ),
+        (
+            "30 1 * * *",
+            "America/New_York",
+            datetime(2026, 10, 31, 12, tzinfo=UTC),
+            ["11-01 01:30-0400", "11-02 01:30-0500"],
+        ),
+        (
+            "45 1 * * *",
+            "Australia/Lord_Howe",
+            datetime(2026, 4, 4, tzinfo=UTC),
+            ["04-05 01:45+1100", "04-06 01:45+1030"],
+        ),
+        (
+            "0 3 * * *",
+            "Pacific/Chatham",
+            datetime(2026, 4, 4, tzinfo=UTC),
+            ["04-05 03:00+1345", "04-06 03:00+1245"],
+        ),
+    ],
+)
+def test_fixed_times_fire_once_across_changes(
+    expr: str, tz: str, start: datetime, expected: list[str]
+) -> None:
+    assert fires(expr, tz, start, len(expected)) == expected
+
+
+def test_steps_keep_their_cadence_in_elapsed_time() -> None:
+    # Berlin, autumn: every 30 minutes, through both passes of the repeated hour.
+    got = fires("*/30 * * * *", "Europe/Berlin", datetime(2026, 10, 24, 23, tzinfo=UTC), 6)
+    assert got == [
+        "10-25 01:30+0200",
+        "10-25 02:00+0200",
+        "10-25 02:30+0200",
+        "10-25 02:00+0100",
+        "10-25 02:30+0100",
+        "10-25 03:00+0100",
+    ]
+    # Berlin, spring: 01:30 then 03:00 is 30 minutes of elapsed time.
+    got = fires("*/30 * * * *", "Europe/Berlin", datetime(2026, 3, 29, 0, tzinfo=UTC), 3)
+    assert got == ["03-29 01:30+0100", "03-29 03:00+0200", "03-29 03:30+0200"]
+    # New York, every hour on the hour through the autumn change: never a two-hour gap.
+    schedule = CronSchedule("0 * * * *", "America/New_York")
+    current = datetime(2026, 11, 1, 3, tzinfo=UTC)
+    for _ in range(6):
+        nxt = schedule.next_after(current)
+        assert (nxt - current).total_seconds() == 3600
+        current = nxt
+
+
+def test_six_fields_fire_on_the_second_in_any_zone() -> None:
+    schedule = CronSchedule("* * * * * */15", "Pacific/Chatham")
+    start = datetime(2026, 1, 1, 0, 0, 0, tzinfo=UTC)
+    assert [
+        schedule.next_after(start).second,
+        len(schedule.between(start, start.replace(minute=1), 10)),
+    ] == [15, 4]

@@ -1,0 +1,201 @@
+"""Schedulers as real processes: leaders killed (SIGKILL) and stopped (SIGTERM) mid-run, and a
+Redis that restarts empty. Invariants are checked in the database afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import shutil
+import signal
+import socket
+import subprocess
+from collections.abc import AsyncIterator, Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from jobplane.bus.factory import open_bus
+from jobplane.dispatch import Dispatcher
+from jobplane.domain.models import InstanceFilter
+from jobplane.domain.states import InstanceState as S
+from jobplane.store.factory import open_store
+from jobplane.store.sql import SqlStore
+from tests.cli_helpers import spawn_cli
+from tests.store_helpers import define
+from tests.worker_helpers import settled, wait_for
+
+pytestmark = pytest.mark.timeout(240)
+
+Spawn = Callable[..., subprocess.Popen[str]]
+
+
+@pytest.fixture
+async def pg_store(pg_database_url: str) -> AsyncIterator[SqlStore]:
+    store = open_store(pg_database_url)
+    yield store
+    await store.close()
+
+
+@pytest.fixture
+def spawn(pg_database_url: str, redis_url: str, redis_prefix: str) -> Iterator[Spawn]:
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(*args: str, **env: str) -> subprocess.Popen[str]:
+        settings = {
+            "JOBPLANE_DATABASE_URL": pg_database_url,
+            "JOBPLANE_REDIS_URL": redis_url,
+            "JOBPLANE_KEY_PREFIX": redis_prefix,
+            "JOBPLANE_LEASE_TTL_S": "1.5",
+            "JOBPLANE_SWEEP_INTERVAL_S": "0.2",
+            "JOBPLANE_REPUBLISH_AFTER_S": "1",
+            "JOBPLANE_HEARTBEAT_S": "0.2",
+            "JOBPLANE_POLL_MS": "100",
+            **env,
+        }
+        proc = spawn_cli(*args, **settings)
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+        if proc.stdout:
+            proc.stdout.close()
+
+
+async def _leader_pid(store: SqlStore) -> int | None:
+    lease = await store.get_leader(0)
+    return int(lease.holder.rsplit(":", 1)[1]) if lease else None
+
+
+async def test_every_tick_fires_exactly_once_through_leader_kills(
+    pg_store: SqlStore, spawn: Spawn
+) -> None:
+    for key in ("tick_a", "tick_b"):
+        await define(pg_store, key, cron="* * * * * *")
+    schedulers = {p.pid: p for p in (spawn("scheduler"), spawn("scheduler"))}
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 16
+    kills = 0
+    while loop.time() < deadline:
+        await wait_for(lambda: _has_leader(pg_store), timeout_s=15, what="a leader")
+        await asyncio.sleep(2.5)
+        pid = await _leader_pid(pg_store)
+        if pid not in schedulers:
+            continue
+        sig = signal.SIGKILL if kills % 2 == 0 else signal.SIGTERM
+        schedulers.pop(pid).send_signal(sig)
+        kills += 1
+        replacement = spawn("scheduler")
+        schedulers[replacement.pid] = replacement
+    await asyncio.sleep(2)  # let the last replacement start (and install its handlers)
+    for proc in schedulers.values():
+        proc.send_signal(signal.SIGTERM)
+    for proc in schedulers.values():
+        assert proc.wait(timeout=30) == 0
+    assert kills >= 4
+    for key in ("tick_a", "tick_b"):
+        page = await pg_store.list_instances(InstanceFilter(job_key=key), limit=10_000)
+        ticks = sorted(i.scheduled_at for i in page.items if i.scheduled_at)
+        assert len(ticks) == len(set(ticks)), "a tick was fired twice"
+        assert len(ticks) >= 12
+        gaps = [b - a for a, b in itertools.pairwise(ticks)]
+        assert set(gaps) == {timedelta(seconds=1)}, "a tick went missing"
+        states = {i.state for i in page.items}
+        assert states <= {S.ENQUEUED, S.SKIPPED}
+        skipped = [i for i in page.items if i.state is S.SKIPPED]
+        assert all(i.reason == "misfire" for i in skipped)
+
+
+async def _has_leader(store: SqlStore) -> bool:
+    return await store.get_leader(0) is not None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[tuple[str, Callable[[], None]]]:
+    """A Redis server of this test's own, which the test may restart empty."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    port = _free_port()
+    args = [
+        binary,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(tmp_path),
+    ]
+    state = {"proc": subprocess.Popen(args, stdout=subprocess.DEVNULL)}
+
+    def restart_empty() -> None:
+        state["proc"].kill()
+        state["proc"].wait(timeout=10)
+        state["proc"] = subprocess.Popen(args, stdout=subprocess.DEVNULL)
+
+    yield f"redis://127.0.0.1:{port}/0", restart_empty
+    state["proc"].kill()
+    state["proc"].wait(timeout=10)
+
+
+async def test_redis_restarting_empty_loses_no_instance(
+    pg_store: SqlStore,
+    spawn: Spawn,
+    own_redis: tuple[str, Callable[[], None]],
+    tmp_path: Path,
+) -> None:
+    url, restart_empty = own_redis
+    await wait_for(lambda: _redis_up(url), timeout_s=10, what="redis")
+    env = {"JOBPLANE_REDIS_URL": url}
+    spawn("scheduler", **env)
+    worker = spawn("worker", "--app", "tests.apps.basic:app", "--worker-id", "w-a", **env)
+    await wait_for(lambda: _has_leader(pg_store), timeout_s=15, what="a leader")
+    await wait_for(lambda: _defined(pg_store), timeout_s=15, what="job registration")
+    bus = open_bus(url, "jobplane")
+    dispatcher = Dispatcher(pg_store, bus)
+    try:
+        warm = [await dispatcher.trigger("echo", {"value": i}) for i in range(5)]
+        await settled(pg_store, [i.id for i in warm], timeout_s=30)
+        worker.send_signal(signal.SIGSTOP)  # the worker cannot consume the next batch...
+        first = [await dispatcher.trigger("echo", {"value": i}) for i in range(20)]
+        restart_empty()  # ...and Redis loses it: streams, groups, pending entries
+        await wait_for(lambda: _redis_up(url), timeout_s=10, what="redis again")
+        worker.send_signal(signal.SIGCONT)
+        second = [await dispatcher.trigger("echo", {"value": i}) for i in range(20)]
+    finally:
+        await bus.close()
+    # The leader sees the new Redis run id and republishes every Enqueued instance; the
+    # worker reconnects and recreates its consumer groups.
+    done = await settled(pg_store, [i.id for i in first + second], timeout_s=90)
+    assert {i.state for i in done} == {S.SUCCEEDED}
+    assert {i.worker_id for i in done} == {"w-a"}
+
+
+async def _redis_up(url: str) -> bool:
+    bus = open_bus(url)
+    try:
+        await bus.ping()
+        return True
+    except Exception:
+        return False
+    finally:
+        await bus.close()
+
+
+async def _defined(store: SqlStore) -> bool:
+    """The worker registers its row after every job definition."""
+    return bool(await store.list_workers())

@@ -1,0 +1,68 @@
+"""Misfire policies: what a new leader makes of the ticks missed while none ran."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from jobplane.domain.models import InstanceSource, JobDefinition
+from jobplane.domain.options import JobOptions
+from jobplane_scheduler.cron_timers import CronTimers, catch_up
+
+T0 = datetime(2026, 5, 1, 12, 0, 0, tzinfo=UTC)
+
+
+def job(**options: object) -> JobDefinition:
+    parsed = JobOptions.parse(key="tick", kind="recurring", cron="* * * * * *", **options)
+    return JobDefinition(options=parsed, version=1)
+
+
+def test_fire_once_fires_the_latest_and_records_the_rest() -> None:
+    made = catch_up(job(), T0, T0 + timedelta(seconds=5))
+    fired = [m for m in made if m.skip_reason is None]
+    skipped = [m for m in made if m.skip_reason == "misfire"]
+    assert [m.scheduled_at for m in fired] == [T0 + timedelta(seconds=5)]
+    assert [m.scheduled_at for m in skipped] == [T0 + timedelta(seconds=s) for s in range(1, 5)]
+    assert all(m.source is InstanceSource.CRON for m in made)
+
+
+def test_fire_all_fires_every_missed_tick() -> None:
+    made = catch_up(job(misfire="fire_all"), T0, T0 + timedelta(seconds=3))
+    assert [m.skip_reason for m in made] == [None, None, None]
+
+
+def test_skip_records_every_missed_tick() -> None:
+    made = catch_up(job(misfire="skip"), T0, T0 + timedelta(seconds=3))
+    assert [m.skip_reason for m in made] == ["misfire"] * 3
+
+
+def test_misfire_max_bounds_the_records_to_the_latest_ticks() -> None:
+    made = catch_up(job(misfire="skip", misfire_max=10), T0, T0 + timedelta(seconds=100))
+    assert len(made) == 10
+    assert made[-1].scheduled_at == T0 + timedelta(seconds=100)
+
+
+def test_nothing_missed_and_never_fired() -> None:
+    assert catch_up(job(), T0, T0) == []
+    assert catch_up(job(), None, T0 + timedelta(days=1)) == []  # a new job starts from now
+
+
+def test_timers_continue_from_the_last_occurrence() -> None:
+    timers = CronTimers()
+    timers.set_job(job(), T0, T0 + timedelta(hours=1))
+    assert timers.next_time() == T0 + timedelta(seconds=1)
+    due = timers.pop_due(T0 + timedelta(seconds=1))
+    assert due == [("tick", T0 + timedelta(seconds=1))]
+    timers.advance("tick", T0 + timedelta(seconds=1))
+    assert timers.next_time() == T0 + timedelta(seconds=2)
+    # A new version of the definition replaces the old entry; a paused job has none.
+    paused = JobDefinition(options=job().options, version=2, paused=True)
+    timers.set_job(paused, T0, T0)
+    assert timers.next_time() is None
+
+
+def test_end_at_stops_the_timer() -> None:
+    timers = CronTimers()
+    timers.set_job(job(end_at=T0 + timedelta(seconds=1, milliseconds=500)), T0, T0)
+    [(_, at)] = timers.pop_due(T0 + timedelta(seconds=1))
+    timers.advance("tick", at)
+    assert timers.next_time() is None

@@ -1,0 +1,97 @@
+"""The scheduler in-process, on every store and bus combination."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from datetime import timedelta
+
+from jobplane.bus.abc import Bus
+from jobplane.dispatch import Dispatcher
+from jobplane.domain.models import InstanceFilter
+from jobplane.domain.states import InstanceState as S
+from jobplane.store.sql import SqlStore
+from tests.scheduler_helpers import running_scheduler
+from tests.store_helpers import define
+from tests.worker_helpers import wait_for
+
+
+async def _cron_instances(store: SqlStore, key: str) -> list:  # type: ignore[type-arg]
+    page = await store.list_instances(InstanceFilter(job_key=key), limit=1000)
+    return sorted((i for i in page.items), key=lambda i: i.scheduled_at)
+
+
+async def test_every_second_job_fires_on_the_second(store: SqlStore, bus: Bus) -> None:
+    await define(store, "tick", cron="* * * * * *")
+    async with running_scheduler(store, bus) as scheduler:
+        await wait_for(lambda: _count(store, "tick", 3), timeout_s=10, what="three ticks")
+        assert scheduler.lease is not None
+    fired = await _cron_instances(store, "tick")
+    for instance in fired:
+        assert instance.scheduled_at is not None and instance.scheduled_at.microsecond == 0
+        lag = (instance.created_at - instance.scheduled_at).total_seconds()
+        assert 0 <= lag < 1.0  # created after its tick, never before (measured in bench/)
+        assert instance.state is S.ENQUEUED and instance.published_at is not None
+    seconds = [i.scheduled_at for i in fired]
+    assert all(b - a == timedelta(seconds=1) for a, b in itertools.pairwise(seconds))
+    assert (await store.get_leader(0)) is None  # released on stop
+
+
+async def _count(store: SqlStore, key: str, n: int) -> bool:
+    return sum((await store.count_by_state(key)).values()) >= n
+
+
+async def test_delayed_instance_is_promoted_when_due(store: SqlStore, bus: Bus) -> None:
+    await define(store, "job")
+    async with running_scheduler(store, bus):
+        instance = await Dispatcher(store, bus).trigger("job", delay=timedelta(milliseconds=600))
+        assert instance.state is S.SCHEDULED
+
+        async def enqueued() -> bool:
+            return (await store.get_instance(instance.id)).state is S.ENQUEUED
+
+        await wait_for(enqueued, timeout_s=10, what="promotion")
+    history = await store.transitions(instance.id)
+    promoted = history[-1]
+    assert promoted.to_state is S.ENQUEUED and instance.run_at is not None
+    assert promoted.at >= instance.run_at
+
+
+async def test_edited_cron_applies_on_the_next_fire(store: SqlStore, bus: Bus) -> None:
+    opts = await define(store, "tick", cron="0 0 1 1 *")  # once a year
+    async with running_scheduler(store, bus):
+        await asyncio.sleep(0.5)
+        assert await store.count_by_state("tick") == {}
+        saved = await store.save_definition(
+            opts.edited(cron="* * * * * *"), expected_version=1, actor="test"
+        )
+        assert saved is not None
+        await wait_for(lambda: _count(store, "tick", 2), timeout_s=10, what="the edited cron")
+
+
+async def test_pause_then_resume_follows_the_misfire_policy(store: SqlStore, bus: Bus) -> None:
+    await define(store, "tick", cron="* * * * * *")
+    async with running_scheduler(store, bus):
+        await wait_for(lambda: _count(store, "tick", 1), timeout_s=10, what="a first tick")
+        await store.set_paused("tick", True, "test")
+        await asyncio.sleep(0.5)
+        paused_at = sum((await store.count_by_state("tick")).values())
+        await asyncio.sleep(2.5)
+        assert sum((await store.count_by_state("tick")).values()) == paused_at  # no fires
+        await store.set_paused("tick", False, "test")
+        await wait_for(
+            lambda: _count(store, "tick", paused_at + 3), timeout_s=10, what="catch-up after resume"
+        )
+    fired = await _cron_instances(store, "tick")
+    skipped = [i for i in fired if i.state is S.SKIPPED]
+    assert skipped and all(i.reason == "misfire" for i in skipped)
+    ticks = [i.scheduled_at for i in fired]
+    assert len(ticks) == len(set(ticks))  # one record per tick
+    assert all(b - a == timedelta(seconds=1) for a, b in itertools.pairwise(ticks))
+
+
+async def test_debug_mode_never_fires_cron(store: SqlStore, bus: Bus) -> None:
+    await define(store, "tick", cron="* * * * * *")
+    async with running_scheduler(store, bus, debug_no_auto_cron=True):
+        await asyncio.sleep(2.2)
+    assert await store.count_by_state("tick") == {}

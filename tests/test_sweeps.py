@@ -1,0 +1,131 @@
+"""The leader's store operations, on Postgres and SQLite, fenced by the leader's term."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import pytest
+
+from jobplane.domain.models import InstanceSource, NewInstance, Outcome, WorkerInfo
+from jobplane.domain.states import InstanceState as S
+from jobplane.store.base import NotLeaderError
+from jobplane.store.sql import SqlStore
+from tests.store_helpers import define, enqueue
+
+
+async def _lead(store: SqlStore, holder: str = "s1", ttl: float = 30):  # type: ignore[no-untyped-def]
+    lease = await store.acquire_leadership(0, holder, ttl)
+    assert lease is not None
+    return lease
+
+
+async def test_a_deposed_leader_writes_nothing(store: SqlStore) -> None:
+    await define(store, "tick", cron="* * * * * *")
+    old = await _lead(store, "s1", ttl=0.2)
+    await asyncio.sleep(0.3)  # s1 paused past its lease (SIGSTOP, GC, partition)
+    new = await _lead(store, "s2")
+    assert new.term == old.term + 1
+    tick = (await store.now()).replace(microsecond=0)
+    occurrence = NewInstance(job_key="tick", source=InstanceSource.CRON, scheduled_at=tick)
+    with pytest.raises(NotLeaderError):
+        await store.fire(old, [occurrence])
+    with pytest.raises(NotLeaderError):
+        await store.promote_due(old)
+    with pytest.raises(NotLeaderError):
+        await store.release_expired(old)
+    assert await store.count_by_state() == {}
+    [fired] = await store.fire(new, [occurrence])
+    [again] = await store.fire(new, [occurrence])  # one tick, one instance, whoever fires it
+    assert fired.id == again.id
+    assert await store.last_occurrences(["tick"]) == {"tick": tick}
+
+
+async def test_promote_due_enqueues_only_what_is_due(store: SqlStore) -> None:
+    await define(store, "job", max_concurrency=5)
+    lease = await _lead(store)
+    now = await store.now()
+    [soon] = await enqueue(store, run_at=now + timedelta(milliseconds=300))
+    [later] = await enqueue(store, run_at=now + timedelta(hours=1))
+    [held] = await enqueue(store, held=True)
+    assert await store.scheduled_due_within(1.0) == [soon.run_at]
+    assert await store.promote_due(lease) == []
+    await asyncio.sleep(0.35)
+    [promoted] = await store.promote_due(lease)
+    assert promoted.id == soon.id and promoted.state is S.ENQUEUED
+    assert (await store.get_instance(later.id)).state is S.SCHEDULED
+    assert (await store.get_instance(held.id)).state is S.SCHEDULED
+    steps = [(t.from_state, t.to_state) for t in await store.transitions(soon.id)]
+    assert steps == [(None, S.SCHEDULED), (S.SCHEDULED, S.ENQUEUED)]
+
+
+async def test_expired_leases_are_released_then_terminated(store: SqlStore) -> None:
+    await define(store, "job", max_unexpected_retries=1)
+    lease = await _lead(store)
+    [inst] = await enqueue(store)
+    [c1] = (await store.claim([inst.id], "w1", 0.1, ["job"])).claimed
+    await asyncio.sleep(0.2)
+    [released] = await store.release_expired(lease)
+    assert released.state is S.ENQUEUED and released.unexpected_retries_used == 1
+    assert released.retries_used == 0
+    # The old attempt's late write is refused: its token no longer holds.
+    assert await store.complete([Outcome(inst.id, c1.token, S.SUCCEEDED)]) == {}
+    [c2] = (await store.claim([inst.id], "w2", 0.1, ["job"])).claimed  # the slot came back
+    await asyncio.sleep(0.2)
+    assert await store.release_expired(lease) == []  # exhausted: not released again
+    done = await store.get_instance(inst.id)
+    assert done.state is S.TERMINATED and done.reason == "max unexpected retries exhausted"
+    assert await store.complete([Outcome(inst.id, c2.token, S.SUCCEEDED)]) == {}
+    [again] = await enqueue(store)
+    assert (await store.claim([again.id], "w3", 10, ["job"])).claimed  # slot free again
+
+
+async def test_expired_lease_with_a_pending_cancel_ends_cancelled(store: SqlStore) -> None:
+    await define(store, "job")
+    lease = await _lead(store)
+    [inst] = await enqueue(store)
+    await store.claim([inst.id], "w1", 0.1, ["job"])
+    await store.request_cancel(inst.id, "ops")
+    await asyncio.sleep(0.2)
+    assert await store.release_expired(lease) == []
+    assert (await store.get_instance(inst.id)).state is S.CANCELLED
+
+
+async def test_unpublished_finds_lost_messages_but_not_parked_full_jobs(store: SqlStore) -> None:
+    await define(store, "job", max_concurrency=1, on_limit="wait")
+    a, b = await enqueue(store, n=2)
+    await store.mark_published([a.id, b.id])
+    await asyncio.sleep(0.2)
+    stale = await store.unpublished(0.1)
+    assert {i.id for i in stale} == {a.id, b.id}
+    result = await store.claim([a.id, b.id], "w1", 10, ["job"])
+    assert result.waiting == [b.id]
+    await asyncio.sleep(0.2)
+    assert await store.unpublished(0.1) == []  # b is parked and its job is full
+    await store.complete([Outcome(a.id, result.claimed[0].token, S.SUCCEEDED)])
+    assert [i.id for i in await store.unpublished(0.1)] == [b.id]
+    assert [i.id for i in await store.all_enqueued(None)] == [b.id]
+
+
+async def test_silent_workers_are_marked_dead(store: SqlStore) -> None:
+    info = WorkerInfo(id="w1", host="h", pid=1, queues=("default",), capacity=1, version="x")
+    await store.register_worker(info)
+    assert await store.mark_dead_workers(60) == []
+    await asyncio.sleep(0.2)
+    assert await store.mark_dead_workers(0.1) == ["w1"]
+    assert await store.mark_dead_workers(0.1) == []
+
+
+async def test_retention_deletes_only_old_terminal_instances(store: SqlStore) -> None:
+    await define(store, "job", max_concurrency=5)
+    old_done, running = await enqueue(store, n=2)
+    await store.request_cancel(old_done.id, "ops")
+    await store.claim([running.id], "w1", 10, ["job"])
+    cutoff = await store.now() + timedelta(seconds=1)
+    [recent] = await enqueue(store)
+    assert await store.delete_finished_before(await store.now() - timedelta(hours=1)) == 0
+    assert await store.delete_finished_before(cutoff) == 1
+    assert await store.delete_finished_before(cutoff) == 0
+    assert await store.transitions(old_done.id) == []
+    assert (await store.get_instance(running.id)).state is S.PROCESSING
+    assert (await store.get_instance(recent.id)).state is S.ENQUEUED
