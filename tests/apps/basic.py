@@ -86,3 +86,9 @@ def child_square(args: EchoArgs) -> int:
 @app.triggered(isolation="process")
 def child_fails() -> None:
     raise KeyError("inside the child")
+
+
+@app.triggered(max_concurrency=100)
+async def slow_echo(args: EchoArgs) -> int:
+    await asyncio.sleep(0.3)
+    return args.value
