@@ -129,3 +129,31 @@ async def test_retention_deletes_only_old_terminal_instances(store: SqlStore) ->
     assert await store.transitions(old_done.id) == []
     assert (await store.get_instance(running.id)).state is S.PROCESSING
     assert (await store.get_instance(recent.id)).state is S.ENQUEUED
+
+
+async def test_instances_pinned_to_a_gone_worker_fall_back_or_fail(store: SqlStore) -> None:
+    await define(store, "any_job", max_concurrency=5)
+    await define(store, "strict_job", pin_fallback="fail")
+    lease = await _lead(store)
+    live = WorkerInfo(id="alive", host="h", pid=1, queues=("default",), capacity=1, version="x")
+    await store.register_worker(live)
+    [kept] = await enqueue(store, "any_job", pinned_worker="alive")
+    [moved] = await enqueue(store, "any_job", pinned_worker="ghost")
+    [failed] = await enqueue(store, "strict_job", pinned_worker="ghost")
+    [unpinned] = await store.resolve_orphaned_pins(lease)
+    assert unpinned.id == moved.id and unpinned.pinned_worker is None
+    assert unpinned.state is S.ENQUEUED and unpinned.published_at is None
+    assert (await store.get_instance(kept.id)).pinned_worker == "alive"
+    gone = await store.get_instance(failed.id)
+    assert gone.state is S.TERMINATED and gone.reason == "pinned worker gone"
+
+
+async def test_retry_on_the_same_worker_pins_the_retry(store: SqlStore) -> None:
+    await define(store, "job", retries=1, retry_on_same_worker=True, backoff={"kind": "none"})
+    [inst] = await enqueue(store)
+    [c] = (await store.claim([inst.id], "w7", 10, ["job"])).claimed
+    await store.complete([Outcome(inst.id, c.token, S.FAILED)])
+    retry = await store.get_instance(inst.id)
+    assert retry.state is S.ENQUEUED and retry.pinned_worker == "w7"
+    assert (await store.claim([inst.id], "w8", 10, ["job"])).claimed == []
+    assert (await store.claim([inst.id], "w7", 10, ["job"])).claimed

@@ -13,7 +13,8 @@ from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.sql import SqlStore
-from tests.apps.basic import app
+from tests.apps.basic import EchoArgs, app
+from tests.scheduler_helpers import running_scheduler
 from tests.worker_helpers import running_worker, settled, wait_for
 
 
@@ -170,3 +171,52 @@ async def test_process_isolation_kills_a_runaway_and_frees_its_slot(
     pid = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # the child is really gone
+
+
+async def test_pinned_instance_runs_on_the_named_worker(store: SqlStore, bus: Bus) -> None:
+    async with (
+        running_worker(app, store, bus, worker_id="w-one"),
+        running_worker(app, store, bus, worker_id="w-two"),
+    ):
+        dispatcher = Dispatcher(store, bus)
+        made = [
+            await dispatcher.trigger("echo", {"value": i}, pinned_worker="w-two") for i in range(5)
+        ]
+        done = await settled(store, [i.id for i in made])
+    assert {i.worker_id for i in done} == {"w-two"}
+    assert {i.result["worker"] for i in done} == {"w-two"}
+
+
+async def test_pinned_to_a_dead_worker_falls_back_to_any(store: SqlStore, bus: Bus) -> None:
+    async with running_worker(app, store, bus, worker_id="w-live"):
+        async with running_worker(app, store, bus, worker_id="w-gone"):
+            pass  # registered, then stopped
+        instance = await Dispatcher(store, bus).trigger(
+            "echo", {"value": 1}, pinned_worker="w-gone"
+        )
+        async with running_scheduler(store, bus):
+            [done] = await settled(store, [instance.id])
+    assert done.state is S.SUCCEEDED and done.worker_id == "w-live"
+
+
+async def test_priority_order_under_a_backlog(store: SqlStore, bus: Bus) -> None:
+    ordered = App("ordered")
+    started: list[int] = []
+
+    @ordered.triggered(max_concurrency=100)
+    async def note(args: EchoArgs) -> None:
+        started.append(args.value)
+
+    await store.register_definition(ordered.jobs["note"].options, None, "test")
+    dispatcher = Dispatcher(store, bus)
+    # The backlog builds up while no worker runs: low, then normal, then high priority.
+    for priority in (1, 5, 9):
+        for _ in range(3):
+            await dispatcher.trigger("note", {"value": priority}, priority=priority)
+    async with running_worker(ordered, store, bus, concurrency=1, batch_size=1):
+        await wait_for(lambda: _count_is(started, 9), what="the backlog to drain")
+    assert started == [9, 9, 9, 5, 5, 5, 1, 1, 1]
+
+
+async def _count_is(items: list[int], n: int) -> bool:
+    return len(items) >= n

@@ -222,6 +222,7 @@ class LeaderDuties:
         stale = await self.store.unpublished(self.settings.republish_after_s)
         await self._publish(stale, force=True)
         await self.store.mark_dead_workers(self.settings.dead_worker_after_s)
+        await self._publish(await self.store.resolve_orphaned_pins(self.lease))
         self._delayed = await self.store.scheduled_due_within(self.settings.sweep_interval_s)
 
     async def _sleep_for_delayed(self) -> None:

@@ -53,6 +53,13 @@ class Isolation(StrEnum):
     PROCESS = "process"  # a child process per attempt: a timeout or cancel kills it for real
 
 
+class PinFallback(StrEnum):
+    """What happens to an instance pinned to a worker that is gone."""
+
+    ANY = "any"  # any worker of the queue may run it
+    FAIL = "fail"  # it ends Terminated (reason: pinned worker gone)
+
+
 class BackoffKind(StrEnum):
     NONE = "none"
     FIXED = "fixed"
@@ -103,6 +110,9 @@ class JobOptions(BaseModel):
     max_unexpected_retries: int = Field(default=3, ge=0)
     timeout_s: float = Field(default=3600.0, gt=0)
     isolation: Isolation = Isolation.NONE
+    #: A retry runs on the worker that ran the failed attempt (pinned to it).
+    retry_on_same_worker: bool = False
+    pin_fallback: PinFallback = PinFallback.ANY
     disabled: bool = False
     # Recurring only.
     cron: str | None = None

@@ -198,6 +198,10 @@ class Store(Protocol):
         Terminated when unexpected retries are exhausted, → Cancelled if a cancel was pending.
         Returns the released (Enqueued) ones, to publish."""
 
+    async def resolve_orphaned_pins(self, lease: LeaderLease) -> list[Instance]:
+        """Instances pinned to a worker that is gone: unpinned (returned, to publish) or
+        Terminated, per the job's ``pin_fallback``."""
+
     async def scheduled_due_within(self, seconds: float) -> list[datetime]:
         """``run_at`` of the Scheduled instances due within ``seconds``."""
 

@@ -274,12 +274,13 @@ class LifecycleStore(SqlBase):
         for outcome in failed:
             row = (
                 await conn.execute(
-                    select(I.retries_used, job_definitions.c.options)
+                    select(I.retries_used, I.worker_id, job_definitions.c.options)
                     .join(job_definitions, job_definitions.c.key == I.job_key)
                     .where(I.id == outcome.instance_id)
                 )
             ).one()
-            retries = JobOptions.model_validate(row.options).retries
+            options = JobOptions.model_validate(row.options)
+            retries = options.retries
             values: dict[str, Any] = {}
             if row.retries_used < retries:
                 now = await self._now(conn)
@@ -290,6 +291,8 @@ class LifecycleStore(SqlBase):
                     "run_at": now + timedelta(seconds=delay),
                     "finished_at": None,
                 }
+                if options.retry_on_same_worker:
+                    values["pinned_worker"] = row.worker_id
                 reason = f"retry {row.retries_used + 1} of {retries}"
             else:
                 target, reason = S.TERMINATED, "no attempts left"

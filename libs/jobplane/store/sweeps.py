@@ -18,7 +18,7 @@ from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobplane.domain.models import Instance, InstanceSource, LeaderLease, NewInstance
-from jobplane.domain.options import JobOptions
+from jobplane.domain.options import JobOptions, PinFallback
 from jobplane.store import rows
 from jobplane.store.base import I, NotLeaderError, S, SqlBase
 from jobplane.store.tables import (
@@ -31,6 +31,7 @@ from jobplane.store.tables import (
 
 EXHAUSTED = "max unexpected retries exhausted"
 LEASE_EXPIRED = "lease expired"
+PIN_GONE = "pinned worker gone"
 
 
 class SweepStore(SqlBase):
@@ -173,6 +174,43 @@ class SweepStore(SqlBase):
             ],
         )
         return moved
+
+    async def resolve_orphaned_pins(self, lease: LeaderLease) -> list[Instance]:
+        """Enqueued instances pinned to a worker that is gone (stopped, marked dead, or never
+        registered): unpinned for any worker (``pin_fallback=any``; returned, to publish on
+        the queue) or Terminated with the reason "pinned worker gone" (``fail``)."""
+        async with self._write() as conn:
+            await self._fence(conn, lease)
+            live = select(workers.c.id).where(workers.c.stopped_at.is_(None))
+            orphans = (
+                await conn.execute(
+                    select(I.id, job_definitions.c.options)
+                    .join(job_definitions, job_definitions.c.key == I.job_key)
+                    .where(
+                        I.state == S.ENQUEUED.value,
+                        I.pinned_worker.is_not(None),
+                        I.pinned_worker.not_in(live),
+                    )
+                    .limit(1000)
+                    .with_for_update(of=job_instances, skip_locked=True)
+                )
+            ).all()
+            fail = [
+                r.id
+                for r in orphans
+                if JobOptions.model_validate(r.options).pin_fallback is PinFallback.FAIL
+            ]
+            unpin = [r.id for r in orphans if r.id not in fail]
+            await self._move_many(conn, fail, S.ENQUEUED, S.TERMINATED, PIN_GONE, {})
+            if not unpin:
+                return []
+            result = await conn.execute(
+                update(job_instances)
+                .where(I.id.in_(unpin), I.state == S.ENQUEUED.value)
+                .values(pinned_worker=None, published_at=None, reason=PIN_GONE + "; unpinned")
+                .returning(*job_instances.c)
+            )
+            return [rows.instance_from_row(r._mapping) for r in result]
 
     async def scheduled_due_within(self, seconds: float) -> list[datetime]:
         """``run_at`` of Scheduled instances due within ``seconds`` (the leader's timers)."""
