@@ -11,14 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
 from jobplane.bus.abc import Bus
-from jobplane.bus.envelope import EventKind
+from jobplane.bus.envelope import Event, EventKind
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import Instance, LeaderLease
 from jobplane.errors import UnavailableError
@@ -28,8 +27,6 @@ from jobplane_scheduler.cron_timers import CronTimers, catch_up, is_active, occu
 from jobplane_scheduler.settings import SchedulerSettings
 
 logger = logging.getLogger(__name__)
-
-Clock = Callable[[], Awaitable[datetime]]
 
 
 class Scheduler:
@@ -45,13 +42,34 @@ class Scheduler:
     async def run(self, stop: asyncio.Event) -> None:
         """Campaign until ``stop``; then hand leadership over at once (release the lease)."""
         renew_every = self.settings.lease_ttl_s / 3
+        resigned = asyncio.Event()
+        listener = asyncio.create_task(self._listen_for_resignations(resigned))
         try:
             while not stop.is_set():
                 await self._campaign()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), renew_every)
+                resigned.clear()
+                waits = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(resigned.wait())}
+                _, pending = await asyncio.wait(
+                    waits, timeout=renew_every, return_when=asyncio.FIRST_COMPLETED
+                )
+                for task in pending:
+                    task.cancel()
         finally:
+            listener.cancel()
+            await asyncio.gather(listener, return_exceptions=True)
             await self._resign()
+
+    async def _listen_for_resignations(self, resigned: asyncio.Event) -> None:
+        """A leader stopping on SIGTERM says so: followers campaign at once instead of waiting
+        for the lease to run out (the lease is the backstop if the event is lost)."""
+        while True:
+            try:
+                async for event in self.bus.subscribe():
+                    if event.kind is EventKind.LEADER_RESIGNED and self.lease is None:
+                        resigned.set()
+            except UnavailableError:
+                pass
+            await asyncio.sleep(1)
 
     async def _campaign(self) -> None:
         s = self.settings
@@ -95,6 +113,9 @@ class Scheduler:
                     "released the lease of term %d",
                     self.lease.term,
                     extra={"action": "scheduler.resigned"},
+                )
+                await self.bus.publish_event(
+                    Event(EventKind.LEADER_RESIGNED, {"shard": self.lease.shard})
                 )
             except UnavailableError as exc:
                 logger.warning(

@@ -73,6 +73,7 @@ class EventKind(StrEnum):
     DEFINITIONS_CHANGED = "definitions_changed"  # data: {"keys": [...]}
     CANCEL_REQUESTED = "cancel_requested"  # data: {"instance_id": ..., "worker_id": ...}
     INSTANCES_CREATED = "instances_created"  # data: {"count": n}: wakes the leader early
+    LEADER_RESIGNED = "leader_resigned"  # data: {"shard": n}: followers campaign at once
 
 
 @dataclass(frozen=True, slots=True)
