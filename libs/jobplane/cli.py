@@ -39,6 +39,12 @@ GraceOption = Annotated[
 ]
 
 
+token_cli = typer.Typer(
+    help="API tokens (stored hashed; the secret is shown once).", no_args_is_help=True
+)
+cli.add_typer(token_cli, name="token")
+
+
 def main() -> None:
     cli()
 
@@ -50,6 +56,7 @@ def run(coro_factory: Callable[[], Awaitable[Any]], log_level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(_main(coro_factory))
@@ -166,15 +173,24 @@ def dev(
         bool, typer.Option("--exit-when-done", help="Stop once the triggered jobs have ended.")
     ] = False,
     concurrency: ConcurrencyOption = None,
+    api_port: Annotated[
+        int | None,
+        typer.Option(
+            "--api-port",
+            help="Serve the API on 127.0.0.1 at this port, without auth (0: no API). "
+            "Default 8000, or none with --exit-when-done.",
+        ),
+    ] = None,
 ) -> None:
     """Run every role in one process on the embedded default (SQLite file, in-process bus)."""
     settings = DevSettings(**_given(None, concurrency, None, None))
     requests = [_parse_trigger(t) for t in trigger or []]
+    port = api_port if api_port is not None else (0 if exit_when_done else 8000)
 
     async def go() -> None:
         from jobplane.runtime import run_dev
 
-        await run_dev(app, settings, stop_on_signals(), requests, exit_when_done)
+        await run_dev(app, settings, stop_on_signals(), requests, exit_when_done, port)
 
     run(go, settings.log_level)
 
@@ -203,3 +219,62 @@ def _parse_trigger(text: str) -> tuple[str, Any]:
         return key, json.loads(raw)
     except json.JSONDecodeError as exc:
         raise typer.BadParameter(f"--trigger {key}: arguments are not JSON: {exc}") from exc
+
+
+@token_cli.command("create")
+def token_create(
+    role: Annotated[str, typer.Option("--role", help="viewer, operator or admin.")],
+    name: Annotated[str, typer.Option("--name", help="What the token is for.")] = "cli",
+) -> None:
+    """Create a token and print its secret (the only time it is shown)."""
+    from jobplane.auth import Role
+
+    try:
+        chosen = Role(role)
+    except ValueError:
+        raise typer.BadParameter("role must be viewer, operator or admin") from None
+    settings = CommonSettings()
+
+    async def go() -> None:
+        from jobplane.runtime import open_checked_store
+
+        async with open_checked_store(settings) as store:
+            info, secret = await store.create_token(name, chosen, "cli")
+        typer.echo(f"created {info.role.value} token {info.id} ({info.name}); secret:", err=True)
+        typer.echo(secret)
+
+    run(go, settings.log_level)
+
+
+@token_cli.command("ls")
+def token_ls() -> None:
+    """List tokens (never their secrets)."""
+    settings = CommonSettings()
+
+    async def go() -> None:
+        from jobplane.runtime import open_checked_store
+
+        async with open_checked_store(settings) as store:
+            for t in await store.list_tokens():
+                state = f"revoked {t.revoked_at:%Y-%m-%d}" if t.revoked_at else "live"
+                typer.echo(f"{t.id}  {t.role.value:<8} {t.hint}…  {t.name}  ({state})")
+
+    run(go, settings.log_level)
+
+
+@token_cli.command("revoke")
+def token_revoke(token_id: str) -> None:
+    """Revoke a token at once."""
+    from uuid import UUID
+
+    settings = CommonSettings()
+
+    async def go() -> None:
+        from jobplane.runtime import open_checked_store
+
+        async with open_checked_store(settings) as store:
+            if not await store.revoke_token(UUID(token_id)):
+                raise JobplaneError(f"no live token {token_id}")
+        typer.echo(f"revoked {token_id}", err=True)
+
+    run(go, settings.log_level)

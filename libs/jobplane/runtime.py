@@ -62,6 +62,17 @@ async def backends(settings: CommonSettings) -> AsyncIterator[tuple[SqlStore, Bu
         await store.close()
 
 
+@asynccontextmanager
+async def open_checked_store(settings: CommonSettings) -> AsyncIterator[SqlStore]:
+    """The store alone (no bus), checked reachable and migrated; closed on exit."""
+    store = open_store(settings.database_url)
+    try:
+        await _check_store(store, settings.database_url)
+        yield store
+    finally:
+        await store.close()
+
+
 async def _check_store(store: SqlStore, url: str) -> None:
     try:
         await store.ping()
@@ -96,6 +107,7 @@ async def run_dev(
     stop: asyncio.Event,
     requests: Sequence[tuple[str, Any]],
     exit_when_done: bool,
+    api_port: int = 0,
 ) -> None:
     """Every role in one process: migrate, run a worker and a scheduler, trigger
     ``requests``."""
@@ -109,12 +121,15 @@ async def run_dev(
         worker = Worker(app, store, bus, settings)
         running = asyncio.create_task(worker.run(stop))
         scheduling: asyncio.Task[None] | None = None
+        serving: asyncio.Task[None] | None = None
         triggered: list[Instance] = []
         try:
             await _wait_registered(store, app.jobs.keys(), running)
             scheduler_settings = SchedulerSettings(**settings.model_dump(include=_COMMON))
             scheduler = Scheduler(store, bus, scheduler_settings)
             scheduling = asyncio.create_task(scheduler.run(stop))
+            if api_port:
+                serving = asyncio.create_task(_serve_dev_api(settings, store, bus, api_port, stop))
             dispatcher = Dispatcher(store, bus)
             for key, args in requests:
                 triggered.append(await dispatcher.trigger(key, args, actor="dev"))
@@ -126,11 +141,29 @@ async def run_dev(
             # Whatever happened (a bad trigger, Ctrl-C), the roles stop cleanly before the
             # store and bus close under them.
             stop.set()
-            await asyncio.gather(running, *([scheduling] if scheduling else []))
+            await asyncio.gather(running, *[t for t in (scheduling, serving) if t])
         if triggered:
             # Not a terminal (a pipe, a log): wide enough that rows are never wrapped.
             console = Console() if sys.stdout.isatty() else Console(width=200)
             console.print(await summary(store, [i.id for i in triggered]))
+
+
+async def _serve_dev_api(
+    settings: DevSettings, store: SqlStore, bus: Bus, port: int, stop: asyncio.Event
+) -> None:
+    """The API of ``jobplane dev``: loopback only, and without auth, which it says."""
+    from jobplane_api.main import serve
+    from jobplane_api.settings import ApiSettings
+
+    api_settings = ApiSettings(
+        **settings.model_dump(include=_COMMON), host="127.0.0.1", port=port, auth_enabled=False
+    )
+    logger.warning(
+        "dev API on http://127.0.0.1:%d without authentication (loopback only)",
+        port,
+        extra={"action": "dev.api_open"},
+    )
+    await serve(api_settings, stop, store=store, bus=bus)
 
 
 async def _wait_registered(store: SqlStore, keys: Any, running: asyncio.Task[None]) -> None:

@@ -17,7 +17,7 @@ from jobplane.dispatch import Dispatcher
 from jobplane.runtime import backends
 from jobplane.store.sql import SqlStore
 from jobplane_api import problems
-from jobplane_api.routers import instances, jobs, system
+from jobplane_api.routers import instances, jobs, system, tokens
 from jobplane_api.settings import ApiSettings
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def create_app(
             )
         return await call_next(request)
 
-    for module in (jobs, instances, system):
+    for module in (jobs, instances, system, tokens):
         app.include_router(module.router)
     return app
 
@@ -82,10 +82,21 @@ class _Server(uvicorn.Server):
 
 
 async def run_api(settings: ApiSettings, stop: asyncio.Event) -> None:
-    """Serve until ``stop`` is set."""
+    """Serve until ``stop`` is set, with a store and bus of its own."""
+    await serve(settings, stop)
+
+
+async def serve(
+    settings: ApiSettings,
+    stop: asyncio.Event,
+    *,
+    store: SqlStore | None = None,
+    bus: Bus | None = None,
+) -> None:
+    """Serve ``create_app(settings, store=…, bus=…)`` with uvicorn until ``stop`` is set."""
     server = _Server(
         uvicorn.Config(
-            create_app(settings),
+            create_app(settings, store=store, bus=bus),
             host=settings.host,
             port=settings.port,
             log_level=settings.log_level.lower(),

@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import Any, Protocol
 from uuid import UUID
 
+from jobplane.auth import Role, TokenInfo
 from jobplane.domain.models import (
     ClaimResult,
     Instance,
@@ -216,3 +217,16 @@ class Store(Protocol):
 
     async def delete_finished_before(self, before: datetime, limit: int = 1000) -> int:
         """Retention: delete a batch of terminal instances (and history) finished before."""
+
+    # -- API tokens ------------------------------------------------------------------------
+
+    async def create_token(self, name: str, role: Role, actor: str) -> tuple[TokenInfo, str]:
+        """A new token and its secret: the only time the secret exists outside the caller."""
+
+    async def authenticate(self, secret: str) -> TokenInfo | None:
+        """The live token whose secret this is, if any (matched on its SHA-256)."""
+
+    async def list_tokens(self) -> list[TokenInfo]: ...
+
+    async def revoke_token(self, token_id: UUID) -> bool:
+        """Revoke at once; ``False`` if unknown or already revoked."""

@@ -8,9 +8,12 @@ from jobplane.store.definitions import DefinitionStore
 from jobplane.store.instances import InstanceStore
 from jobplane.store.lifecycle import LIMIT_REASON, LifecycleStore
 from jobplane.store.sweeps import SweepStore
+from jobplane.store.tokens import TokenStore
 
 
-class SqlStore(DefinitionStore, InstanceStore, LifecycleStore, ClusterStore, SweepStore):
+class SqlStore(
+    DefinitionStore, InstanceStore, LifecycleStore, ClusterStore, SweepStore, TokenStore
+):
     """Generic implementation of :class:`jobplane.store.abc.Store`; owns its engine."""
 
 

@@ -204,3 +204,18 @@ counters = Table(
     Column("name", String(64), primary_key=True),
     Column("value", BigInteger, nullable=False),
 )
+
+api_tokens = Table(
+    "api_tokens",
+    metadata,
+    Column("id", Uuid, primary_key=True),
+    Column("name", String(200), nullable=False),
+    Column("role", String(16), nullable=False),
+    # SHA-256 of the secret: the secret itself is shown once and never stored.
+    Column("token_hash", String(64), nullable=False, unique=True),
+    Column("hint", String(16), nullable=False),
+    Column("created_at", UtcDateTime, nullable=False),
+    Column("created_by", String(200), nullable=False),
+    Column("revoked_at", UtcDateTime, nullable=True),
+    CheckConstraint("role IN ('viewer', 'operator', 'admin')", name="role_valid"),
+)

@@ -13,11 +13,12 @@ from jobplane.domain.states import InstanceState
 from jobplane.errors import IllegalTransitionError
 from jobplane_api.deps import DispatcherDep, StoreDep
 from jobplane_api.schemas import BatchTriggerIn, InstanceOut, InstancePage
+from jobplane_api.security import Operator, Viewer
 
 router = APIRouter(prefix="/api/v1/instances", tags=["instances"])
 
 
-@router.get("", summary="List instances", response_model=InstancePage)
+@router.get("", summary="List instances", response_model=InstancePage, dependencies=[Viewer])
 async def list_instances(
     store: StoreDep,
     job: str | None = None,
@@ -48,6 +49,7 @@ async def list_instances(
     summary="Trigger many instances",
     status_code=status.HTTP_201_CREATED,
     response_model=list[InstanceOut],
+    dependencies=[Operator],
 )
 async def batch_trigger(
     dispatcher: DispatcherDep, store: StoreDep, body: BatchTriggerIn
@@ -69,14 +71,21 @@ async def batch_trigger(
     return [InstanceOut.of(i) for i in await dispatcher.trigger_many(requests)]
 
 
-@router.get("/{instance_id}", summary="Get an instance", response_model=InstanceOut)
+@router.get(
+    "/{instance_id}", summary="Get an instance", response_model=InstanceOut, dependencies=[Viewer]
+)
 async def get_instance(store: StoreDep, instance_id: UUID) -> InstanceOut:
     """The instance with its transitions, progress, checkpoint, result or error."""
     instance = await store.get_instance(instance_id)
     return InstanceOut.of(instance, await store.transitions(instance_id))
 
 
-@router.post("/{instance_id}/cancel", summary="Cancel an instance", response_model=InstanceOut)
+@router.post(
+    "/{instance_id}/cancel",
+    summary="Cancel an instance",
+    response_model=InstanceOut,
+    dependencies=[Operator],
+)
 async def cancel_instance(dispatcher: DispatcherDep, instance_id: UUID) -> InstanceOut:
     """Queued instances end Cancelled; a running one is told to stop. 409 when terminal."""
     return InstanceOut.of(await dispatcher.cancel(instance_id, "api"))
@@ -87,6 +96,7 @@ async def cancel_instance(dispatcher: DispatcherDep, instance_id: UUID) -> Insta
     summary="Retry a terminal instance",
     status_code=status.HTTP_201_CREATED,
     response_model=InstanceOut,
+    dependencies=[Operator],
 )
 async def retry_instance(
     dispatcher: DispatcherDep, store: StoreDep, instance_id: UUID

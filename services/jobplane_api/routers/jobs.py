@@ -14,6 +14,7 @@ from jobplane.domain.options import JobKind
 from jobplane.errors import InvalidOptionsError
 from jobplane_api.deps import BusDep, DispatcherDep, StoreDep
 from jobplane_api.schemas import InstanceOut, JobOut, JobPatch, TriggerIn
+from jobplane_api.security import Admin, Operator, Principal, Viewer, actor_of
 
 router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
 
@@ -28,7 +29,7 @@ async def _out(store: StoreDep, definition: JobDefinition, fires: int) -> JobOut
     return JobOut.of(definition, upcoming)
 
 
-@router.get("", summary="List jobs", response_model=list[JobOut])
+@router.get("", summary="List jobs", response_model=list[JobOut], dependencies=[Viewer])
 async def list_jobs(
     store: StoreDep,
     kind: JobKind | None = None,
@@ -53,7 +54,7 @@ async def list_jobs(
     return out
 
 
-@router.get("/{key}", summary="Get a job", response_model=JobOut)
+@router.get("/{key}", summary="Get a job", response_model=JobOut, dependencies=[Viewer])
 async def get_job(store: StoreDep, key: str) -> JobOut:
     """Options, version, argument JSON Schema and the next 10 fire times."""
     return await _out(store, await store.get_definition(key), 10)
@@ -65,7 +66,7 @@ async def edit_job(
     bus: BusDep,
     key: str,
     patch: JobPatch,
-    x_actor: Annotated[str | None, Header()] = None,
+    principal: Annotated[Principal, Admin],
 ) -> JobOut:
     """Change options (validated); ``version`` must be the one you read, else 409. The edit
     applies to the next fire and the next claim, without restarting anything."""
@@ -77,7 +78,7 @@ async def edit_job(
         )
     options = current.options.edited(**patch.options)
     saved = await store.save_definition(
-        options, expected_version=patch.version, actor=x_actor or "api"
+        options, expected_version=patch.version, actor=actor_of(principal)
     )
     if saved is None:
         raise HTTPException(status.HTTP_409_CONFLICT, f"job {key!r} was edited meanwhile")
@@ -86,17 +87,21 @@ async def edit_job(
 
 
 @router.post("/{key}/pause", summary="Pause a job", response_model=JobOut)
-async def pause_job(store: StoreDep, bus: BusDep, key: str) -> JobOut:
+async def pause_job(
+    store: StoreDep, bus: BusDep, key: str, principal: Annotated[Principal, Operator]
+) -> JobOut:
     """A paused recurring job does not fire until resumed."""
-    saved = await store.set_paused(key, True, "api")
+    saved = await store.set_paused(key, True, actor_of(principal))
     await _announce(bus, saved)
     return await _out(store, saved, 10)
 
 
 @router.post("/{key}/resume", summary="Resume a job", response_model=JobOut)
-async def resume_job(store: StoreDep, bus: BusDep, key: str) -> JobOut:
+async def resume_job(
+    store: StoreDep, bus: BusDep, key: str, principal: Annotated[Principal, Operator]
+) -> JobOut:
     """The next fire follows the job's misfire policy."""
-    saved = await store.set_paused(key, False, "api")
+    saved = await store.set_paused(key, False, actor_of(principal))
     await _announce(bus, saved)
     return await _out(store, saved, 10)
 
@@ -112,6 +117,7 @@ async def trigger_job(
     dispatcher: DispatcherDep,
     key: str,
     body: TriggerIn,
+    principal: Annotated[Principal, Operator],
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ) -> InstanceOut:
     """Create an instance with validated arguments, now or later (``run_at`` or ``delay_s``).
@@ -128,7 +134,7 @@ async def trigger_job(
         priority=body.priority,
         pinned_worker=body.pinned_worker,
         idempotency_key=idempotency_key,
-        actor="api",
+        actor=actor_of(principal),
     )
     return InstanceOut.of(instance)
 

@@ -11,11 +11,17 @@ from jobplane_api.deps import BusDep, StoreDep
 from jobplane_api.metrics import render_metrics
 from jobplane_api.problems import problem
 from jobplane_api.schemas import SchedulerOut, StatsOut, WorkerOut
+from jobplane_api.security import Viewer
 
 router = APIRouter(tags=["system"])
 
 
-@router.get("/api/v1/workers", summary="List workers", response_model=list[WorkerOut])
+@router.get(
+    "/api/v1/workers",
+    summary="List workers",
+    response_model=list[WorkerOut],
+    dependencies=[Viewer],
+)
 async def list_workers(store: StoreDep) -> list[WorkerOut]:
     """Every registered worker with the instances it is running now."""
     running = await store.list_instances(
@@ -27,7 +33,12 @@ async def list_workers(store: StoreDep) -> list[WorkerOut]:
     return [WorkerOut.of(w, by_worker.get(w.id, [])) for w in await store.list_workers()]  # type: ignore[arg-type]
 
 
-@router.get("/api/v1/scheduler", summary="Scheduler leader", response_model=SchedulerOut)
+@router.get(
+    "/api/v1/scheduler",
+    summary="Scheduler leader",
+    response_model=SchedulerOut,
+    dependencies=[Viewer],
+)
 async def scheduler(store: StoreDep) -> SchedulerOut:
     """Who leads, in which term, since when."""
     lease = await store.get_leader(0)
@@ -38,7 +49,9 @@ async def scheduler(store: StoreDep) -> SchedulerOut:
     )
 
 
-@router.get("/api/v1/stats", summary="Instance counts", response_model=StatsOut)
+@router.get(
+    "/api/v1/stats", summary="Instance counts", response_model=StatsOut, dependencies=[Viewer]
+)
 async def stats(store: StoreDep, job: str | None = None) -> StatsOut:
     """Instances in each state (all jobs, or one)."""
     return StatsOut(by_state=await store.count_by_state(job))

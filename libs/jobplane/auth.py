@@ -1,0 +1,49 @@
+"""API tokens and roles: viewer (read) < operator (trigger, cancel, retry, pause) < admin
+(edit options, manage tokens). Secrets are random, shown once, stored as SHA-256 only."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from uuid import UUID
+
+TOKEN_PREFIX = "jp_"
+
+
+class Role(StrEnum):
+    VIEWER = "viewer"
+    OPERATOR = "operator"
+    ADMIN = "admin"
+
+    def allows(self, needed: Role) -> bool:
+        return ORDER[self] >= ORDER[needed]
+
+
+ORDER = {Role.VIEWER: 0, Role.OPERATOR: 1, Role.ADMIN: 2}
+
+
+@dataclass(frozen=True, slots=True)
+class TokenInfo:
+    id: UUID
+    name: str
+    role: Role
+    hint: str
+    created_at: datetime
+    created_by: str
+    revoked_at: datetime | None = None
+
+
+def new_secret() -> str:
+    return TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_secret(secret: str) -> str:
+    """SHA-256 hex. Secrets carry 256 bits of randomness, so a fast hash is the right one."""
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def same_hash(a: str, b: str) -> bool:
+    return secrets.compare_digest(a, b)

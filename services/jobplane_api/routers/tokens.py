@@ -1,0 +1,78 @@
+"""API tokens: list, create (the secret is in the answer, once), revoke. Admin only."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated
+from uuid import UUID
+
+from fastapi import APIRouter, HTTPException, status
+from pydantic import BaseModel, ConfigDict, Field
+
+from jobplane.auth import Role, TokenInfo
+from jobplane_api.deps import StoreDep
+from jobplane_api.security import Admin, Principal, actor_of
+
+router = APIRouter(prefix="/api/v1/tokens", tags=["tokens"])
+
+
+class TokenOut(BaseModel):
+    id: UUID
+    name: str
+    role: Role
+    hint: str = Field(description="The first characters of the secret, to recognise it.")
+    created_at: datetime
+    created_by: str
+    revoked_at: datetime | None
+
+    @classmethod
+    def of(cls, t: TokenInfo) -> TokenOut:
+        return cls(
+            id=t.id,
+            name=t.name,
+            role=t.role,
+            hint=t.hint,
+            created_at=t.created_at,
+            created_by=t.created_by,
+            revoked_at=t.revoked_at,
+        )
+
+
+class TokenIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=200)
+    role: Role
+
+
+class NewTokenOut(TokenOut):
+    secret: str = Field(description="Shown once: store it now. Only its hash is kept.")
+
+
+@router.get("", summary="List tokens", response_model=list[TokenOut], dependencies=[Admin])
+async def list_tokens(store: StoreDep) -> list[TokenOut]:
+    """Every token, revoked ones included (never their secrets)."""
+    return [TokenOut.of(t) for t in await store.list_tokens()]
+
+
+@router.post(
+    "", summary="Create a token", status_code=status.HTTP_201_CREATED, response_model=NewTokenOut
+)
+async def create_token(
+    store: StoreDep, body: TokenIn, principal: Annotated[Principal, Admin]
+) -> NewTokenOut:
+    """A new bearer token with a role; the secret is returned in this answer only."""
+    info, secret = await store.create_token(body.name, body.role, actor_of(principal))
+    return NewTokenOut(**TokenOut.of(info).model_dump(), secret=secret)
+
+
+@router.delete(
+    "/{token_id}",
+    summary="Revoke a token",
+    status_code=status.HTTP_204_NO_CONTENT,
+    dependencies=[Admin],
+)
+async def revoke_token(store: StoreDep, token_id: UUID) -> None:
+    """Revoked at once: the next request with it is refused."""
+    if not await store.revoke_token(token_id):
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no live token {token_id}")
