@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
+from jobplane.cli_remote import instances_cli, jobs_cli, trigger, workers_cli
 from jobplane.errors import JobplaneError
 from jobplane.settings import CommonSettings, DevSettings, WorkerSettings
 
@@ -43,6 +44,10 @@ token_cli = typer.Typer(
     help="API tokens (stored hashed; the secret is shown once).", no_args_is_help=True
 )
 cli.add_typer(token_cli, name="token")
+cli.add_typer(jobs_cli, name="jobs")
+cli.add_typer(instances_cli, name="instances")
+cli.add_typer(workers_cli, name="workers")
+cli.command("trigger")(trigger)
 
 
 def main() -> None:

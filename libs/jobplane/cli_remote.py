@@ -1,0 +1,244 @@
+"""CLI commands that talk to a running API (``jobplane jobs|trigger|instances|workers``).
+
+URL and token come from ``--url``/``--token`` or ``JOBPLANE_API_URL``/``JOBPLANE_API_TOKEN``;
+``--output json`` prints raw JSON for scripts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from jobplane.client import ApiError, Client
+from jobplane.errors import JobplaneError
+
+jobs_cli = typer.Typer(help="Job definitions (over the API).", no_args_is_help=True)
+instances_cli = typer.Typer(help="Instances (over the API).", no_args_is_help=True)
+workers_cli = typer.Typer(help="Workers (over the API).", no_args_is_help=True)
+out = Console()
+
+
+class Output(StrEnum):
+    TABLE = "table"
+    JSON = "json"
+
+
+Url = Annotated[str, typer.Option("--url", envvar="JOBPLANE_API_URL", help="API base URL.")]
+Token = Annotated[
+    str | None, typer.Option("--token", envvar="JOBPLANE_API_TOKEN", help="Bearer token.")
+]
+Fmt = Annotated[Output, typer.Option("--output", "-o", help="table or json.")]
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+@contextmanager
+def client(url: str, token: str | None) -> Iterator[Client]:
+    """A client; API errors become one red line and exit status 1."""
+    try:
+        with Client(url, token) as c:
+            yield c
+    except ApiError as exc:
+        errors = exc.problem.get("errors") or []
+        fields = "; ".join(f"{e.get('field')}: {e.get('reason')}" for e in errors)
+        typer.secho(f"error: {exc}" + (f" ({fields})" if fields else ""), err=True, fg="red")
+        raise typer.Exit(1) from None
+    except JobplaneError as exc:
+        typer.secho(f"error: {exc}", err=True, fg="red")
+        raise typer.Exit(1) from None
+
+
+def show(data: Any, fmt: Output, columns: list[str]) -> None:
+    if fmt is Output.JSON:
+        typer.echo(json.dumps(data, indent=2, default=str))
+        return
+    rows = data if isinstance(data, list) else [data]
+    table = Table(*columns)
+    for row in rows:
+        table.add_row(*(_cell(row.get(c)) for c in columns))
+    out.print(table)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    return value if isinstance(value, str) else json.dumps(value, default=str)
+
+
+def parse_args(text: str | None) -> Any:
+    """``--args`` as JSON, or ``@file`` holding JSON."""
+    if text is None:
+        return None
+    if text.startswith("@"):
+        text = Path(text[1:]).read_text()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise typer.BadParameter(f"--args is not JSON: {exc}") from exc
+
+
+JOB_COLUMNS = ["key", "version", "paused", "next_fire_times"]
+INSTANCE_COLUMNS = ["id", "job_key", "state", "attempt", "worker_id", "created_at", "reason"]
+
+
+@jobs_cli.command("ls")
+def jobs_ls(
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    output: Fmt = Output.TABLE,
+    kind: str | None = None,
+    queue: str | None = None,
+) -> None:
+    """List job definitions."""
+    with client(url, token) as c:
+        show(c.jobs(kind=kind, queue=queue), output, JOB_COLUMNS)
+
+
+@jobs_cli.command("show")
+def jobs_show(
+    key: str, url: Url = DEFAULT_URL, token: Token = None, output: Fmt = Output.JSON
+) -> None:
+    """Show one job: options, version, argument schema, next fire times."""
+    with client(url, token) as c:
+        show(c.job(key), output, JOB_COLUMNS)
+
+
+@jobs_cli.command("edit")
+def jobs_edit(
+    key: str,
+    set_: Annotated[list[str], typer.Option("--set", help="option=JSON value (repeatable).")],
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    output: Fmt = Output.TABLE,
+) -> None:
+    """Edit options, e.g. ``--set retries=3 --set 'cron="*/5 * * * *"'``."""
+    changes: dict[str, Any] = {}
+    for item in set_:
+        name, _, raw = item.partition("=")
+        try:
+            changes[name] = json.loads(raw)
+        except json.JSONDecodeError:
+            changes[name] = raw  # a bare string
+    with client(url, token) as c:
+        version = c.job(key)["version"]
+        show(c.edit_job(key, version, **changes), output, JOB_COLUMNS)
+
+
+@jobs_cli.command("pause")
+def jobs_pause(
+    key: str, url: Url = DEFAULT_URL, token: Token = None, output: Fmt = Output.TABLE
+) -> None:
+    """Pause a job (no fires until resumed)."""
+    with client(url, token) as c:
+        show(c.pause(key), output, JOB_COLUMNS)
+
+
+@jobs_cli.command("resume")
+def jobs_resume(
+    key: str, url: Url = DEFAULT_URL, token: Token = None, output: Fmt = Output.TABLE
+) -> None:
+    """Resume a job (missed ticks follow its misfire policy)."""
+    with client(url, token) as c:
+        show(c.resume(key), output, JOB_COLUMNS)
+
+
+def trigger(
+    key: str,
+    args: Annotated[str | None, typer.Option("--args", help="JSON, or @file.json.")] = None,
+    delay: Annotated[float | None, typer.Option("--delay", help="Seconds from now.")] = None,
+    wait: Annotated[
+        bool, typer.Option("--wait", help="Wait for the end, showing progress.")
+    ] = False,
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    output: Fmt = Output.TABLE,
+) -> None:
+    """Trigger a job; with --wait, follow it live and exit 1 unless it Succeeded."""
+    with client(url, token) as c:
+        instance = c.trigger(key, parse_args(args), delay_s=delay)
+        if wait:
+            instance = _follow(c, instance["id"])
+        show(instance, output, [*INSTANCE_COLUMNS, "result"])
+    if wait and instance["state"] != "succeeded":
+        raise typer.Exit(1)
+
+
+def _follow(c: Client, instance_id: str) -> dict[str, Any]:
+    with out.status("waiting…") as status:
+        while True:
+            found = c.instance(instance_id)
+            progress = found.get("progress")
+            text = f"{found['state']}"
+            if progress is not None:
+                text += f" {progress:.0%} {found.get('progress_message') or ''}"
+            status.update(text)
+            if found["state"] in {"succeeded", "terminated", "skipped", "cancelled"}:
+                return found
+            time.sleep(0.2)
+
+
+@instances_cli.command("ls")
+def instances_ls(
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    output: Fmt = Output.TABLE,
+    job: str | None = None,
+    state: str | None = None,
+    limit: int = 50,
+    before: Annotated[str | None, typer.Option(help="Cursor from the previous page.")] = None,
+) -> None:
+    """List instances, newest first."""
+    with client(url, token) as c:
+        page = c.instances(job=job, state=state, limit=limit, before=before)
+        if output is Output.JSON:
+            show(page, output, [])
+        else:
+            show(page["items"], output, INSTANCE_COLUMNS)
+            if page["next_cursor"]:
+                typer.echo(f"more: --before {page['next_cursor']}", err=True)
+
+
+@instances_cli.command("show")
+def instances_show(
+    instance_id: str, url: Url = DEFAULT_URL, token: Token = None, output: Fmt = Output.JSON
+) -> None:
+    """One instance with its transitions, result or error."""
+    with client(url, token) as c:
+        show(c.instance(instance_id), output, INSTANCE_COLUMNS)
+
+
+@instances_cli.command("cancel")
+def instances_cancel(
+    instance_id: str, url: Url = DEFAULT_URL, token: Token = None, output: Fmt = Output.TABLE
+) -> None:
+    """Cancel an instance."""
+    with client(url, token) as c:
+        show(c.cancel(instance_id), output, INSTANCE_COLUMNS)
+
+
+@instances_cli.command("retry")
+def instances_retry(
+    instance_id: str, url: Url = DEFAULT_URL, token: Token = None, output: Fmt = Output.TABLE
+) -> None:
+    """Retry a terminal instance (a new one, linked to it)."""
+    with client(url, token) as c:
+        show(c.retry(instance_id), output, [*INSTANCE_COLUMNS, "retry_of"])
+
+
+@workers_cli.command("ls")
+def workers_ls(url: Url = DEFAULT_URL, token: Token = None, output: Fmt = Output.TABLE) -> None:
+    """Registered workers and what each runs now."""
+    with client(url, token) as c:
+        show(
+            c.workers(),
+            output,
+            ["id", "host", "queues", "capacity", "heartbeat_at", "stopped_at", "running"],
+        )

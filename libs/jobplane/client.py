@@ -1,0 +1,238 @@
+"""HTTP clients for the REST API: :class:`AsyncClient` and :class:`Client` (sync).
+
+.. code-block:: python
+
+    async with AsyncClient("http://jobplane:8000", token="jp_…") as jp:
+        instance = await jp.trigger("send_receipt", {"order_id": 7})
+        done = await jp.wait(instance["id"])
+
+Errors come back as :class:`ApiError` carrying the problem+json body (status, title, detail,
+field errors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Coroutine, Mapping
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+import httpx
+
+from jobplane.domain.states import TERMINAL_STATES
+from jobplane.errors import JobplaneError
+
+JSONDict = dict[str, Any]
+T = TypeVar("T")
+TERMINAL = {s.value for s in TERMINAL_STATES}
+
+
+class ApiError(JobplaneError):
+    """The API answered with an error (problem+json)."""
+
+    def __init__(self, status: int, problem: Mapping[str, Any]) -> None:
+        detail = problem.get("detail") or problem.get("title") or "error"
+        super().__init__(f"HTTP {status}: {detail}")
+        self.status = status
+        self.problem = dict(problem)
+
+
+def _check(response: httpx.Response) -> Any:
+    if response.status_code >= 400:
+        try:
+            body = response.json()
+        except ValueError:
+            body = {"title": response.reason_phrase, "detail": response.text[:200]}
+        raise ApiError(response.status_code, body)
+    if response.status_code == 204:
+        return None
+    return response.json()
+
+
+def _trigger_body(args: Any, delay_s: float | None, priority: int | None) -> JSONDict:
+    body: JSONDict = {"args": args}
+    if delay_s is not None:
+        body["delay_s"] = delay_s
+    if priority is not None:
+        body["priority"] = priority
+    return body
+
+
+def _headers(token: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+class AsyncClient:
+    """Async client. Owns its ``httpx.AsyncClient`` unless one is handed in."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        http: httpx.AsyncClient | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
+        self._owns = http is None
+        self.http = http or httpx.AsyncClient(
+            base_url=url, headers=_headers(token), timeout=timeout_s
+        )
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._owns:
+            await self.http.aclose()
+
+    async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            return _check(await self.http.request(method, path, **kwargs))
+        except httpx.TransportError as exc:
+            raise JobplaneError(f"cannot reach the Jobplane API: {exc}") from exc
+
+    async def jobs(self, **filters: Any) -> list[JSONDict]:
+        return await self._call("GET", "/api/v1/jobs", params=_params(filters))  # type: ignore[no-any-return]
+
+    async def job(self, key: str) -> JSONDict:
+        return await self._call("GET", f"/api/v1/jobs/{key}")  # type: ignore[no-any-return]
+
+    async def edit_job(self, key: str, version: int, **options: Any) -> JSONDict:
+        body = {"version": version, "options": options}
+        return await self._call("PATCH", f"/api/v1/jobs/{key}", json=body)  # type: ignore[no-any-return]
+
+    async def pause(self, key: str) -> JSONDict:
+        return await self._call("POST", f"/api/v1/jobs/{key}/pause")  # type: ignore[no-any-return]
+
+    async def resume(self, key: str) -> JSONDict:
+        return await self._call("POST", f"/api/v1/jobs/{key}/resume")  # type: ignore[no-any-return]
+
+    async def trigger(
+        self,
+        key: str,
+        args: Any = None,
+        *,
+        delay_s: float | None = None,
+        priority: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> JSONDict:
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return await self._call(  # type: ignore[no-any-return]
+            "POST",
+            f"/api/v1/jobs/{key}/instances",
+            json=_trigger_body(args, delay_s, priority),
+            headers=headers,
+        )
+
+    async def instances(self, **filters: Any) -> JSONDict:
+        return await self._call("GET", "/api/v1/instances", params=_params(filters))  # type: ignore[no-any-return]
+
+    async def instance(self, instance_id: str) -> JSONDict:
+        return await self._call("GET", f"/api/v1/instances/{instance_id}")  # type: ignore[no-any-return]
+
+    async def cancel(self, instance_id: str) -> JSONDict:
+        return await self._call("POST", f"/api/v1/instances/{instance_id}/cancel")  # type: ignore[no-any-return]
+
+    async def retry(self, instance_id: str) -> JSONDict:
+        return await self._call("POST", f"/api/v1/instances/{instance_id}/retry")  # type: ignore[no-any-return]
+
+    async def workers(self) -> list[JSONDict]:
+        return await self._call("GET", "/api/v1/workers")  # type: ignore[no-any-return]
+
+    async def wait(
+        self, instance_id: str, *, poll_s: float = 0.2, timeout_s: float | None = None
+    ) -> JSONDict:
+        """Poll until the instance is terminal; return it."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            found = await self.instance(instance_id)
+            if found["state"] in TERMINAL:
+                return found
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"instance {instance_id} is still {found['state']}")
+            await asyncio.sleep(poll_s)
+
+
+class Client:
+    """Sync client: each call runs the :class:`AsyncClient` call on a private event loop, so
+    both share one implementation. Not for use inside a running event loop (use AsyncClient)."""
+
+    def __init__(self, url: str, token: str | None = None, *, timeout_s: float = 30.0) -> None:
+        self._runner = asyncio.Runner()
+        self._async = AsyncClient(url, token, timeout_s=timeout_s)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._runner.run(self._async.close())
+        self._runner.close()
+
+    def _run(self, call: Coroutine[Any, Any, T]) -> T:
+        return self._runner.run(call)
+
+    def jobs(self, **filters: Any) -> list[JSONDict]:
+        return self._run(self._async.jobs(**filters))
+
+    def job(self, key: str) -> JSONDict:
+        return self._run(self._async.job(key))
+
+    def edit_job(self, key: str, version: int, **options: Any) -> JSONDict:
+        return self._run(self._async.edit_job(key, version, **options))
+
+    def pause(self, key: str) -> JSONDict:
+        return self._run(self._async.pause(key))
+
+    def resume(self, key: str) -> JSONDict:
+        return self._run(self._async.resume(key))
+
+    def trigger(
+        self,
+        key: str,
+        args: Any = None,
+        *,
+        delay_s: float | None = None,
+        priority: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> JSONDict:
+        return self._run(
+            self._async.trigger(
+                key, args, delay_s=delay_s, priority=priority, idempotency_key=idempotency_key
+            )
+        )
+
+    def instances(self, **filters: Any) -> JSONDict:
+        return self._run(self._async.instances(**filters))
+
+    def instance(self, instance_id: str) -> JSONDict:
+        return self._run(self._async.instance(instance_id))
+
+    def cancel(self, instance_id: str) -> JSONDict:
+        return self._run(self._async.cancel(instance_id))
+
+    def retry(self, instance_id: str) -> JSONDict:
+        return self._run(self._async.retry(instance_id))
+
+    def workers(self) -> list[JSONDict]:
+        return self._run(self._async.workers())
+
+    def wait(
+        self, instance_id: str, *, poll_s: float = 0.2, timeout_s: float | None = None
+    ) -> JSONDict:
+        return self._run(self._async.wait(instance_id, poll_s=poll_s, timeout_s=timeout_s))
+
+
+def _params(filters: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in filters.items() if v is not None}

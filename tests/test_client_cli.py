@@ -1,0 +1,124 @@
+"""The Python clients and the REST CLI against a real `jobplane api` process, a worker and a
+scheduler, on Postgres and Redis, with authentication on."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from jobplane.client import ApiError, AsyncClient, Client
+from tests.cli_helpers import run_cli, spawn_cli
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def stack(pg_database_url: str, redis_url: str, redis_prefix: str) -> Iterator[dict[str, str]]:
+    env = {
+        "JOBPLANE_DATABASE_URL": pg_database_url,
+        "JOBPLANE_REDIS_URL": redis_url,
+        "JOBPLANE_KEY_PREFIX": redis_prefix,
+        "JOBPLANE_POLL_MS": "100",
+    }
+    port = _free_port()
+    procs = [
+        spawn_cli("api", "--host", "127.0.0.1", "--port", str(port), **env),
+        spawn_cli("worker", "--app", "tests.apps.basic:app", "--worker-id", "cli-w", **env),
+        spawn_cli("scheduler", **env),
+    ]
+    created = run_cli("token", "create", "--role", "operator", "--name", "test", **env)
+    assert created.returncode == 0, created.stderr
+    viewer = run_cli("token", "create", "--role", "viewer", **env).stdout.strip()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url)
+        yield {"url": url, "token": created.stdout.strip(), "viewer": viewer, **env}
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=30)
+            if proc.stdout:
+                proc.stdout.close()
+
+
+def _wait_healthy(url: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise AssertionError("the API did not come up")
+
+
+def _cli(
+    stack: dict[str, str], *args: str, token: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    return run_cli(*args, JOBPLANE_API_URL=stack["url"], JOBPLANE_API_TOKEN=token or stack["token"])
+
+
+def test_cli_trigger_wait_and_listings(stack: dict[str, str]) -> None:
+    done = _cli(stack, "trigger", "echo", "--args", '{"value": 3}', "--wait", "-o", "json")
+    assert done.returncode == 0, done.stderr
+    instance = json.loads(done.stdout)
+    assert instance["state"] == "succeeded" and instance["result"]["value"] == 3
+    jobs = json.loads(_cli(stack, "jobs", "ls", "-o", "json").stdout)
+    assert "echo" in {j["key"] for j in jobs}
+    listed = json.loads(_cli(stack, "instances", "ls", "--job", "echo", "-o", "json").stdout)
+    assert listed["items"][0]["id"] == instance["id"]
+    shown = json.loads(_cli(stack, "instances", "show", instance["id"]).stdout)
+    assert [t["to_state"] for t in shown["transitions"]][-1] == "succeeded"
+    workers = json.loads(_cli(stack, "workers", "ls", "-o", "json").stdout)
+    assert [w["id"] for w in workers] == ["cli-w"]
+    table = _cli(stack, "instances", "ls")
+    assert table.returncode == 0 and "succeeded" in table.stdout
+
+
+def test_cli_reports_errors_in_one_line(stack: dict[str, str]) -> None:
+    bad = _cli(stack, "trigger", "echo", "--args", '{"value": "x"}')
+    assert bad.returncode == 1 and "args.value" in bad.stderr and "Traceback" not in bad.stderr
+    denied = _cli(stack, "trigger", "echo", "--args", '{"value": 1}', token=stack["viewer"])
+    assert denied.returncode == 1 and "HTTP 403" in denied.stderr
+    unknown = _cli(stack, "jobs", "show", "nope")
+    assert unknown.returncode == 1 and "HTTP 404" in unknown.stderr
+    unauthenticated = _cli(stack, "jobs", "ls", token="jp_wrong")
+    assert unauthenticated.returncode == 1 and "HTTP 401" in unauthenticated.stderr
+
+
+def test_sync_client(stack: dict[str, str]) -> None:
+    with Client(stack["url"], stack["token"]) as jp:
+        made = jp.trigger("add_sync", {"value": 41}, idempotency_key="k-1")
+        assert jp.trigger("add_sync", {"value": 41}, idempotency_key="k-1")["id"] == made["id"]
+        done = jp.wait(made["id"], timeout_s=30)
+        assert done["state"] == "succeeded" and done["result"] == 42
+        with pytest.raises(ApiError) as info:
+            jp.cancel(made["id"])
+        assert info.value.status == 409
+        retried = jp.retry(made["id"])
+        assert retried["retry_of"] == made["id"]
+
+
+async def test_async_client(stack: dict[str, str]) -> None:
+    async with AsyncClient(stack["url"], stack["token"]) as jp:
+        made = await jp.trigger("echo", {"value": 5}, delay_s=0.3)
+        assert made["state"] == "scheduled"
+        done = await jp.wait(made["id"], timeout_s=30)
+        assert done["state"] == "succeeded"
+        with pytest.raises(ApiError) as info:
+            await jp.trigger("echo", {"value": "five"})
+        assert info.value.status == 422
+        assert info.value.problem["errors"][0]["field"] == "args.value"
