@@ -7,8 +7,10 @@ Declare jobs on an :class:`App`; trigger them with a :class:`Dispatcher`; run th
 from __future__ import annotations
 
 from jobplane.app import App, JobSpec
+from jobplane.client import ApiError, AsyncClient, Client
 from jobplane.context import Cancellation, JobContext
 from jobplane.dispatch import Dispatcher
+from jobplane.enqueue import enqueue, enqueue_async
 from jobplane.domain.models import Instance, InstanceSource, NewInstance
 from jobplane.domain.options import Backoff, JobKind, JobOptions, MisfirePolicy, OnLimit
 from jobplane.domain.states import InstanceState
@@ -17,9 +19,12 @@ from jobplane.errors import JobplaneError
 __version__ = "0.1.0"
 
 __all__ = [
+    "ApiError",
     "App",
+    "AsyncClient",
     "Backoff",
     "Cancellation",
+    "Client",
     "Dispatcher",
     "Instance",
     "InstanceSource",
@@ -33,4 +38,6 @@ __all__ = [
     "NewInstance",
     "OnLimit",
     "__version__",
+    "enqueue",
+    "enqueue_async",
 ]

@@ -32,6 +32,7 @@ from jobplane.store.tables import (
 EXHAUSTED = "max unexpected retries exhausted"
 LEASE_EXPIRED = "lease expired"
 PIN_GONE = "pinned worker gone"
+NEVER_PUBLISHED_GRACE_S = 0.5
 
 
 class SweepStore(SqlBase):
@@ -225,20 +226,27 @@ class SweepStore(SqlBase):
             return [at for at in result.scalars() if at is not None]
 
     async def unpublished(self, older_than_s: float, limit: int = 1000) -> list[Instance]:
-        """Enqueued instances whose message may be gone: never published, or published longer
-        ago than ``older_than_s`` and still unclaimed. Instances parked by ``on_limit=wait``
-        (unpublished on purpose) are included only while their job has a free slot, so a full
-        job is not republished on every sweep."""
+        """Enqueued instances whose message may be gone: never published (half a second after
+        creation), or published longer ago than ``older_than_s`` and still unclaimed.
+        Instances parked by ``on_limit=wait`` (unpublished on purpose) are included only while
+        their job has a free slot, so a full job is not republished on every sweep."""
         async with self._read() as conn:
-            cutoff = await self._now(conn) - timedelta(seconds=older_than_s)
+            now = await self._now(conn)
+            cutoff = now - timedelta(seconds=older_than_s)
+            # A publisher normally records its publication within milliseconds.
+            fresh = now - timedelta(seconds=min(older_than_s, NEVER_PUBLISHED_GRACE_S))
             result = await conn.execute(
                 select(job_instances)
                 .join(job_slots, job_slots.c.job_key == I.job_key)
                 .join(job_definitions, job_definitions.c.key == I.job_key)
                 .where(
                     I.state == S.ENQUEUED.value,
-                    or_(I.published_at.is_(None), I.published_at < cutoff),
-                    I.created_at < cutoff,
+                    or_(
+                        # Never published: enqueued in the application's own transaction,
+                        # or its publisher died between commit and publish.
+                        and_(I.published_at.is_(None), I.created_at < fresh),
+                        I.published_at < cutoff,
+                    ),
                     job_slots.c.used < job_definitions.c.max_concurrency,
                 )
                 .order_by(I.priority.desc(), I.id)
