@@ -10,10 +10,10 @@ from jobplane.app import App, JobSpec
 from jobplane.client import ApiError, AsyncClient, Client
 from jobplane.context import Cancellation, JobContext
 from jobplane.dispatch import Dispatcher
-from jobplane.enqueue import enqueue, enqueue_async
 from jobplane.domain.models import Instance, InstanceSource, NewInstance
 from jobplane.domain.options import Backoff, JobKind, JobOptions, MisfirePolicy, OnLimit
 from jobplane.domain.states import InstanceState
+from jobplane.enqueue import enqueue, enqueue_async
 from jobplane.errors import JobplaneError
 
 __version__ = "0.1.0"
