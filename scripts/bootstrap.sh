@@ -14,8 +14,10 @@ python="${PYTHON:-python3}"
 stamp=".venv/.installed-${kind}"
 # Reinstall only when the lock or the project metadata changed.
 if [ ! -f "$stamp" ] || [ "$lock" -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  .venv/bin/python -m pip install --quiet --disable-pip-version-check --require-hashes -r "$lock"
+  # (pip's warnings about index locations configured on this machine but absent are noise)
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check --require-hashes \
+    -r "$lock" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
   .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
-    --no-build-isolation -e .
+    --no-build-isolation -e . 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
   touch "$stamp"
 fi
