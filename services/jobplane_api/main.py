@@ -55,9 +55,14 @@ def create_app(
     problems.install(app)
 
     @app.middleware("http")
-    async def limit_body(
+    async def guard_input(
         request: Request, call_next: Callable[[Request], Awaitable[Response]]
     ) -> Response:
+        if "%00" in request.url.path or "%00" in request.url.query:
+            # Postgres text cannot hold NUL: refuse it here rather than fail in the store.
+            return problems.problem(
+                422, "Invalid request", "NUL characters are not allowed", request=request
+            )
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > settings.max_body_bytes):
             return problems.problem(

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jobplane.dispatch import JobDisabledError
@@ -42,61 +44,73 @@ def problem(
     return JSONResponse(body, status_code=status, media_type=PROBLEM_JSON)
 
 
+#: Domain errors that map to one status each.
+STATUS_OF: list[tuple[type[Exception], int, str]] = [
+    (JobNotFoundError, 404, "Job not found"),
+    (InstanceNotFoundError, 404, "Instance not found"),
+    (IllegalTransitionError, 409, "Illegal state transition"),
+    (JobDisabledError, 409, "Job disabled"),
+]
+
+
 def install(app: FastAPI) -> None:
     """Register the handlers that turn errors into problem+json."""
+    for exc_type, status, title in STATUS_OF:
+        app.add_exception_handler(exc_type, _fixed(status, title))
+    app.add_exception_handler(RequestValidationError, _validation)  # type: ignore[arg-type]
+    app.add_exception_handler(InvalidOptionsError, _invalid)  # type: ignore[arg-type]
+    app.add_exception_handler(DBAPIError, _unstorable)  # type: ignore[arg-type]
+    app.add_exception_handler(UnicodeEncodeError, _not_utf8)  # type: ignore[arg-type]
+    app.add_exception_handler(UnavailableError, _unavailable)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http)  # type: ignore[arg-type]
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = [
-            {"field": ".".join(str(p) for p in e["loc"]), "reason": e["msg"]} for e in exc.errors()
-        ]
-        return problem(
-            422,
-            "Invalid request",
-            errors[0]["reason"] if errors else None,
-            request=request,
-            errors=errors,
-        )
 
-    @app.exception_handler(InvalidOptionsError)
-    async def _invalid(request: Request, exc: InvalidOptionsError) -> JSONResponse:
-        return problem(
-            422,
-            "Invalid request",
-            str(exc),
-            request=request,
-            errors=[{"field": exc.field, "reason": exc.reason}],
-        )
+def _fixed(status: int, title: str) -> Callable[[Request, Exception], Awaitable[JSONResponse]]:
+    async def handle(request: Request, exc: Exception) -> JSONResponse:
+        return problem(status, title, str(exc), request=request)
 
-    @app.exception_handler(JobNotFoundError)
-    async def _no_job(request: Request, exc: JobNotFoundError) -> JSONResponse:
-        return problem(404, "Job not found", str(exc), request=request)
+    return handle
 
-    @app.exception_handler(InstanceNotFoundError)
-    async def _no_instance(request: Request, exc: InstanceNotFoundError) -> JSONResponse:
-        return problem(404, "Instance not found", str(exc), request=request)
 
-    @app.exception_handler(IllegalTransitionError)
-    async def _illegal(request: Request, exc: IllegalTransitionError) -> JSONResponse:
-        return problem(409, "Illegal state transition", str(exc), request=request)
+async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = [
+        {"field": ".".join(str(p) for p in e["loc"]), "reason": e["msg"]} for e in exc.errors()
+    ]
+    first = errors[0]["reason"] if errors else None
+    return problem(422, "Invalid request", first, request=request, errors=errors)
 
-    @app.exception_handler(JobDisabledError)
-    async def _disabled(request: Request, exc: JobDisabledError) -> JSONResponse:
-        return problem(409, "Job disabled", str(exc), request=request)
 
-    @app.exception_handler(UnavailableError)
-    async def _unavailable(request: Request, exc: UnavailableError) -> JSONResponse:
-        logger.warning("%s", exc, extra={"action": "api.unavailable"})
-        return problem(503, "Service unavailable", str(exc), request=request)
+async def _invalid(request: Request, exc: InvalidOptionsError) -> JSONResponse:
+    errors = [{"field": exc.field, "reason": exc.reason}]
+    return problem(422, "Invalid request", str(exc), request=request, errors=errors)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        response = problem(
-            exc.status_code, _title(exc.status_code), str(exc.detail), request=request
-        )
-        for name, value in (exc.headers or {}).items():
-            response.headers[name] = value
-        return response
+
+async def _unstorable(request: Request, exc: DBAPIError) -> JSONResponse:
+    # The database refused a value the schema let through (NUL in text, an escape jsonb
+    # rejects, a date out of range: SQLSTATE class 22): bad input, not a server fault.
+    # Anything else is a real fault and stays a 500.
+    if not _sqlstate(exc).startswith("22"):
+        raise exc
+    reason = str(exc.orig).strip().splitlines()[-1] if exc.orig else "value cannot be stored"
+    return problem(422, "Invalid request", reason, request=request)
+
+
+async def _not_utf8(request: Request, exc: UnicodeEncodeError) -> JSONResponse:
+    # JSON may carry lone surrogates ("\ud800"), which no UTF-8 database can store.
+    reason = "text must be valid Unicode (no lone surrogates)"
+    return problem(422, "Invalid request", reason, request=request)
+
+
+async def _unavailable(request: Request, exc: UnavailableError) -> JSONResponse:
+    logger.warning("%s", exc, extra={"action": "api.unavailable"})
+    return problem(503, "Service unavailable", str(exc), request=request)
+
+
+async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    response = problem(exc.status_code, _title(exc.status_code), str(exc.detail), request=request)
+    for name, value in (exc.headers or {}).items():
+        response.headers[name] = value
+    return response
 
 
 def _title(status: int) -> str:
@@ -106,3 +120,12 @@ def _title(status: int) -> str:
         return HTTPStatus(status).phrase
     except ValueError:
         return "Error"
+
+
+def _sqlstate(exc: DBAPIError) -> str:
+    """The SQLSTATE of a driver error (asyncpg keeps it on the original exception)."""
+    for candidate in (exc.orig, getattr(exc.orig, "__cause__", None)):
+        code = getattr(candidate, "sqlstate", None) or getattr(candidate, "pgcode", None)
+        if isinstance(code, str):
+            return code
+    return ""

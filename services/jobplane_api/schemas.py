@@ -12,6 +12,9 @@ from jobplane.domain.models import Instance, JobDefinition, Transition, WorkerIn
 from jobplane.domain.options import PRIORITY_MAX, PRIORITY_MIN, JobOptions
 from jobplane.domain.states import InstanceState
 
+#: Ten years: a longer delay is a mistake, not a schedule.
+MAX_DELAY_S = 10 * 365 * 24 * 3600
+
 
 class Problem(BaseModel):
     """RFC 9457 problem details."""
@@ -24,6 +27,23 @@ class Problem(BaseModel):
     errors: list[dict[str, Any]] | None = Field(
         default=None, description="Validation errors: JSON path of the field and the reason."
     )
+
+
+_ERRORS = {
+    401: "No token, or an unknown or revoked one",
+    403: "The token's role is too low",
+    404: "No such job, instance or token",
+    409: "Conflict: an illegal transition, a stale version, a disabled job",
+    413: "Request body too large",
+    422: "Invalid request: the fields at fault are in `errors`",
+    503: "Postgres or Redis unreachable",
+}
+
+#: The problem+json answers every API route may give (documented in OpenAPI).
+PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": Problem, "description": text, "content": {"application/problem+json": {}}}
+    for code, text in _ERRORS.items()
+}
 
 
 class JobOut(BaseModel):
@@ -68,7 +88,9 @@ class TriggerIn(BaseModel):
 
     args: Any = Field(default=None, description="JSON arguments, validated against the job.")
     run_at: datetime | None = Field(default=None, description="Run at this time (aware).")
-    delay_s: float | None = Field(default=None, ge=0, description="Run after this many seconds.")
+    delay_s: float | None = Field(
+        default=None, ge=0, le=MAX_DELAY_S, description="Run after this many seconds."
+    )
     priority: int | None = Field(default=None, ge=PRIORITY_MIN, le=PRIORITY_MAX)
     pinned_worker: str | None = Field(default=None, max_length=200)
 

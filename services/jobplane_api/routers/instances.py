@@ -12,10 +12,10 @@ from jobplane.domain.models import InstanceFilter, InstanceSource, NewInstance
 from jobplane.domain.states import InstanceState
 from jobplane.errors import IllegalTransitionError
 from jobplane_api.deps import DispatcherDep, StoreDep
-from jobplane_api.schemas import BatchTriggerIn, InstanceOut, InstancePage
+from jobplane_api.schemas import PROBLEM_RESPONSES, BatchTriggerIn, InstanceOut, InstancePage
 from jobplane_api.security import Operator, Viewer
 
-router = APIRouter(prefix="/api/v1/instances", tags=["instances"])
+router = APIRouter(prefix="/api/v1/instances", tags=["instances"], responses=PROBLEM_RESPONSES)
 
 
 @router.get("", summary="List instances", response_model=InstancePage, dependencies=[Viewer])

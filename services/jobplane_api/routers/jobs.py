@@ -13,10 +13,10 @@ from jobplane.domain.models import JobDefinition
 from jobplane.domain.options import JobKind
 from jobplane.errors import InvalidOptionsError
 from jobplane_api.deps import BusDep, DispatcherDep, StoreDep
-from jobplane_api.schemas import InstanceOut, JobOut, JobPatch, TriggerIn
+from jobplane_api.schemas import PROBLEM_RESPONSES, InstanceOut, JobOut, JobPatch, TriggerIn
 from jobplane_api.security import Admin, Operator, Principal, Viewer, actor_of
 
-router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"], responses=PROBLEM_RESPONSES)
 
 TRIGGER_EXAMPLE = {"args": {"name": "Ada"}, "delay_s": 0, "priority": 5}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Response
+from fastapi.responses import PlainTextResponse
 
 from jobplane.domain.models import InstanceFilter
 from jobplane.domain.states import InstanceState
@@ -10,10 +11,10 @@ from jobplane.errors import UnavailableError
 from jobplane_api.deps import BusDep, StoreDep
 from jobplane_api.metrics import render_metrics
 from jobplane_api.problems import problem
-from jobplane_api.schemas import SchedulerOut, StatsOut, WorkerOut
+from jobplane_api.schemas import PROBLEM_RESPONSES, SchedulerOut, StatsOut, WorkerOut
 from jobplane_api.security import Viewer
 
-router = APIRouter(tags=["system"])
+router = APIRouter(tags=["system"], responses=PROBLEM_RESPONSES)
 
 
 @router.get(
@@ -74,7 +75,13 @@ async def readyz(store: StoreDep, bus: BusDep) -> dict[str, str] | Response:
     return {"status": "ready"}
 
 
-@router.get("/metrics", summary="Prometheus metrics", tags=["health"])
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics",
+    tags=["health"],
+    response_class=PlainTextResponse,
+    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+)
 async def metrics(store: StoreDep) -> Response:
     """Instance counts by state and job, in the Prometheus text format."""
     body, content_type = await render_metrics(store)

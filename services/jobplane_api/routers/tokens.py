@@ -11,9 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jobplane.auth import Role, TokenInfo
 from jobplane_api.deps import StoreDep
+from jobplane_api.schemas import PROBLEM_RESPONSES
 from jobplane_api.security import Admin, Principal, actor_of
 
-router = APIRouter(prefix="/api/v1/tokens", tags=["tokens"])
+router = APIRouter(prefix="/api/v1/tokens", tags=["tokens"], responses=PROBLEM_RESPONSES)
 
 
 class TokenOut(BaseModel):
