@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from subprocess import Popen
 
@@ -13,19 +13,11 @@ import pytest
 from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.states import InstanceState as S
-from jobplane.store.factory import open_store
 from jobplane.store.sql import SqlStore
 from tests.cli_helpers import spawn_cli
 from tests.worker_helpers import settled, wait_for
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture
-async def pg_store(pg_database_url: str) -> AsyncIterator[SqlStore]:
-    store = open_store(pg_database_url)
-    yield store
-    await store.close()
 
 
 @pytest.fixture

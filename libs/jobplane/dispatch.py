@@ -111,9 +111,14 @@ class Dispatcher:
                 )
         return instance
 
-    async def publish(self, instances: Sequence[Instance]) -> None:
-        """Publish the Enqueued, not yet published ones among ``instances``; record it."""
-        due = [i for i in instances if i.state is InstanceState.ENQUEUED and not i.published_at]
+    async def publish(self, instances: Sequence[Instance], *, force: bool = False) -> None:
+        """Publish the Enqueued ones among ``instances`` that were not published yet (all of
+        them with ``force``: republishing, as the earlier message may be gone); record it."""
+        due = [
+            i
+            for i in instances
+            if i.state is InstanceState.ENQUEUED and (force or not i.published_at)
+        ]
         if not due:
             return
         try:

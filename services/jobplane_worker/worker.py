@@ -20,6 +20,7 @@ import random
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 from uuid import UUID
 
@@ -30,7 +31,7 @@ from jobplane.app import App, Resources
 from jobplane.bus.abc import Bus, Consumer, Delivery
 from jobplane.bus.envelope import EventKind
 from jobplane.context import JobContext
-from jobplane.dispatch import envelope_for
+from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import Claim, Instance, Outcome, WorkerInfo
 from jobplane.domain.options import OnLimit
 from jobplane.domain.states import InstanceState
@@ -60,6 +61,7 @@ class Worker:
         self._slot_freed = asyncio.Event()
         self._side_tasks: set[asyncio.Task[Any]] = set()
         self._resources: Resources = {}
+        self.dispatcher = Dispatcher(store, bus)
         self._pool = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="jobplane-job")
         self._reserved = 0  # entries read and being claimed: they count against capacity
         self._last_reclaim = time.monotonic()
@@ -324,26 +326,12 @@ class Worker:
                 },
             )
             if state is InstanceState.ENQUEUED:
-                requeued.append(instance)
+                requeued.append(replace(instance, state=state))
             if attempt.claim.options.on_limit is OnLimit.WAIT:
                 wait_keys[instance.job_key] = wait_keys.get(instance.job_key, 0) + 1
         for key, freed in wait_keys.items():
             requeued.extend(await self.store.republish_waiting([key], freed))
-        await self._publish(requeued)
-
-    async def _publish(self, instances: list[Instance]) -> None:
-        if not instances:
-            return
-        try:
-            await self.bus.publish([(i.queue, envelope_for(i)) for i in instances])
-        except BusUnavailableError:
-            logger.warning(
-                "bus unavailable; %d instance(s) left for the sweep to publish",
-                len(instances),
-                extra={"action": "worker.publish_deferred"},
-            )
-            return
-        await self.store.mark_published([i.id for i in instances])
+        await self.dispatcher.publish(requeued, force=True)
 
     # -- leases ----------------------------------------------------------------------------
 
@@ -431,7 +419,7 @@ class Worker:
             )
             if instance is not None:
                 released.append(instance)
-        await self._publish(released)
+        await self.dispatcher.publish(released)
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ stays in one Redis Cluster slot; each worker's pinned stream has its own tag.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from jobplane.domain.options import PRIORITY_MAX, PRIORITY_MIN
@@ -47,6 +48,15 @@ class Keys:
 
     def worker_dead_letter(self, worker_id: str) -> str:
         return f"{self.prefix}:w:{{{worker_id}}}:dead"
+
+    def consumer_streams(self, worker_id: str, queues: Sequence[str]) -> dict[str, str]:
+        """The streams a worker reads, highest priority first (its pinned stream, then each
+        queue's bands), each mapped to the dead-letter stream of its undecodable entries."""
+        streams = {self.worker_stream(worker_id): self.worker_dead_letter(worker_id)}
+        for queue in queues:
+            for key in self.queue_streams(queue):
+                streams[key] = self.dead_letter(queue)
+        return streams
 
     def pending_updates(self) -> str:
         """Hash of job key → version of definition edits not yet applied by every cache."""

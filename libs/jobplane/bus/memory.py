@@ -134,15 +134,9 @@ class MemoryConsumer:
     def __init__(self, bus: MemoryBus, worker_id: str, queues: Sequence[str]) -> None:
         self.bus = bus
         self.name = worker_id
-        keys = bus.keys
         # Highest priority first: the worker's pinned stream, then each queue's bands.
-        self.streams = [keys.worker_stream(worker_id)] + [
-            key for queue in queues for key in keys.queue_streams(queue)
-        ]
-        self._dead_of = {keys.worker_stream(worker_id): keys.worker_dead_letter(worker_id)}
-        for queue in queues:
-            for key in keys.queue_streams(queue):
-                self._dead_of[key] = keys.dead_letter(queue)
+        self._dead_of = bus.keys.consumer_streams(worker_id, queues)
+        self.streams = list(self._dead_of)
 
     async def read(self, count: int, block_ms: int) -> list[Delivery]:
         found = self._take_new(count)

@@ -165,15 +165,9 @@ class RedisConsumer:
         self.bus = bus
         self.client = bus.client
         self.name = worker_id
-        keys = bus.keys
         # Highest priority first: the worker's pinned stream, then each queue's bands.
-        self.streams = [keys.worker_stream(worker_id)] + [
-            key for queue in queues for key in keys.queue_streams(queue)
-        ]
-        self._dead_of = {keys.worker_stream(worker_id): keys.worker_dead_letter(worker_id)}
-        for queue in queues:
-            for key in keys.queue_streams(queue):
-                self._dead_of[key] = keys.dead_letter(queue)
+        self._dead_of = bus.keys.consumer_streams(worker_id, queues)
+        self.streams = list(self._dead_of)
         self._groups_ready = False
 
     async def _ensure_groups(self) -> None:

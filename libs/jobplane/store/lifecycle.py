@@ -254,12 +254,7 @@ class LifecycleStore(SqlBase):
                     },
                 )
                 if moved is None:
-                    logger.warning(
-                        "outcome of instance %s refused: claim token %s no longer holds",
-                        outcome.instance_id,
-                        outcome.claim_token,
-                        extra={"action": "store.fenced", "instance_id": str(outcome.instance_id)},
-                    )
+                    log_fenced(outcome)
                     continue
                 ended[moved.id] = moved.state
             failed = [o for o in outcomes if ended.get(o.instance_id) is S.FAILED]
@@ -475,3 +470,13 @@ def _allot(
         else:
             wait.append(c.id)
     return claim, skip, wait
+
+
+def log_fenced(outcome: Outcome) -> None:
+    """One line for an outcome refused because its attempt no longer holds the instance."""
+    logger.warning(
+        "outcome of instance %s refused: claim token %s no longer holds",
+        outcome.instance_id,
+        outcome.claim_token,
+        extra={"action": "store.fenced", "instance_id": str(outcome.instance_id)},
+    )

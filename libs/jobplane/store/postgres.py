@@ -23,7 +23,7 @@ from jobplane.domain.models import (
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState, check_transition
 from jobplane.store import rows
-from jobplane.store.base import logger
+from jobplane.store.lifecycle import log_fenced
 from jobplane.store.sql import LIMIT_REASON, SqlStore
 from jobplane.store.tables import job_instances
 
@@ -289,12 +289,7 @@ class PostgresStore(SqlStore):
             ended = {row.id: S(row.state) for row in result}
             for outcome in outcomes:
                 if outcome.instance_id not in ended:
-                    logger.warning(
-                        "outcome of instance %s refused: claim token %s no longer holds",
-                        outcome.instance_id,
-                        outcome.claim_token,
-                        extra={"action": "store.fenced", "instance_id": str(outcome.instance_id)},
-                    )
+                    log_fenced(outcome)
             failed = [o for o in outcomes if ended.get(o.instance_id) is S.FAILED]
             ended.update(await self._after_failure(conn, failed))
         return ended
