@@ -8,7 +8,6 @@ import glob
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -24,7 +23,7 @@ from jobplane.domain.states import InstanceState as S
 from jobplane.runtime import migrate_database
 from jobplane.store.factory import open_store
 from jobplane.store.sql import SqlStore
-from tests.cli_helpers import spawn_cli
+from tests.cli_helpers import free_port, spawn_cli, stop_all
 from tests.worker_helpers import settled, wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -32,13 +31,6 @@ pytestmark = pytest.mark.timeout(180)
 Spawn = Callable[..., subprocess.Popen[str]]
 LEASE = {"JOBPLANE_LEASE_S": "1.5", "JOBPLANE_HEARTBEAT_S": "0.3", "JOBPLANE_POLL_MS": "100"}
 SCHEDULER = {"JOBPLANE_SWEEP_INTERVAL_S": "0.2", "JOBPLANE_LEASE_TTL_S": "2"}
-
-
-@pytest.fixture
-async def pg_store(pg_database_url: str) -> AsyncIterator[SqlStore]:
-    store = open_store(pg_database_url)
-    yield store
-    await store.close()
 
 
 @pytest.fixture
@@ -65,21 +57,11 @@ def _spawner(db_url: str, redis_url: str, prefix: str, procs: list[subprocess.Po
     return start
 
 
-def _reap(procs: list[subprocess.Popen[str]]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGCONT)
-            proc.kill()
-        proc.wait(timeout=30)
-        if proc.stdout:
-            proc.stdout.close()
-
-
 @pytest.fixture
 def spawn(pg_database_url: str, redis_url: str, redis_prefix: str) -> Iterator[Spawn]:
     procs: list[subprocess.Popen[str]] = []
     yield _spawner(pg_database_url, redis_url, redis_prefix, procs)
-    _reap(procs)
+    stop_all(procs)
 
 
 def _worker(spawn: Spawn, worker_id: str, marker: Path, sleep_s: str) -> subprocess.Popen[str]:
@@ -150,12 +132,6 @@ async def test_a_frozen_worker_resumed_after_its_lease_expired_overwrites_nothin
     assert frozen.poll() is None and rescuer.poll() is None  # both still serve
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def own_postgres() -> Iterator[tuple[str, Callable[[], None]]]:
     """A PostgreSQL server of this test's own (initdb in a temp dir), which it may restart."""
@@ -166,7 +142,7 @@ def own_postgres() -> Iterator[tuple[str, Callable[[], None]]]:
     pg_bin = Path(bins[-1])
     data = Path(tempfile.mkdtemp(prefix="jobplane-pg-"))
     shutil.chown(data, "postgres", "postgres")
-    port = _free_port()
+    port = free_port()
 
     def as_postgres(*args: str) -> None:
         subprocess.run(
@@ -214,7 +190,8 @@ async def test_postgres_restarted_mid_run_loses_no_outcome(
         done = await settled(store, [i.id for i in made + more], timeout_s=90)
         assert {i.state for i in done} == {S.SUCCEEDED}
         assert sorted(i.result for i in done) == sorted([*range(40), *range(10)])
+        assert [p.poll() for p in procs] == [None, None]  # both rode out the outage
     finally:
-        _reap(procs)
+        stop_all(procs)
         await bus.close()
         await store.close()

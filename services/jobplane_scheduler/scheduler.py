@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
@@ -142,18 +141,31 @@ class LeaderDuties:
         self._delayed: list[datetime] = []
 
     async def run(self) -> None:
-        try:
-            await self._load_definitions()
-            async with asyncio.TaskGroup() as group:
-                group.create_task(self._cron_loop())
-                group.create_task(self._sweep_loop())
-                group.create_task(self._event_loop())
-        except* NotLeaderError:
-            logger.warning(
-                "term %d is over; stopping leader duties",
-                self.lease.term,
-                extra={"action": "scheduler.deposed"},
-            )
+        deposed = False
+        while not deposed:
+            try:
+                await self._load_definitions()
+                async with asyncio.TaskGroup() as group:
+                    group.create_task(self._cron_loop())
+                    group.create_task(self._sweep_loop())
+                    group.create_task(self._event_loop())
+            except* NotLeaderError:
+                logger.warning(
+                    "term %d is over; stopping leader duties",
+                    self.lease.term,
+                    extra={"action": "scheduler.deposed"},
+                )
+                deposed = True
+            except* UnavailableError as group:
+                # An outage pauses the duties, it does not end the term. Nothing is lost: a
+                # tick whose fire failed stays due in the timers, and every write is fenced,
+                # so if the lease ran out meanwhile the next write ends the duties instead.
+                logger.warning(
+                    "leader duties paused: %s",
+                    group.exceptions[0],
+                    extra={"action": "scheduler.paused"},
+                )
+                await asyncio.sleep(self.settings.sweep_interval_s)
 
     # -- cron ------------------------------------------------------------------------------
 
@@ -164,8 +176,8 @@ class LeaderDuties:
         changed = [k for k, v in versions.items() if self._versions.get(k) != v]
         for key in set(self._versions) - set(versions):
             self.timers.drop_job(key)
-        self._versions = versions
         if not changed:
+            self._versions = versions
             return
         definitions = await self.store.list_definitions(changed)
         last = await self.store.last_occurrences([d.key for d in definitions])
@@ -184,6 +196,8 @@ class LeaderDuties:
             self.timers.set_job(definition, latest, now)
         if records:
             await self._fire(records)
+        # Only now: if the fire failed (store down), the next load catches these jobs up again.
+        self._versions = versions
         self._wake.set()
 
     async def _cron_loop(self) -> None:
@@ -206,6 +220,17 @@ class LeaderDuties:
             await asyncio.wait_for(self._wake.wait(), max(0.0, min(delay, 60.0)))
 
     async def _fire(self, records: list[Any]) -> None:
+        # A stop (SIGTERM, lost term) cancels the duties, possibly between the insert and the
+        # publish. Finish the fire first, so a stored tick is published now rather than when
+        # the next leader's sweep finds it unpublished.
+        firing = asyncio.ensure_future(self._fire_and_publish(records))
+        try:
+            await asyncio.shield(firing)
+        except asyncio.CancelledError:
+            await asyncio.gather(firing, return_exceptions=True)
+            raise
+
+    async def _fire_and_publish(self, records: list[Any]) -> None:
         instances = await self.store.fire(self.lease, records)
         await self.dispatcher.publish(instances)
         fired = [i for i in instances if not i.state.is_terminal]
@@ -274,10 +299,7 @@ class LeaderDuties:
             pass
 
     async def _publish(self, instances: list[Instance], *, force: bool = False) -> None:
-        if force:
-            # Republishing ignores published_at: the earlier message may be gone.
-            instances = [replace(i, published_at=None) for i in instances]
-        await self.dispatcher.publish(instances)
+        await self.dispatcher.publish(instances, force=force)
 
     async def _bus_epoch(self) -> str | None:
         try:

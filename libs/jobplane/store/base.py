@@ -23,7 +23,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.domain.models import LeaderLease
@@ -57,7 +57,9 @@ class SqlBase:
         try:
             async with self.engine.begin() as conn:
                 yield conn
-        except (OperationalError, InterfaceError, OSError) as exc:
+        except (DBAPIError, OSError) as exc:
+            # (a bare DBAPIError too: asyncpg's "the database system is shutting down" while
+            # connecting is neither an OperationalError nor an InterfaceError)
             if isinstance(exc, DBAPIError) and not _is_disconnect(exc):
                 raise
             raise StoreUnavailableError(f"metadata store unavailable: {_first_line(exc)}") from exc
@@ -149,6 +151,10 @@ def _is_disconnect(exc: DBAPIError) -> bool:
         return True
     cause = getattr(orig, "__cause__", None)
     if type(orig).__name__ in _DISCONNECT_NAMES or type(cause).__name__ in _DISCONNECT_NAMES:
+        return True
+    # SQLSTATE class 08 (connection exception) and 57P0x (server shutting down or starting up)
+    sqlstate = str(getattr(orig, "sqlstate", None) or getattr(cause, "sqlstate", None) or "")
+    if sqlstate.startswith(("08", "57P0")):
         return True
     return "unable to open database" in str(orig)
 
