@@ -3,26 +3,18 @@ Redis): generated requests never get a 5xx, and responses conform to the schema.
 
 from __future__ import annotations
 
-import socket
+import signal
 import subprocess
-import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from tests.cli_helpers import run_cli, spawn_cli
+from tests.cli_helpers import free_port, run_cli, spawn_cli, stop_all, wait_http_ok
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +34,7 @@ def api_url(postgres_url: str, redis_url: str) -> Iterator[str]:
         "JOBPLANE_LOG_LEVEL": "WARNING",
     }
     assert run_cli("migrate", **env).returncode == 0
-    port = _free_port()
+    port = free_port()
     procs: list[subprocess.Popen[str]] = [
         spawn_cli("api", "--host", "127.0.0.1", "--port", str(port), **env),
         # A worker registers real job definitions, so generated triggers meet real schemas.
@@ -50,21 +42,10 @@ def api_url(postgres_url: str, redis_url: str) -> Iterator[str]:
     ]
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_http_ok(f"{url}/healthz")
         yield url
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(timeout=30)
-            if proc.stdout:
-                proc.stdout.close()
+        stop_all(procs, sig=signal.SIGTERM)
         admin(postgres_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 

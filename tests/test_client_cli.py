@@ -4,24 +4,16 @@ scheduler, on Postgres and Redis, with authentication on."""
 from __future__ import annotations
 
 import json
-import socket
+import signal
 import subprocess
-import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
 from jobplane.client import ApiError, AsyncClient, Client
-from tests.cli_helpers import run_cli, spawn_cli
+from tests.cli_helpers import free_port, run_cli, spawn_cli, stop_all, wait_http_ok
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -32,7 +24,7 @@ def stack(pg_database_url: str, redis_url: str, redis_prefix: str) -> Iterator[d
         "JOBPLANE_KEY_PREFIX": redis_prefix,
         "JOBPLANE_POLL_MS": "100",
     }
-    port = _free_port()
+    port = free_port()
     procs = [
         spawn_cli("api", "--host", "127.0.0.1", "--port", str(port), **env),
         spawn_cli("worker", "--app", "tests.apps.basic:app", "--worker-id", "cli-w", **env),
@@ -43,26 +35,10 @@ def stack(pg_database_url: str, redis_url: str, redis_prefix: str) -> Iterator[d
     viewer = run_cli("token", "create", "--role", "viewer", **env).stdout.strip()
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url)
+        wait_http_ok(f"{url}/healthz")
         yield {"url": url, "token": created.stdout.strip(), "viewer": viewer, **env}
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(timeout=30)
-            if proc.stdout:
-                proc.stdout.close()
-
-
-def _wait_healthy(url: str) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            time.sleep(0.1)
-    raise AssertionError("the API did not come up")
+        stop_all(procs, sig=signal.SIGTERM)
 
 
 def _cli(

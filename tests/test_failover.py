@@ -7,9 +7,8 @@ import asyncio
 import itertools
 import shutil
 import signal
-import socket
 import subprocess
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,22 +18,14 @@ from jobplane.bus.factory import open_bus
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import InstanceFilter
 from jobplane.domain.states import InstanceState as S
-from jobplane.store.factory import open_store
 from jobplane.store.sql import SqlStore
-from tests.cli_helpers import spawn_cli
+from tests.cli_helpers import free_port, spawn_cli, stop_all
 from tests.store_helpers import define
 from tests.worker_helpers import settled, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
 Spawn = Callable[..., subprocess.Popen[str]]
-
-
-@pytest.fixture
-async def pg_store(pg_database_url: str) -> AsyncIterator[SqlStore]:
-    store = open_store(pg_database_url)
-    yield store
-    await store.close()
 
 
 @pytest.fixture
@@ -58,12 +49,7 @@ def spawn(pg_database_url: str, redis_url: str, redis_prefix: str) -> Iterator[S
         return proc
 
     yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=30)
-        if proc.stdout:
-            proc.stdout.close()
+    stop_all(procs)
 
 
 async def _leader_pid(store: SqlStore) -> int | None:
@@ -114,19 +100,13 @@ async def _has_leader(store: SqlStore) -> bool:
     return await store.get_leader(0) is not None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def own_redis(tmp_path: Path) -> Iterator[tuple[str, Callable[[], None]]]:
     """A Redis server of this test's own, which the test may restart empty."""
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("redis-server is not installed")
-    port = _free_port()
+    port = free_port()
     args = [
         binary,
         "--port",

@@ -72,7 +72,15 @@ async def settled(store: SqlStore, ids: Collection[UUID], timeout_s: float = 20)
         found = [await store.get_instance(i) for i in ids]
         return all(i.state.is_terminal for i in found)
 
-    await wait_for(done, timeout_s=timeout_s, what=f"{len(ids)} instance(s) to end")
+    try:
+        await wait_for(done, timeout_s=timeout_s, what=f"{len(ids)} instance(s) to end")
+    except AssertionError as exc:
+        stuck = [i for i in [await store.get_instance(i) for i in ids] if not i.state.is_terminal]
+        detail = ", ".join(
+            f"{i.id} {i.state.value} published_at={i.published_at} worker={i.worker_id}"
+            for i in stuck[:5]
+        )
+        raise AssertionError(f"{exc}; {len(stuck)} still open: {detail}") from None
     return [await store.get_instance(i) for i in ids]
 
 
