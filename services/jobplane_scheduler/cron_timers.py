@@ -24,7 +24,7 @@ MISFIRE = "misfire"
 class _Entry:
     at: datetime
     key: str = field(compare=True)
-    version: int = field(compare=False)
+    plan: int = field(compare=False)  # which set_job planned it; older plans are discarded
 
 
 @dataclass
@@ -33,6 +33,7 @@ class CronTimers:
 
     _heap: list[_Entry] = field(default_factory=list)
     _schedules: dict[str, tuple[int, CronSchedule, JobDefinition]] = field(default_factory=dict)
+    _plans: int = 0
 
     def set_job(self, definition: JobDefinition, last: datetime | None, now: datetime) -> None:
         """(Re)schedule a job from its last recorded occurrence (never from "now", so a new
@@ -43,12 +44,15 @@ class CronTimers:
             return
         assert options.cron is not None
         schedule = CronSchedule(options.cron, options.timezone)
-        self._schedules[definition.key] = (definition.version, schedule, definition)
+        # A new plan number per call: re-planning a job (edit, catch-up, event and sweep both
+        # seeing the same change) leaves one live entry, never two that would fire a tick twice.
+        self._plans += 1
+        self._schedules[definition.key] = (self._plans, schedule, definition)
         start = last or max(now, options.start_at or now)
         if options.start_at and start < options.start_at:
             start = options.start_at
         nxt = schedule.next_after(start)
-        heapq.heappush(self._heap, _Entry(nxt, definition.key, definition.version))
+        heapq.heappush(self._heap, _Entry(nxt, definition.key, self._plans))
 
     def drop_job(self, key: str) -> None:
         self._schedules.pop(key, None)
@@ -72,19 +76,19 @@ class CronTimers:
         found = self._schedules.get(key)
         if found is None:
             return
-        version, schedule, definition = found
+        plan, schedule, definition = found
         nxt = schedule.next_after(fired_at)
         end = definition.options.end_at
         if end is not None and nxt > end:
             return
-        heapq.heappush(self._heap, _Entry(nxt, key, version))
+        heapq.heappush(self._heap, _Entry(nxt, key, plan))
 
     def _discard_stale(self) -> None:
-        # Entries of a dropped job or of an older version of its definition are skipped.
+        # Entries of a dropped job or of an older plan of it are skipped.
         while self._heap:
             top = self._heap[0]
             current = self._schedules.get(top.key)
-            if current is not None and current[0] == top.version:
+            if current is not None and current[0] == top.plan:
                 return
             heapq.heappop(self._heap)
 

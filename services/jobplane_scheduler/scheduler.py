@@ -17,6 +17,7 @@ from uuid import UUID
 
 from jobplane.bus.abc import Bus
 from jobplane.bus.envelope import Event, EventKind
+from jobplane.definitions import DefinitionCache
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import Instance, LeaderLease
 from jobplane.errors import UnavailableError
@@ -135,7 +136,10 @@ class LeaderDuties:
         self.lease = lease
         self.dispatcher = Dispatcher(store, bus)
         self.timers = CronTimers()
-        self._versions: dict[str, int] = {}
+        self.cache = DefinitionCache(store, bus)
+        # Serialises re-planning and firing: the cron loop, the sweep and the event listener
+        # all apply definition changes, and a tick must be planned once.
+        self._planning = asyncio.Lock()
         self._wake = asyncio.Event()
         self._epoch: str | None = None
         self._delayed: list[datetime] = []
@@ -143,6 +147,10 @@ class LeaderDuties:
     async def run(self) -> None:
         deposed = False
         while not deposed:
+            # (Re)start from scratch: every job re-planned from its last recorded occurrence,
+            # so ticks due during an outage are caught up per the misfire policy.
+            self.timers = CronTimers()
+            self.cache = DefinitionCache(self.store, self.bus)
             try:
                 await self._load_definitions()
                 async with asyncio.TaskGroup() as group:
@@ -157,8 +165,8 @@ class LeaderDuties:
                 )
                 deposed = True
             except* UnavailableError as group:
-                # An outage pauses the duties, it does not end the term. Nothing is lost: a
-                # tick whose fire failed stays due in the timers, and every write is fenced,
+                # An outage pauses the duties, it does not end the term. Nothing is lost: the
+                # restart re-plans every job from what is recorded, and every write is fenced,
                 # so if the lease ran out meanwhile the next write ends the duties instead.
                 logger.warning(
                     "leader duties paused: %s",
@@ -170,23 +178,28 @@ class LeaderDuties:
     # -- cron ------------------------------------------------------------------------------
 
     async def _load_definitions(self) -> None:
-        """Load changed recurring definitions and catch up their missed ticks (a resumed or
-        edited job follows its misfire policy)."""
-        versions = await self.store.definition_versions()
-        changed = [k for k, v in versions.items() if self._versions.get(k) != v]
-        for key in set(self._versions) - set(versions):
-            self.timers.drop_job(key)
-        if not changed:
-            self._versions = versions
+        """Apply definition changes found by the version check against Postgres (the sweep's
+        backstop for lost events and marks; at start: every definition)."""
+        async with self._planning:
+            await self._replan(await self.cache.refresh(verify=True))
+
+    async def _replan(self, keys: set[str]) -> None:
+        """Re-plan the timers of the jobs whose definition changed and catch up their missed
+        ticks (a resumed or edited job follows its misfire policy). Holds ``_planning``."""
+        if not keys:
             return
-        definitions = await self.store.list_definitions(changed)
-        last = await self.store.last_occurrences([d.key for d in definitions])
+        cached = self.cache.definitions
+        active = []
+        for key in keys:
+            definition = cached.get(key)
+            if definition is None or self.settings.debug_no_auto_cron or not is_active(definition):
+                self.timers.drop_job(key)
+            else:
+                active.append(definition)
+        last = await self.store.last_occurrences([d.key for d in active])
         now = await self.store.now()
         records = []
-        for definition in definitions:
-            if self.settings.debug_no_auto_cron or not is_active(definition):
-                self.timers.drop_job(definition.key)
-                continue
+        for definition in active:
             made = catch_up(definition, last.get(definition.key), now)
             records.extend(made)
             latest = max(
@@ -196,20 +209,31 @@ class LeaderDuties:
             self.timers.set_job(definition, latest, now)
         if records:
             await self._fire(records)
-        # Only now: if the fire failed (store down), the next load catches these jobs up again.
-        self._versions = versions
         self._wake.set()
 
     async def _cron_loop(self) -> None:
         while True:
             now = await self.store.now()
-            due = self.timers.pop_due(now)
-            if due:
-                await self._fire([occurrence(key, at) for key, at in due])
-                for key, at in due:
-                    self.timers.advance(key, at)
-                continue
+            async with self._planning:
+                due = self.timers.pop_due(now)
+                if due:
+                    await self._fire_due(due)
+                    continue
             await self._sleep_until(self.timers.next_time(), now)
+
+    async def _fire_due(self, due: list[tuple[str, datetime]]) -> None:
+        """Fire the due ticks, after applying the pending updates of their jobs: an edit whose
+        event is still in flight (or lost) is not fired on stale options. Holds ``_planning``."""
+        changed = await self.cache.refresh({key for key, _ in due})
+        if changed:
+            # Those jobs are re-planned from their last occurrence under the new options; a
+            # tick still valid under them fires through the catch-up or on the next turn.
+            await self._replan(changed)
+            due = [(key, at) for key, at in due if key not in changed]
+        if due:
+            await self._fire([occurrence(key, at) for key, at in due])
+        for key, at in due:
+            self.timers.advance(key, at)
 
     async def _sleep_until(self, at: datetime | None, now: datetime) -> None:
         """Sleep on the local clock until ``at`` (or a wake-up); what is then written is checked
@@ -263,6 +287,9 @@ class LeaderDuties:
                 extra={"action": "scheduler.bus_restarted"},
             )
             await self._republish_all()
+            # Its pending-update marks are gone too: reload every definition.
+            async with self._planning:
+                await self._replan(await self.cache.reload_all())
         if epoch is not None:
             self._epoch = epoch
         stale = await self.store.unpublished(self.settings.republish_after_s)
@@ -314,7 +341,8 @@ class LeaderDuties:
             try:
                 async for event in self.bus.subscribe():
                     if event.kind is EventKind.DEFINITIONS_CHANGED:
-                        await self._load_definitions()
+                        async with self._planning:
+                            await self._replan(await self.cache.apply_event(event))
             except UnavailableError:
                 pass
             await asyncio.sleep(1)

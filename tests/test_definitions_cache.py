@@ -1,0 +1,122 @@
+"""The definition cache, on every store and bus combination, and the leader's use of it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from jobplane.bus.abc import Bus
+from jobplane.bus.envelope import Event, EventKind
+from jobplane.definitions import DefinitionCache, announce
+from jobplane.domain.models import InstanceFilter
+from jobplane.errors import JobNotFoundError
+from jobplane.store.sql import SqlStore
+from tests.scheduler_helpers import running_scheduler
+from tests.store_helpers import define
+from tests.worker_helpers import wait_for
+
+
+async def _edit(store: SqlStore, key: str, **changes: object) -> int:
+    """Save an edit in Postgres only: no mark, no event (as if Redis had lost both)."""
+    current = await store.get_definition(key)
+    saved = await store.save_definition(
+        current.options.edited(**changes), expected_version=current.version, actor="test"
+    )
+    assert saved is not None
+    return saved.version
+
+
+async def test_serves_from_memory_until_told(store: SqlStore, bus: Bus) -> None:
+    await define(store, "a", cron="0 * * * *")
+    cache = DefinitionCache(store, bus)
+    assert [d.key for d in await cache.all()] == ["a"]
+    await _edit(store, "a", description="edited")
+    # No mark, no event: the copy in memory is what is served...
+    assert (await cache.get("a")).version == 1
+    # ...until the periodic version check against Postgres finds the change.
+    assert await cache.refresh(verify=True) == {"a"}
+    assert (await cache.get("a")).options.description == "edited"
+
+
+async def test_a_pending_mark_reloads_only_its_key(store: SqlStore, bus: Bus) -> None:
+    for key in ("a", "b"):
+        await define(store, key, cron="0 * * * *")
+    cache = DefinitionCache(store, bus)
+    await cache.all()
+    version_a = await _edit(store, "a", description="new a")
+    await _edit(store, "b", description="new b")
+    await bus.set_pending_updates({"a": version_a})  # only a's edit was announced
+    assert await cache.refresh() == {"a"}
+    cached = cache.definitions
+    assert cached["a"].options.description == "new a"
+    assert cached["b"].version == 1  # b was not reloaded: nothing said it changed
+
+
+async def test_an_old_mark_reloads_nothing(store: SqlStore, bus: Bus) -> None:
+    await define(store, "a", cron="0 * * * *")
+    cache = DefinitionCache(store, bus)
+    await cache.all()
+    await bus.set_pending_updates({"a": 1})  # the version already cached
+    assert await cache.refresh(["a"]) == set()
+
+
+async def test_event_reloads_the_keys_it_names(store: SqlStore, bus: Bus) -> None:
+    await define(store, "a", cron="0 * * * *")
+    cache = DefinitionCache(store, bus)
+    await cache.all()
+    await _edit(store, "a", max_concurrency=4)
+    changed = await cache.apply_event(Event(EventKind.DEFINITIONS_CHANGED, {"keys": ["a"]}))
+    assert changed == {"a"} and cache.definitions["a"].options.max_concurrency == 4
+    other = Event(EventKind.LEADER_RESIGNED, {"shard": 0})
+    assert await cache.apply_event(other) == set()
+
+
+async def test_new_and_unknown_keys(store: SqlStore, bus: Bus) -> None:
+    cache = DefinitionCache(store, bus)
+    assert await cache.all() == []
+    await define(store, "late")  # registered by a worker after the cache loaded
+    assert (await cache.get("late")).key == "late"
+    with pytest.raises(JobNotFoundError):
+        await cache.get("nope")
+
+
+async def test_announce_marks_then_tells(store: SqlStore, bus: Bus) -> None:
+    await define(store, "a", cron="0 * * * *")
+    version = await _edit(store, "a", description="x")
+    events = bus.subscribe()
+    first = asyncio.ensure_future(anext(events))
+    await asyncio.sleep(0.1)  # subscribed before the event goes out
+    await announce(bus, [await store.get_definition("a")])
+    assert await bus.get_pending_updates(["a"]) == {"a": version}
+    event = await asyncio.wait_for(first, 5)
+    assert event.kind is EventKind.DEFINITIONS_CHANGED and event.data == {"keys": ["a"]}
+    await events.aclose()  # type: ignore[attr-defined]
+
+
+async def test_leader_applies_a_pending_update_before_firing(store: SqlStore, bus: Bus) -> None:
+    """The edit's event is lost and the version check is a minute away: the mark alone makes
+    the very next fire use the new options (here: the job was paused)."""
+    await define(store, "tick", cron="* * * * * *")
+    async with running_scheduler(store, bus, sweep_interval_s=60):
+        await wait_for(lambda: _fired(store, 1), timeout_s=10, what="a first tick")
+        current = await store.get_definition("tick")
+        paused = await store.set_paused("tick", True, "test")
+        await bus.set_pending_updates({"tick": paused.version})  # the mark, not the event
+        assert paused.version == current.version + 1
+        settled = await _fired_count(store)
+        await asyncio.sleep(2.5)
+        # At most the tick being fired while the edit was saved; no tick after it.
+        assert await _fired_count(store) <= settled + 1
+        before = await _fired_count(store)
+        await asyncio.sleep(1.5)
+        assert await _fired_count(store) == before
+
+
+async def _fired_count(store: SqlStore) -> int:
+    page = await store.list_instances(InstanceFilter(job_key="tick"), limit=1000)
+    return len(page.items)
+
+
+async def _fired(store: SqlStore, n: int) -> bool:
+    return await _fired_count(store) >= n
