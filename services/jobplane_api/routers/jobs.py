@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Header, HTTPException, Query, status
 
-from jobplane.bus.envelope import Event, EventKind
 from jobplane.cron import next_fire_times
+from jobplane.definitions import announce
 from jobplane.domain.models import JobDefinition
 from jobplane.domain.options import JobKind
 from jobplane.errors import InvalidOptionsError
@@ -140,7 +140,4 @@ async def trigger_job(
 
 
 async def _announce(bus: BusDep, saved: JobDefinition) -> None:
-    """Tell every cache: the pending-update mark, then the event (the fast path)."""
-    await bus.set_pending_updates({saved.key: saved.version})
-    data: dict[str, Any] = {"keys": [saved.key]}
-    await bus.publish_event(Event(EventKind.DEFINITIONS_CHANGED, data))
+    await announce(bus, [saved])
