@@ -96,6 +96,19 @@ def test_steps_keep_their_cadence_in_elapsed_time() -> None:
     # Berlin, spring: 01:30 then 03:00 is 30 minutes of elapsed time.
     got = fires("*/30 * * * *", "Europe/Berlin", datetime(2026, 3, 29, 0, tzinfo=UTC), 3)
     assert got == ["03-29 01:30+0100", "03-29 03:00+0200", "03-29 03:30+0200"]
+    # Lord Howe, autumn (a 30-minute shift): 01:30-02:00 happens twice, each pass fires.
+    got = fires("*/15 * * * *", "Australia/Lord_Howe", datetime(2026, 4, 4, 14, tzinfo=UTC), 6)
+    assert got == [
+        "04-05 01:15+1100",
+        "04-05 01:30+1100",
+        "04-05 01:45+1100",
+        "04-05 01:30+1030",
+        "04-05 01:45+1030",
+        "04-05 02:00+1030",
+    ]
+    # Lord Howe, spring: 02:00-02:30 does not exist; 01:45 then 02:30 is 15 minutes.
+    got = fires("*/15 * * * *", "Australia/Lord_Howe", datetime(2026, 10, 3, 15, tzinfo=UTC), 2)
+    assert got == ["10-04 01:45+1030", "10-04 02:30+1100"]
     # New York, every hour on the hour through the autumn change: never a two-hour gap.
     schedule = CronSchedule("0 * * * *", "America/New_York")
     current = datetime(2026, 11, 1, 3, tzinfo=UTC)
