@@ -41,6 +41,27 @@ def test_misfire_max_bounds_the_records_to_the_latest_ticks() -> None:
     assert made[-1].scheduled_at == T0 + timedelta(seconds=100)
 
 
+def test_a_long_outage_yields_the_latest_ticks_exactly() -> None:
+    # A day of one-second ticks (86,400) bounded to the latest 10: found from the end.
+    made = catch_up(job(misfire_max=10), T0, T0 + timedelta(days=1, milliseconds=500))
+    end = T0 + timedelta(days=1)
+    assert [m.scheduled_at for m in made] == [end - timedelta(seconds=s) for s in range(9, -1, -1)]
+    assert [m.skip_reason for m in made] == ["misfire"] * 9 + [None]
+    # An uneven cadence (weekdays at 09:00-09:02): the latest 5 lie across a weekend.
+    weekdays = JobOptions.parse(
+        key="tick", kind="recurring", cron="0-2 9 * * 1-5", misfire="skip", misfire_max=5
+    )
+    friday_night = datetime(2026, 5, 8, 22, tzinfo=UTC)  # a Friday
+    made = catch_up(JobDefinition(options=weekdays, version=1), T0, friday_night)
+    assert [m.scheduled_at.strftime("%a %H:%M") for m in made] == [
+        "Thu 09:01",
+        "Thu 09:02",
+        "Fri 09:00",
+        "Fri 09:01",
+        "Fri 09:02",
+    ]
+
+
 def test_nothing_missed_and_never_fired() -> None:
     assert catch_up(job(), T0, T0) == []
     assert catch_up(job(), None, T0 + timedelta(days=1)) == []  # a new job starts from now

@@ -7,9 +7,10 @@ Pure logic over definitions and recorded occurrences; the leader does the I/O.
 from __future__ import annotations
 
 import heapq
+from collections import deque
 import logging
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from jobplane.cron import CronSchedule
 from jobplane.domain.models import InstanceSource, JobDefinition, NewInstance
@@ -115,8 +116,7 @@ def catch_up(definition: JobDefinition, last: datetime | None, now: datetime) ->
     if not missed:
         return []
     if len(missed) > bound:
-        # Find the latest ``bound`` ticks by walking from a later start.
-        missed = _latest(schedule, last, until, bound)
+        missed = _latest(schedule, last, until, bound, missed[-1] - last)
         logger.warning(
             "job %s missed more than %d ticks; older ones are not recorded",
             definition.key,
@@ -134,16 +134,21 @@ def catch_up(definition: JobDefinition, last: datetime | None, now: datetime) ->
     ]
 
 
-def _latest(schedule: CronSchedule, last: datetime, until: datetime, n: int) -> list[datetime]:
-    window: list[datetime] = []
-    current = last
+def _latest(
+    schedule: CronSchedule, last: datetime, until: datetime, n: int, span: timedelta
+) -> list[datetime]:
+    """The latest ``n`` ticks in ``(last, until]``, found by walking back in doubling spans
+    from ``until`` (``span`` held more than ``n`` ticks after ``last``), so a job down for a
+    day costs a few windows of ticks, not a walk through every one it missed."""
     while True:
-        current = schedule.next_after(current)
-        if current > until:
-            return window
-        window.append(current)
-        if len(window) > n:
-            window.pop(0)
+        start = max(last, until - span)
+        window: deque[datetime] = deque(maxlen=n)
+        current = start
+        while (current := schedule.next_after(current)) <= until:
+            window.append(current)
+        if len(window) >= n or start == last:
+            return list(window)
+        span *= 2
 
 
 def _occurrence(key: str, at: datetime, skip_reason: str | None) -> NewInstance:
