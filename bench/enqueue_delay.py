@@ -1,5 +1,5 @@
 """Delay from committing an in-transaction enqueue to its publication on the bus, with a
-scheduler process polling (default sweep 1 s).
+scheduler process leading (it listens for the commit's NOTIFY; its sweep is the backstop).
 
     .venv/bin/python -m bench.enqueue_delay [--count 20]
 """
@@ -53,7 +53,7 @@ async def main(count: int) -> None:
             scheduler.terminate()
             scheduler.wait(timeout=30)
         print(
-            f"in-transaction enqueue → published ({count} commits, short poll): "
+            f"in-transaction enqueue → published ({count} commits, NOTIFY to the leader): "
             f"p50 {percentile(delays, 0.5) * 1000:.0f} ms, max {max(delays) * 1000:.0f} ms"
         )
 

@@ -3,6 +3,9 @@ and the scheduler publishes it shortly after."""
 
 from __future__ import annotations
 
+import asyncio
+from uuid import UUID
+
 import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
@@ -15,9 +18,10 @@ from jobplane.domain.states import InstanceState as S
 from jobplane.enqueue import enqueue, enqueue_async
 from jobplane.errors import JobNotFoundError
 from jobplane.store.sql import SqlStore
+from jobplane_scheduler.scheduler import Scheduler
 from tests.apps.basic import app
 from tests.scheduler_helpers import running_scheduler
-from tests.worker_helpers import running_worker, settled
+from tests.worker_helpers import running_worker, settled, wait_for
 
 
 @pytest.fixture
@@ -76,3 +80,36 @@ async def test_async_session(store: SqlStore, redis_bus: Bus, database_url: str)
     async with running_worker(app, store, redis_bus), running_scheduler(store, redis_bus):
         [done] = await settled(store, [made], timeout_s=30)
     assert done.state is S.SUCCEEDED
+
+
+@pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
+async def test_commit_notifies_the_leader_which_publishes_at_once(
+    store: SqlStore, redis_bus: Bus, database_url: str
+) -> None:
+    """With the sweep a minute away, only the commit's NOTIFY can get the instance published;
+    the rolled-back one notifies nothing."""
+    async with running_worker(app, store, redis_bus):
+        pass
+    engine = create_async_engine(make_url(database_url).set(drivername="postgresql+asyncpg"))
+    try:
+        async with running_scheduler(store, redis_bus, sweep_interval_s=60) as scheduler:
+            await wait_for(lambda: _leading(scheduler), what="leadership")
+            await asyncio.sleep(0.5)  # the first sweep is done; the listener is up
+            async with AsyncSession(engine) as session, session.begin():
+                made = await enqueue_async(session, "echo", {"value": 3})
+            await wait_for(lambda: _published(store, made), timeout_s=10, what="the publication")
+            async with AsyncSession(engine) as session:
+                await session.begin()
+                await enqueue_async(session, "echo", {"value": 4})
+                await session.rollback()
+    finally:
+        await engine.dispose()
+    assert await _count(store) == 1
+
+
+async def _leading(scheduler: Scheduler) -> bool:
+    return scheduler.lease is not None
+
+
+async def _published(store: SqlStore, instance_id: UUID) -> bool:
+    return (await store.get_instance(instance_id)).published_at is not None

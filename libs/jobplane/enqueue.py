@@ -8,8 +8,10 @@
     # committed: the order and its job exist together; rolled back: neither does
 
 The instance is written with its creation history in the caller's transaction, so it exists if
-and only if the caller commits. Nothing is published from here (the bus is not transactional):
-the scheduler's sweep publishes never-published instances shortly after commit.
+and only if the caller commits. Nothing is published from here (the bus is not transactional).
+On Postgres the transaction also sends a ``NOTIFY`` (delivered only on commit), on which the
+leading scheduler publishes the instance at once; the sweep publishes never-published instances
+in any case, on SQLite and if the notification is lost.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-from sqlalchemy import Connection, Insert, select
+from sqlalchemy import Connection, Insert, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
@@ -49,6 +51,8 @@ def enqueue(
     )
     for statement in statements:
         session_or_connection.execute(statement)
+    if _dialect(session_or_connection) == "postgresql":
+        session_or_connection.execute(_notify(instance_id))
     return instance_id
 
 
@@ -70,7 +74,23 @@ async def enqueue_async(
     )
     for statement in statements:
         await session_or_connection.execute(statement)
+    if _dialect(session_or_connection) == "postgresql":
+        await session_or_connection.execute(_notify(instance_id))
     return instance_id
+
+
+CHANNEL = "jobplane_enqueued"
+
+
+def _notify(instance_id: UUID) -> Any:
+    # Transactional: delivered when (and only if) the caller commits.
+    return select(func.pg_notify(CHANNEL, str(instance_id)))
+
+
+def _dialect(target: Session | Connection | AsyncSession | AsyncConnection) -> str:
+    if isinstance(target, Connection | AsyncConnection):
+        return target.dialect.name
+    return target.get_bind().dialect.name
 
 
 def _definition(key: str) -> Any:

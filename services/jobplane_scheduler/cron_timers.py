@@ -7,8 +7,8 @@ Pure logic over definitions and recorded occurrences; the leader does the I/O.
 from __future__ import annotations
 
 import heapq
-from collections import deque
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 

@@ -20,6 +20,7 @@ from jobplane.bus.envelope import Event, EventKind
 from jobplane.definitions import DefinitionCache
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import Instance, LeaderLease
+from jobplane.enqueue import CHANNEL as ENQUEUED_CHANNEL
 from jobplane.errors import UnavailableError
 from jobplane.store.base import NotLeaderError
 from jobplane.store.sql import SqlStore
@@ -157,6 +158,7 @@ class LeaderDuties:
                     group.create_task(self._cron_loop())
                     group.create_task(self._sweep_loop())
                     group.create_task(self._event_loop())
+                    group.create_task(self._enqueued_loop())
             except* NotLeaderError:
                 logger.warning(
                     "term %d is over; stopping leader duties",
@@ -334,6 +336,19 @@ class LeaderDuties:
         except UnavailableError:
             return None
 
+    async def _enqueued_loop(self) -> None:
+        """Publish what applications enqueued in their own transactions as soon as they
+        commit (Postgres NOTIFY). Only a fast path: the sweep publishes never-published
+        instances anyway, so a notification lost with its connection is no loss."""
+        while True:
+            try:
+                async for ids in self.store.notifications(ENQUEUED_CHANNEL):
+                    parsed = [UUID(i) for i in ids if _is_uuid(i)]
+                    await self._publish(await self.store.unpublished_among(parsed))
+                return  # this store has no notifications
+            except UnavailableError:
+                await asyncio.sleep(1)
+
     async def _event_loop(self) -> None:
         """Definition edits reach the leader at once (the sweep's version check is the
         backstop if the event is lost)."""
@@ -346,3 +361,11 @@ class LeaderDuties:
             except UnavailableError:
                 pass
             await asyncio.sleep(1)
+
+
+def _is_uuid(text: str) -> bool:
+    try:
+        UUID(text)
+    except ValueError:
+        return False
+    return True

@@ -54,9 +54,15 @@ class SqlBase:
     async def _write(self) -> AsyncIterator[AsyncConnection]:
         """A write transaction; driver errors that mean "unreachable" become
         :class:`StoreUnavailableError`."""
+        async with self._reachable(), self.engine.begin() as conn:
+            yield conn
+
+    _read = _write
+
+    @asynccontextmanager
+    async def _reachable(self) -> AsyncIterator[None]:
         try:
-            async with self.engine.begin() as conn:
-                yield conn
+            yield
         except (DBAPIError, OSError) as exc:
             # (a bare DBAPIError too: asyncpg's "the database system is shutting down" while
             # connecting is neither an OperationalError nor an InterfaceError)
@@ -64,7 +70,11 @@ class SqlBase:
                 raise
             raise StoreUnavailableError(f"metadata store unavailable: {_first_line(exc)}") from exc
 
-    _read = _write
+    async def notifications(self, channel: str) -> AsyncIterator[list[str]]:
+        """Batches of payloads notified on ``channel`` by committed transactions. This store
+        has none (SQLite): it ends at once, and the sweep is what finds the work."""
+        for _ in ():
+            yield []
 
     async def ping(self) -> None:
         async with self._read() as conn:

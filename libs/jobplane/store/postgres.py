@@ -4,8 +4,9 @@ completion batch, history included."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Collection, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Any
 from uuid import UUID
 
@@ -22,6 +23,7 @@ from jobplane.domain.models import (
 )
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState, check_transition
+from jobplane.errors import StoreUnavailableError
 from jobplane.store import rows
 from jobplane.store.lifecycle import log_fenced
 from jobplane.store.sql import LIMIT_REASON, SqlStore
@@ -198,6 +200,37 @@ COMPLETE = text(COMPLETE_SQL)
 
 
 class PostgresStore(SqlStore):
+    async def notifications(self, channel: str) -> AsyncIterator[list[str]]:
+        """Batches of payloads ``NOTIFY``-ed on ``channel`` (delivered on commit only), over
+        one connection held for the purpose. Raises :class:`StoreUnavailableError` when that
+        connection is lost; the caller listens again once the database is back."""
+        queue: asyncio.Queue[str | None] = asyncio.Queue()
+
+        def received(_conn: Any, _pid: int, _channel: str, payload: str) -> None:
+            queue.put_nowait(payload)
+
+        def lost(_conn: Any) -> None:
+            queue.put_nowait(None)
+
+        async with self._reachable(), self.engine.connect() as conn:
+            raw = await conn.get_raw_connection()
+            driver = raw.driver_connection
+            assert driver is not None
+            await driver.add_listener(channel, received)
+            driver.add_termination_listener(lost)
+            try:
+                while True:
+                    batch = [await queue.get()]
+                    while not queue.empty():
+                        batch.append(queue.get_nowait())
+                    if None in batch:
+                        raise StoreUnavailableError(f"lost the connection listening on {channel}")
+                    yield [p for p in batch if p is not None]
+            finally:
+                driver.remove_termination_listener(lost)
+                if not driver.is_closed():
+                    await driver.remove_listener(channel, received)
+
     async def create_instances(
         self, new: Sequence[NewInstance], *, fence: LeaderLease | None = None
     ) -> list[Instance]:

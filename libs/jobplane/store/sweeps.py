@@ -254,6 +254,19 @@ class SweepStore(SqlBase):
             )
             return [rows.instance_from_row(r._mapping) for r in result]
 
+    async def unpublished_among(self, ids: Collection[UUID]) -> list[Instance]:
+        """Those of ``ids`` still Enqueued and never published (announced by a notification
+        from an in-transaction enqueue)."""
+        if not ids:
+            return []
+        async with self._read() as conn:
+            result = await conn.execute(
+                select(job_instances).where(
+                    I.id.in_(list(ids)), I.state == S.ENQUEUED.value, I.published_at.is_(None)
+                )
+            )
+            return [rows.instance_from_row(r._mapping) for r in result]
+
     async def all_enqueued(self, after: UUID | None, limit: int = 1000) -> list[Instance]:
         """Every Enqueued instance, in id order (republished after the bus lost everything)."""
         query = select(job_instances).where(I.state == S.ENQUEUED.value).order_by(I.id)
