@@ -9,7 +9,7 @@ from uuid import UUID
 import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 
 from jobplane.bus.abc import Bus
 from jobplane.dispatch import InvalidArgumentsError
@@ -70,10 +70,7 @@ async def test_async_session(store: SqlStore, redis_bus: Bus, database_url: str)
     try:
         async with AsyncSession(engine) as session, session.begin():
             made = await enqueue_async(session, "echo", {"value": 7})
-        async with AsyncSession(engine) as session:
-            await session.begin()
-            await enqueue_async(session, "echo", {"value": 8})
-            await session.rollback()
+        await _enqueue_rolled_back(engine, 8)
     finally:
         await engine.dispose()
     assert await _count(store) == 1
@@ -98,13 +95,17 @@ async def test_commit_notifies_the_leader_which_publishes_at_once(
             async with AsyncSession(engine) as session, session.begin():
                 made = await enqueue_async(session, "echo", {"value": 3})
             await wait_for(lambda: _published(store, made), timeout_s=10, what="the publication")
-            async with AsyncSession(engine) as session:
-                await session.begin()
-                await enqueue_async(session, "echo", {"value": 4})
-                await session.rollback()
+            await _enqueue_rolled_back(engine, 4)
     finally:
         await engine.dispose()
     assert await _count(store) == 1
+
+
+async def _enqueue_rolled_back(engine: AsyncEngine, value: int) -> None:
+    async with AsyncSession(engine) as session:
+        await session.begin()
+        await enqueue_async(session, "echo", {"value": value})
+        await session.rollback()
 
 
 async def _leading(scheduler: Scheduler) -> bool:
