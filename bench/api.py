@@ -152,7 +152,7 @@ async def main(ns: argparse.Namespace) -> None:
         await register_jobs(store, spread)
         async with api_process(url, prefix) as base:
             rows = await bench_triggers(base, ns.seconds, ns.in_flight)
-            print_table("Trigger over REST", ("", "instances/s", "p50 ms", "p99 ms"), rows)
+            print_table("Trigger over REST", ("request", "instances/s", "p50 ms", "p99 ms"), rows)
 
             await clear(store.engine)
             started = time.perf_counter()
