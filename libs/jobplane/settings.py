@@ -26,6 +26,8 @@ class CommonSettings(BaseSettings):
     #: Prefix of every Redis key (several deployments may share one Redis).
     key_prefix: str = Field(default="jobplane", pattern=r"^[A-Za-z0-9_.:\-]+$")
     log_level: str = "INFO"
+    #: Postgres connections each process keeps open (as many again are opened in bursts).
+    db_pool_size: int = Field(default=10, ge=1, le=1000)
 
     @field_validator("database_url")
     @classmethod

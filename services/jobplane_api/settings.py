@@ -14,3 +14,5 @@ class ApiSettings(CommonSettings):
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
     #: Bearer tokens are required unless this is off (``jobplane dev`` turns it off).
     auth_enabled: bool = True
+    #: Requests in flight each hold a connection: a bigger pool than the other roles'.
+    db_pool_size: int = Field(default=32, ge=1, le=1000)
