@@ -78,6 +78,40 @@ async def test_edit_pause_resume(api: httpx.AsyncClient, bus: Bus) -> None:
     _problem(await api.post("/api/v1/jobs/nope/pause"), 404)
 
 
+async def test_version_history_and_rollback(api: httpx.AsyncClient, bus: Bus) -> None:
+    await api.patch("/api/v1/jobs/tick", json={"version": 1, "options": {"cron": "*/5 * * * *"}})
+    await api.post("/api/v1/jobs/tick/pause")
+    versions = (await api.get("/api/v1/jobs/tick/versions")).json()
+    assert [(v["version"], v["action"]) for v in versions] == [
+        (3, "pause"),
+        (2, "edit"),
+        (1, "register"),
+    ]
+    assert versions[1]["options"]["cron"] == "*/5 * * * *" and versions[1]["actor"] == "api"
+    assert versions[2]["options"]["cron"] == "0 12 * * *"
+
+    rolled = await api.post("/api/v1/jobs/tick/rollback", json={"to_version": 1, "version": 3})
+    assert rolled.status_code == 200, rolled.text
+    body = rolled.json()
+    assert body["version"] == 4 and body["options"]["cron"] == "0 12 * * *" and body["paused"]
+    assert (await bus.get_pending_updates(["tick"])) == {"tick": 4}
+    newest = (await api.get("/api/v1/jobs/tick/versions")).json()[0]
+    assert (newest["version"], newest["action"], newest["rolled_back_to"]) == (4, "rollback", 1)
+
+    stale = await api.post("/api/v1/jobs/tick/rollback", json={"to_version": 2, "version": 3})
+    assert "at version 4" in str(_problem(stale, 409)["detail"])
+    unknown = await api.post("/api/v1/jobs/tick/rollback", json={"to_version": 9, "version": 4})
+    assert _problem(unknown, 404)["title"] == "Version not found"
+    _problem(
+        await api.post("/api/v1/jobs/nope/rollback", json={"to_version": 1, "version": 1}), 404
+    )
+    _problem(await api.get("/api/v1/jobs/nope/versions"), 404)
+    _problem(
+        await api.post("/api/v1/jobs/tick/rollback", json={"to_version": 0, "version": 4}), 422
+    )
+    assert len((await api.get("/api/v1/jobs/tick/versions")).json()) == 4
+
+
 async def test_trigger_validates_arguments_and_replays_idempotency_keys(
     api: httpx.AsyncClient,
 ) -> None:

@@ -34,6 +34,8 @@ NEEDS = {
     ("PATCH", "/api/v1/jobs/{key}"): Role.ADMIN,
     ("POST", "/api/v1/jobs/{key}/pause"): Role.OPERATOR,
     ("POST", "/api/v1/jobs/{key}/resume"): Role.OPERATOR,
+    ("GET", "/api/v1/jobs/{key}/versions"): Role.VIEWER,
+    ("POST", "/api/v1/jobs/{key}/rollback"): Role.ADMIN,
     ("POST", "/api/v1/jobs/{key}/instances"): Role.OPERATOR,
     ("GET", "/api/v1/instances"): Role.VIEWER,
     ("POST", "/api/v1/instances/batch"): Role.OPERATOR,

@@ -7,6 +7,7 @@ from datetime import timedelta
 import pytest
 
 from jobplane.domain.models import (
+    DefinitionChange,
     ErrorInfo,
     InstanceFilter,
     InstanceSource,
@@ -16,7 +17,12 @@ from jobplane.domain.models import (
 )
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState as S
-from jobplane.errors import IllegalTransitionError, InstanceNotFoundError, JobNotFoundError
+from jobplane.errors import (
+    DefinitionVersionNotFoundError,
+    IllegalTransitionError,
+    InstanceNotFoundError,
+    JobNotFoundError,
+)
 from jobplane.store.sql import SqlStore
 from tests.store_helpers import define, enqueue
 
@@ -55,6 +61,47 @@ async def test_pause_bumps_version_and_unknown_key_raises(store: SqlStore) -> No
     assert info.value.key == "nope"
     with pytest.raises(JobNotFoundError):
         await store.get_definition("nope")
+
+
+async def test_every_save_is_a_version_and_rollback_appends_one(store: SqlStore) -> None:
+    opts = await define(store, "job", retries=1)
+    await store.register_definition(opts.edited(retries=9), None, "worker-b")  # not a save
+    assert await store.save_definition(opts.edited(retries=2), expected_version=1, actor="ann")
+    await store.set_paused("job", True, "ops")
+    await store.set_paused("job", False, "ops")
+    rolled = await store.rollback_definition("job", 1, expected_version=4, actor="bob")
+    assert rolled is not None and rolled.version == 5 and rolled.options.retries == 1
+    assert rolled.updated_by == "bob" and not rolled.paused
+
+    history = await store.definition_history("job")
+    assert [(v.version, v.action, v.actor) for v in history] == [
+        (5, DefinitionChange.ROLLBACK, "bob"),
+        (4, DefinitionChange.RESUME, "ops"),
+        (3, DefinitionChange.PAUSE, "ops"),
+        (2, DefinitionChange.EDIT, "ann"),
+        (1, DefinitionChange.REGISTER, "test"),
+    ]
+    assert [v.options.retries for v in history] == [1, 2, 2, 2, 1]
+    assert [v.paused for v in history] == [False, False, True, False, False]
+    assert history[0].rolled_back_to == 1 and history[1].rolled_back_to is None
+    assert history[0].at >= history[-1].at
+    assert (await store.get_definition("job")).options == history[-1].options
+
+
+async def test_rollback_is_an_optimistic_lock_and_checks_the_version(store: SqlStore) -> None:
+    opts = await define(store, "job")
+    await store.save_definition(opts.edited(retries=3), expected_version=1, actor="a")
+    assert await store.rollback_definition("job", 1, expected_version=1, actor="b") is None
+    with pytest.raises(DefinitionVersionNotFoundError) as info:
+        await store.rollback_definition("job", 7, expected_version=2, actor="b")
+    assert (info.value.key, info.value.version) == ("job", 7)
+    with pytest.raises(JobNotFoundError):
+        await store.rollback_definition("nope", 1, expected_version=1, actor="b")
+    with pytest.raises(JobNotFoundError):
+        await store.definition_history("nope")
+    # Nothing that failed left a version behind.
+    assert [v.version for v in await store.definition_history("job")] == [2, 1]
+    assert (await store.get_definition("job")).options.retries == 3
 
 
 async def test_create_instances_initial_states_and_history(store: SqlStore) -> None:

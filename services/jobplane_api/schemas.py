@@ -8,7 +8,14 @@ from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jobplane.domain.models import Instance, JobDefinition, Transition, WorkerInfo
+from jobplane.domain.models import (
+    DefinitionChange,
+    DefinitionVersion,
+    Instance,
+    JobDefinition,
+    Transition,
+    WorkerInfo,
+)
 from jobplane.domain.options import PRIORITY_MAX, PRIORITY_MIN, JobOptions
 from jobplane.domain.states import InstanceState
 
@@ -81,6 +88,41 @@ class JobPatch(BaseModel):
     options: dict[str, Any] = Field(
         description='Options to change, e.g. {"cron": "*/5 * * * *", "retries": 3}.'
     )
+
+
+class VersionOut(BaseModel):
+    """One saved version of a job definition."""
+
+    version: int
+    action: DefinitionChange = Field(description="What made this version.")
+    actor: str
+    at: datetime
+    paused: bool
+    options: JobOptions
+    rolled_back_to: int | None = Field(
+        description="For a rollback: the version whose options were restored."
+    )
+
+    @classmethod
+    def of(cls, v: DefinitionVersion) -> VersionOut:
+        return cls(
+            version=v.version,
+            action=v.action,
+            actor=v.actor,
+            at=v.at,
+            paused=v.paused,
+            options=v.options,
+            rolled_back_to=v.rolled_back_to,
+        )
+
+
+class RollbackIn(BaseModel):
+    """Restore the options of an older version, as a new version."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    to_version: int = Field(ge=1, description="The version whose options to restore.")
+    version: int = Field(description="The current version, as you read it; 409 if it moved on.")
 
 
 class TriggerIn(BaseModel):

@@ -38,6 +38,31 @@ class JobDefinition:
         return self.options.key
 
 
+class DefinitionChange(StrEnum):
+    """What made a new version of a definition."""
+
+    REGISTER = "register"  # first registration, from code
+    EDIT = "edit"
+    PAUSE = "pause"
+    RESUME = "resume"
+    ROLLBACK = "rollback"  # options copied from an older version
+    IMPORT = "import"  # the version a definition had when its history began
+
+
+@dataclass(frozen=True, slots=True)
+class DefinitionVersion:
+    """One saved version of a definition: the full options as they were then."""
+
+    key: str
+    version: int
+    options: JobOptions
+    paused: bool
+    action: DefinitionChange
+    actor: str
+    at: datetime
+    rolled_back_to: int | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class NewInstance:
     """What a trigger or a cron fire asks the store to create.

@@ -16,6 +16,7 @@ from uuid import UUID
 from jobplane.auth import Role, TokenInfo
 from jobplane.domain.models import (
     ClaimResult,
+    DefinitionVersion,
     Instance,
     InstanceFilter,
     JobDefinition,
@@ -57,10 +58,24 @@ class Store(Protocol):
         self, options: JobOptions, *, expected_version: int, actor: str
     ) -> JobDefinition | None:
         """Replace the options of an existing definition if its version is still
-        ``expected_version`` (optimistic lock); bump the version. ``None`` if it moved on."""
+        ``expected_version`` (optimistic lock); bump the version. ``None`` if it moved on.
+        Every save (this, registration, pause, resume, rollback) appends the new version to
+        the definition's history in the same transaction."""
 
     async def set_paused(self, key: str, paused: bool, actor: str) -> JobDefinition:
         """Pause or resume a job; bumps the version. Raises JobNotFoundError."""
+
+    async def rollback_definition(
+        self, key: str, to_version: int, *, expected_version: int, actor: str
+    ) -> JobDefinition | None:
+        """Save, as a new version, the options that version ``to_version`` had (the paused
+        flag is left as it is). The same optimistic lock as :meth:`save_definition`: ``None``
+        if the definition is no longer at ``expected_version``. Raises JobNotFoundError, or
+        DefinitionVersionNotFoundError for a version never saved."""
+
+    async def definition_history(self, key: str) -> list[DefinitionVersion]:
+        """Every saved version of a definition (register, edit, pause, resume, rollback),
+        newest first, each with its full options. Raises JobNotFoundError."""
 
     async def get_definition(self, key: str) -> JobDefinition:
         """Raises :class:`~jobplane.errors.JobNotFoundError`."""

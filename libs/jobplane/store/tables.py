@@ -23,6 +23,7 @@ from sqlalchemy import (
     text,
 )
 
+from jobplane.domain.models import DefinitionChange
 from jobplane.domain.states import InstanceState
 from jobplane.store.types import Json, UtcDateTime
 
@@ -37,6 +38,7 @@ metadata = MetaData(
 )
 
 STATE_VALUES = ", ".join(f"'{s.value}'" for s in InstanceState)
+CHANGE_VALUES = ", ".join(f"'{c.value}'" for c in DefinitionChange)
 
 #: Fencing tokens for claims (Postgres). SQLite keeps its counter in the ``counters`` table.
 claim_token_seq = Sequence("claim_token_seq", metadata=metadata)
@@ -56,6 +58,27 @@ job_definitions = Table(
     Column("updated_at", UtcDateTime, nullable=False),
     Column("updated_by", String(200), nullable=True),
     CheckConstraint("max_concurrency >= 1", name="max_concurrency_positive"),
+)
+
+# Every save of a definition, in full: history is appended, never rewritten (a rollback is a
+# new version whose options are an older one's).
+job_definition_versions = Table(
+    "job_definition_versions",
+    metadata,
+    Column(
+        "job_key",
+        String(200),
+        ForeignKey("job_definitions.key", ondelete="CASCADE"),
+        primary_key=True,
+    ),
+    Column("version", Integer, primary_key=True),
+    Column("options", Json, nullable=False),
+    Column("paused", Boolean, nullable=False),
+    Column("action", String(16), nullable=False),
+    Column("actor", String(200), nullable=False),
+    Column("at", UtcDateTime, nullable=False),
+    Column("rolled_back_to", Integer, nullable=True),
+    CheckConstraint(f"action IN ({CHANGE_VALUES})", name="action_valid"),
 )
 
 # One counter row per job key: the concurrency slots in use. A claim takes slots in its own

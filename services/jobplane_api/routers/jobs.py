@@ -13,12 +13,21 @@ from jobplane.domain.models import JobDefinition
 from jobplane.domain.options import JobKind
 from jobplane.errors import InvalidOptionsError
 from jobplane_api.deps import BusDep, DispatcherDep, StoreDep
-from jobplane_api.schemas import PROBLEM_RESPONSES, InstanceOut, JobOut, JobPatch, TriggerIn
+from jobplane_api.schemas import (
+    PROBLEM_RESPONSES,
+    InstanceOut,
+    JobOut,
+    JobPatch,
+    RollbackIn,
+    TriggerIn,
+    VersionOut,
+)
 from jobplane_api.security import Admin, Operator, Principal, Viewer, actor_of
 
 router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"], responses=PROBLEM_RESPONSES)
 
 TRIGGER_EXAMPLE = {"args": {"name": "Ada"}, "delay_s": 0, "priority": 5}
+ROLLBACK_EXAMPLE = {"to_version": 3, "version": 7}
 
 
 async def _out(store: StoreDep, definition: JobDefinition, fires: int) -> JobOut:
@@ -102,6 +111,47 @@ async def resume_job(
 ) -> JobOut:
     """The next fire follows the job's misfire policy."""
     saved = await store.set_paused(key, False, actor_of(principal))
+    await _announce(bus, saved)
+    return await _out(store, saved, 10)
+
+
+@router.get(
+    "/{key}/versions",
+    summary="Version history of a job",
+    response_model=list[VersionOut],
+    dependencies=[Viewer],
+)
+async def list_versions(store: StoreDep, key: str) -> list[VersionOut]:
+    """Every saved version of the job's definition, newest first: who saved it, when, why
+    (register, edit, pause, resume, rollback) and the full options it had."""
+    return [VersionOut.of(v) for v in await store.definition_history(key)]
+
+
+@router.post(
+    "/{key}/rollback",
+    summary="Roll a job back to an older version",
+    response_model=JobOut,
+    openapi_extra={"requestBody": {"content": {"application/json": {"example": ROLLBACK_EXAMPLE}}}},
+)
+async def rollback_job(
+    store: StoreDep,
+    bus: BusDep,
+    key: str,
+    body: RollbackIn,
+    principal: Annotated[Principal, Admin],
+) -> JobOut:
+    """Save a new version whose options are those of ``to_version`` (history is never
+    rewritten; the paused flag is left as it is). ``version`` must be the current version,
+    else 409; an unknown ``to_version`` is 404. Applies like an edit: next fire, next claim."""
+    saved = await store.rollback_definition(
+        key, body.to_version, expected_version=body.version, actor=actor_of(principal)
+    )
+    if saved is None:
+        current = await store.get_definition(key)
+        raise HTTPException(
+            status.HTTP_409_CONFLICT,
+            f"job {key!r} is at version {current.version}, not {body.version}",
+        )
     await _announce(bus, saved)
     return await _out(store, saved, 10)
 
