@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from uuid import uuid4
+from uuid import UUID, uuid4
 
 import httpx
 import pytest
 
 from jobplane.bus.abc import Bus
+from jobplane.domain.models import Outcome
 from jobplane.domain.options import JobOptions
+from jobplane.domain.states import InstanceState as S
 from jobplane.store.sql import SqlStore
 from jobplane_api.main import create_app
 from jobplane_api.settings import ApiSettings
@@ -55,6 +57,40 @@ async def test_list_and_get_jobs(api: httpx.AsyncClient) -> None:
     echo = (await api.get("/api/v1/jobs/echo")).json()
     assert echo["args_schema"]["properties"]["value"]["type"] == "integer"
     _problem(await api.get("/api/v1/jobs/nope"), 404)
+
+
+async def test_jobs_carry_outcome_success_rate_duration_and_next_fire(
+    api: httpx.AsyncClient, store: SqlStore
+) -> None:
+    ids = []
+    for value in range(2):
+        created = await api.post("/api/v1/jobs/echo/instances", json={"args": {"value": value}})
+        ids.append(UUID(created.json()["id"]))
+    claimed = (await store.claim(ids, "w1", 30, ["echo"])).claimed
+    await store.complete(
+        [
+            Outcome(c.instance.id, c.token, S.SUCCEEDED if n == 0 else S.CANCELLED)
+            for n, c in enumerate(claimed)
+        ]
+    )
+    jobs = {j["key"]: j for j in (await api.get("/api/v1/jobs")).json()}
+    echo = jobs["echo"]
+    assert echo["success_rate_24h"] == 0.5
+    assert echo["last_outcome"]["state"] in ("succeeded", "cancelled")
+    assert echo["last_outcome"]["ended_at"] is not None
+    assert 0 <= echo["p95_duration_s_24h"] < 30
+    assert echo["next_fire"] is None and echo["next_fire_times"] == []
+    tick = jobs["tick"]
+    assert tick["next_fire"] == tick["next_fire_times"][0]
+    assert (tick["last_outcome"], tick["success_rate_24h"], tick["p95_duration_s_24h"]) == (
+        None,
+        None,
+        None,
+    )
+    one = (await api.get("/api/v1/jobs/echo")).json()
+    assert {k: one[k] for k in ("last_outcome", "success_rate_24h", "p95_duration_s_24h")} == {
+        k: echo[k] for k in ("last_outcome", "success_rate_24h", "p95_duration_s_24h")
+    }
 
 
 async def test_edit_pause_resume(api: httpx.AsyncClient, bus: Bus) -> None:

@@ -13,6 +13,7 @@ from jobplane.domain.models import (
     DefinitionVersion,
     Instance,
     JobDefinition,
+    JobSummary,
     Transition,
     WorkerInfo,
 )
@@ -53,6 +54,11 @@ PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+class OutcomeOut(BaseModel):
+    state: InstanceState
+    ended_at: datetime
+
+
 class JobOut(BaseModel):
     key: str
     version: int
@@ -61,12 +67,37 @@ class JobOut(BaseModel):
     args_schema: dict[str, Any] | None
     updated_at: datetime | None
     updated_by: str | None
+    next_fire: datetime | None = Field(
+        default=None, description="Next fire time of a recurring job (UTC), if it fires."
+    )
     next_fire_times: list[datetime] = Field(
         default_factory=list, description="Next fire times of a recurring job (UTC)."
     )
+    last_outcome: OutcomeOut | None = Field(
+        default=None, description="State and end time of the latest instance that ended."
+    )
+    success_rate_24h: float | None = Field(
+        default=None,
+        description="Succeeded / ended among the instances that ended (any terminal state) "
+        "in the last 24 h; null when none did.",
+    )
+    p95_duration_s_24h: float | None = Field(
+        default=None,
+        description="95th percentile of attempt duration (claim to end, seconds) of the "
+        "attempts that ended in the last 24 h; null when none did.",
+    )
 
     @classmethod
-    def of(cls, definition: JobDefinition, next_fires: list[datetime] | None = None) -> JobOut:
+    def of(
+        cls,
+        definition: JobDefinition,
+        next_fires: list[datetime] | None = None,
+        summary: JobSummary | None = None,
+    ) -> JobOut:
+        summary = summary or JobSummary(key=definition.key)
+        last = None
+        if summary.last_state is not None and summary.last_ended_at is not None:
+            last = OutcomeOut(state=summary.last_state, ended_at=summary.last_ended_at)
         return cls(
             key=definition.key,
             version=definition.version,
@@ -75,7 +106,11 @@ class JobOut(BaseModel):
             args_schema=definition.args_schema,
             updated_at=definition.updated_at,
             updated_by=definition.updated_by,
+            next_fire=next_fires[0] if next_fires else None,
             next_fire_times=next_fires or [],
+            last_outcome=last,
+            success_rate_24h=summary.success_rate,
+            p95_duration_s_24h=summary.p95_duration_s,
         )
 
 

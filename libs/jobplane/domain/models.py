@@ -64,6 +64,26 @@ class DefinitionVersion:
 
 
 @dataclass(frozen=True, slots=True)
+class JobSummary:
+    """How a job has been doing: its latest outcome and its recent runs.
+
+    ``succeeded`` and ``ended`` count the instances that reached a terminal state within the
+    window; ``p95_duration_s`` is over the attempts (claim to end) that ended within it.
+    """
+
+    key: str
+    last_state: InstanceState | None = None
+    last_ended_at: datetime | None = None
+    succeeded: int = 0
+    ended: int = 0
+    p95_duration_s: float | None = None
+
+    @property
+    def success_rate(self) -> float | None:
+        return self.succeeded / self.ended if self.ended else None
+
+
+@dataclass(frozen=True, slots=True)
 class NewInstance:
     """What a trigger or a cron fire asks the store to create.
 

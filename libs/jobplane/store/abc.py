@@ -20,6 +20,7 @@ from jobplane.domain.models import (
     Instance,
     InstanceFilter,
     JobDefinition,
+    JobSummary,
     LeaderLease,
     NewInstance,
     Outcome,
@@ -115,6 +116,15 @@ class Store(Protocol):
 
     async def count_by_state(self, job_key: str | None = None) -> dict[InstanceState, int]:
         """Number of instances in each state."""
+
+    async def job_summaries(
+        self, keys: Collection[str] | None = None, *, window_s: float = 86400.0
+    ) -> dict[str, JobSummary]:
+        """How each job (or each of ``keys``) has been doing, in one grouped query: its
+        latest terminal instance (by end time), the instances that ended within the last
+        ``window_s`` seconds and how many succeeded, and the 95th percentile (interpolated,
+        as ``percentile_cont``) of the duration, claim to end, of the attempts that ended
+        within it. A job with no ended instance and no attempt may be absent."""
 
     # -- the attempt lifecycle -----------------------------------------------------------
 

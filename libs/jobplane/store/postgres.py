@@ -24,6 +24,7 @@ from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState, check_transition
 from jobplane.store import rows
 from jobplane.store.lifecycle import log_fenced
+from jobplane.store.postgres_stats import PostgresStatsStore
 from jobplane.store.sql import LIMIT_REASON, SqlStore
 from jobplane.store.tables import job_instances
 
@@ -197,7 +198,7 @@ CLAIM = text(CLAIM_SQL).columns(*job_instances.c, job_options=job_instances.c.ar
 COMPLETE = text(COMPLETE_SQL)
 
 
-class PostgresStore(SqlStore):
+class PostgresStore(PostgresStatsStore, SqlStore):
     async def create_instances(
         self, new: Sequence[NewInstance], *, fence: LeaderLease | None = None
     ) -> list[Instance]:

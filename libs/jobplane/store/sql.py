@@ -7,12 +7,19 @@ from jobplane.store.cluster import ClusterStore
 from jobplane.store.definitions import DefinitionStore
 from jobplane.store.instances import InstanceStore
 from jobplane.store.lifecycle import LIMIT_REASON, LifecycleStore
+from jobplane.store.stats import StatsStore
 from jobplane.store.sweeps import SweepStore
 from jobplane.store.tokens import TokenStore
 
 
 class SqlStore(
-    DefinitionStore, InstanceStore, LifecycleStore, ClusterStore, SweepStore, TokenStore
+    DefinitionStore,
+    InstanceStore,
+    LifecycleStore,
+    ClusterStore,
+    SweepStore,
+    TokenStore,
+    StatsStore,
 ):
     """Generic implementation of :class:`jobplane.store.abc.Store`; owns its engine."""
 

@@ -157,6 +157,14 @@ job_instances = Table(
     Index(
         "ix_job_instances_worker_id", "worker_id", postgresql_where=text("worker_id IS NOT NULL")
     ),
+    # The latest outcome of each job and its recent counts (the jobs list).
+    Index(
+        "ix_job_instances_job_key_finished_at",
+        "job_key",
+        "finished_at",
+        postgresql_where=text("finished_at IS NOT NULL"),
+        sqlite_where=text("finished_at IS NOT NULL"),
+    ),
     # Sweeps of the leader: due Scheduled instances, expired leases, stale publications.
     Index(
         "ix_job_instances_due",

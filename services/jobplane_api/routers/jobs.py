@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, HTTPException, Query, status
@@ -30,12 +30,17 @@ TRIGGER_EXAMPLE = {"args": {"name": "Ada"}, "delay_s": 0, "priority": 5}
 ROLLBACK_EXAMPLE = {"to_version": 3, "version": 7}
 
 
-async def _out(store: StoreDep, definition: JobDefinition, fires: int) -> JobOut:
+def _upcoming(definition: JobDefinition, now: datetime, fires: int) -> list[datetime]:
     options = definition.options
-    upcoming = []
     if fires and options.cron and not definition.paused and not options.disabled:
-        upcoming = next_fire_times(options.cron, options.timezone, await store.now(), fires)
-    return JobOut.of(definition, upcoming)
+        return next_fire_times(options.cron, options.timezone, now, fires)
+    return []
+
+
+async def _out(store: StoreDep, definition: JobDefinition, fires: int) -> JobOut:
+    summaries = await store.job_summaries([definition.key])
+    upcoming = _upcoming(definition, await store.now(), fires)
+    return JobOut.of(definition, upcoming, summaries.get(definition.key))
 
 
 @router.get("", summary="List jobs", response_model=list[JobOut], dependencies=[Viewer])
@@ -46,8 +51,9 @@ async def list_jobs(
     paused: bool | None = None,
     q: Annotated[str | None, Query(description="Text in the key, name or description.")] = None,
 ) -> list[JobOut]:
-    """Every job definition, filtered by kind, queue, paused state or text."""
-    out = []
+    """Every job definition, filtered by kind, queue, paused state or text, with its next
+    fire, its latest outcome, and its success rate and p95 attempt duration over 24 h."""
+    matching = []
     needle = (q or "").lower()
     for d in await store.list_definitions():
         o = d.options
@@ -59,13 +65,17 @@ async def list_jobs(
             continue
         if needle and needle not in f"{o.key} {o.name} {o.description}".lower():
             continue
-        out.append(await _out(store, d, 1))
-    return out
+        matching.append(d)
+    # One grouped query for every job's figures (never one query per job).
+    summaries = await store.job_summaries() if matching else {}
+    now = await store.now()
+    return [JobOut.of(d, _upcoming(d, now, 1), summaries.get(d.key)) for d in matching]
 
 
 @router.get("/{key}", summary="Get a job", response_model=JobOut, dependencies=[Viewer])
 async def get_job(store: StoreDep, key: str) -> JobOut:
-    """Options, version, argument JSON Schema and the next 10 fire times."""
+    """Options, version, argument JSON Schema, the next 10 fire times, the latest outcome
+    and the last 24 hours' success rate and p95 attempt duration."""
     return await _out(store, await store.get_definition(key), 10)
 
 

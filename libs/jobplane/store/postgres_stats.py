@@ -1,0 +1,73 @@
+"""Postgres: the statistics of :mod:`jobplane.store.stats` as single statements, aggregated in
+the database (``percentile_cont``, ``count(*) FILTER``)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from sqlalchemy import text
+
+from jobplane.domain.models import JobSummary
+from jobplane.domain.states import InstanceState
+from jobplane.store.stats import DAY_S, TERMINAL, StatsStore
+
+_TERMINAL = ", ".join(f"'{s}'" for s in TERMINAL)
+
+# Every job's latest outcome, recent counts and p95 attempt duration in one statement. The
+# latest outcome and the counts read ix_job_instances_job_key_finished_at once per job (a
+# LATERAL join, not a scan of all instances); the durations read the window of history by its
+# ``at`` index and pair each attempt's claim with its end by the claim token.
+SUMMARIES_SQL = f"""
+WITH since AS (SELECT now() - make_interval(secs => :window) AS at),
+durations AS (
+    SELECT i.job_key,
+           percentile_cont(0.95) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM e.at - s.at)) AS p95
+    FROM instance_transitions e
+    JOIN instance_transitions s
+      ON s.instance_id = e.instance_id AND s.claim_token = e.claim_token
+     AND s.to_state = 'processing'
+    JOIN job_instances i ON i.id = e.instance_id
+    WHERE e.from_state = 'processing' AND e.at >= (SELECT at FROM since)
+      AND (CAST(:keys AS text[]) IS NULL OR i.job_key = ANY(CAST(:keys AS text[])))
+    GROUP BY i.job_key
+)
+SELECT d.key, last.state AS last_state, last.finished_at AS last_ended_at,
+       recent.succeeded, recent.ended, durations.p95
+FROM job_definitions d
+LEFT JOIN LATERAL (
+    SELECT state, finished_at FROM job_instances
+    WHERE job_key = d.key AND finished_at IS NOT NULL AND state IN ({_TERMINAL})
+    ORDER BY finished_at DESC
+    LIMIT 1
+) last ON true
+LEFT JOIN LATERAL (
+    SELECT count(*) FILTER (WHERE state = 'succeeded') AS succeeded, count(*) AS ended
+    FROM job_instances
+    WHERE job_key = d.key AND finished_at IS NOT NULL
+      AND finished_at >= (SELECT at FROM since) AND state IN ({_TERMINAL})
+) recent ON true
+LEFT JOIN durations ON durations.job_key = d.key
+WHERE CAST(:keys AS text[]) IS NULL OR d.key = ANY(CAST(:keys AS text[]))
+"""
+
+SUMMARIES = text(SUMMARIES_SQL)
+
+
+class PostgresStatsStore(StatsStore):
+    async def job_summaries(
+        self, keys: Collection[str] | None = None, *, window_s: float = DAY_S
+    ) -> dict[str, JobSummary]:
+        params = {"window": window_s, "keys": None if keys is None else list(keys)}
+        async with self._read() as conn:
+            result = await conn.execute(SUMMARIES, params)
+            return {
+                row.key: JobSummary(
+                    key=row.key,
+                    last_state=InstanceState(row.last_state) if row.last_state else None,
+                    last_ended_at=row.last_ended_at,
+                    succeeded=row.succeeded,
+                    ended=row.ended,
+                    p95_duration_s=float(row.p95) if row.p95 is not None else None,
+                )
+                for row in result
+            }
