@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from datetime import datetime
+from itertools import pairwise
 from uuid import UUID, uuid4
 
 import httpx
@@ -214,8 +216,34 @@ async def test_batch_trigger_is_all_or_nothing(api: httpx.AsyncClient) -> None:
     assert created.status_code == 201 and len(created.json()) == 5
     bad = [*items, {"job_key": "echo", "args": {"value": "x"}}]
     _problem(await api.post("/api/v1/instances/batch", json={"items": bad}), 422)
-    total = (await api.get("/api/v1/stats", params={"job": "echo"})).json()["by_state"]
-    assert total == {"enqueued": 5}
+    stats = (await api.get("/api/v1/stats", params={"job": "echo"})).json()
+    assert stats["by_state"] == {"enqueued": 5}
+    assert len(stats["per_minute"]) == 60 and len(stats["per_hour"]) == 24
+
+
+async def test_stats_count_ends_per_minute_and_per_hour(
+    api: httpx.AsyncClient, store: SqlStore
+) -> None:
+    ids = []
+    for value in range(3):
+        created = await api.post("/api/v1/jobs/echo/instances", json={"args": {"value": value}})
+        ids.append(UUID(created.json()["id"]))
+    claimed = (await store.claim(ids, "w1", 30, ["echo"])).claimed
+    states = [S.SUCCEEDED, S.SUCCEEDED, S.FAILED]
+    await store.complete(
+        [Outcome(c.instance.id, c.token, s) for c, s in zip(claimed, states, strict=True)]
+    )
+    stats = (await api.get("/api/v1/stats")).json()
+    for series, width in (("per_minute", 60), ("per_hour", 3600)):
+        buckets = stats[series]
+        starts = [datetime.fromisoformat(b["start"]) for b in buckets]
+        assert all((b - a).total_seconds() == width for a, b in pairwise(starts))
+        assert sum(b["succeeded"] for b in buckets) == 2
+        assert sum(b["failed"] for b in buckets) == 1
+        assert (
+            sum(b["terminated"] for b in buckets) == 1
+        )  # echo has no retries: the failure ends it
+    assert stats["by_state"] == {"succeeded": 2, "terminated": 1}
 
 
 async def test_workers_scheduler_health_metrics(api: httpx.AsyncClient) -> None:

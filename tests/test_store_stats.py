@@ -3,7 +3,8 @@ answers from both, computed from real claims, completions and history."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
+from itertools import pairwise
 from uuid import UUID
 
 import pytest
@@ -17,6 +18,8 @@ from jobplane.store.tables import instance_transitions, job_instances
 from tests.store_helpers import define, enqueue
 
 T = instance_transitions.c
+MINUTE = timedelta(minutes=1)
+HOUR = timedelta(hours=1)
 
 
 async def _run(store: SqlStore, key: str, outcomes: list[S]) -> list[UUID]:
@@ -93,3 +96,40 @@ async def test_job_summaries_for_every_job_in_one_call(store: SqlStore) -> None:
 
     only = await store.job_summaries(["b"])
     assert set(only) == {"b"} and only["b"] == b
+
+
+def _bucket_of(at: datetime, width_s: int) -> datetime:
+    return datetime.fromtimestamp(int(at.timestamp()) // width_s * width_s, UTC)
+
+
+async def test_throughput_buckets_ends_per_minute_and_per_hour(store: SqlStore) -> None:
+    await define(store, "a", max_concurrency=4)
+    await define(store, "other")
+    recent, older, failed, lost = await _run(
+        store, "a", [S.SUCCEEDED, S.SUCCEEDED, S.FAILED, S.FAILED]
+    )
+    await _set_attempt(store, recent, ended_ago_s=5 * 60, duration_s=1)
+    await _set_attempt(store, older, ended_ago_s=2 * 3600, duration_s=1)
+    await _set_attempt(store, failed, ended_ago_s=5 * 60, duration_s=1)
+    await _set_attempt(store, lost, ended_ago_s=30 * 3600, duration_s=1)  # out of both
+    await _run(store, "other", [S.SUCCEEDED])  # now
+    now = await store.now()
+
+    minutes = await store.throughput(60, 60, "a")
+    assert len(minutes) == 60 and minutes[-1].start <= now < minutes[-1].start + MINUTE
+    assert all(b.start + MINUTE == n.start for b, n in pairwise(minutes))
+    by_start = {b.start: b for b in minutes}
+    five_ago = by_start[_bucket_of(now - 5 * MINUTE, 60)]
+    # No retry left: the failed attempt is followed by the instance's termination.
+    assert (five_ago.succeeded, five_ago.failed, five_ago.terminated) == (1, 1, 1)
+    assert sum(b.succeeded + b.failed + b.terminated for b in minutes) == 3
+
+    hours = await store.throughput(3600, 24, "a")
+    assert len(hours) == 24 and hours[-1].start <= now < hours[-1].start + HOUR
+    assert sum(b.succeeded for b in hours) == 2 and sum(b.failed for b in hours) == 1
+    two_ago = {b.start: b for b in hours}[_bucket_of(now - 2 * HOUR, 3600)]
+    assert two_ago.succeeded == 1
+
+    everything = await store.throughput(60, 60)
+    assert sum(b.succeeded for b in everything) == 2  # "a" 5 min ago and "other" now
+    assert sum(b.succeeded for b in await store.throughput(60, 60, "nope")) == 0

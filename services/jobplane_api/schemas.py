@@ -9,6 +9,7 @@ from uuid import UUID
 from pydantic import BaseModel, ConfigDict, Field
 
 from jobplane.domain.models import (
+    Bucket,
     DefinitionChange,
     DefinitionVersion,
     Instance,
@@ -312,5 +313,22 @@ class SchedulerOut(BaseModel):
     expires_at: datetime | None
 
 
+class BucketOut(BaseModel):
+    start: datetime = Field(description="Start of the bucket (UTC).")
+    succeeded: int = Field(description="Attempts that succeeded.")
+    failed: int = Field(description="Attempts that failed (a retry may follow).")
+    terminated: int = Field(description="Instances terminated (no attempts left, worker lost).")
+
+    @classmethod
+    def of(cls, b: Bucket) -> BucketOut:
+        return cls(start=b.start, succeeded=b.succeeded, failed=b.failed, terminated=b.terminated)
+
+
 class StatsOut(BaseModel):
     by_state: dict[InstanceState, int]
+    per_minute: list[BucketOut] = Field(
+        default_factory=list, description="The last hour, one bucket a minute, oldest first."
+    )
+    per_hour: list[BucketOut] = Field(
+        default_factory=list, description="The last day, one bucket an hour, oldest first."
+    )

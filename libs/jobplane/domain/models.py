@@ -84,6 +84,17 @@ class JobSummary:
 
 
 @dataclass(frozen=True, slots=True)
+class Bucket:
+    """Ends recorded in one time bucket ``[start, start + width)``: attempts that succeeded,
+    attempts that failed, instances that were terminated (no attempts left, worker lost)."""
+
+    start: datetime
+    succeeded: int = 0
+    failed: int = 0
+    terminated: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class NewInstance:
     """What a trigger or a cron fire asks the store to create.
 

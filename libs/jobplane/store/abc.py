@@ -15,6 +15,7 @@ from uuid import UUID
 
 from jobplane.auth import Role, TokenInfo
 from jobplane.domain.models import (
+    Bucket,
     ClaimResult,
     DefinitionVersion,
     Instance,
@@ -125,6 +126,13 @@ class Store(Protocol):
         ``window_s`` seconds and how many succeeded, and the 95th percentile (interpolated,
         as ``percentile_cont``) of the duration, claim to end, of the attempts that ended
         within it. A job with no ended instance and no attempt may be absent."""
+
+    async def throughput(
+        self, width_s: int, count: int, job_key: str | None = None
+    ) -> list[Bucket]:
+        """Ends recorded in the history (→ Succeeded, → Failed, → Terminated) in each of
+        the last ``count`` buckets of ``width_s`` seconds (aligned on the epoch; the last one
+        holds the store's now, so it is still filling), oldest first; empty buckets included."""
 
     # -- the attempt lifecycle -----------------------------------------------------------
 

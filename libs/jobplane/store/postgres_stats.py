@@ -7,7 +7,7 @@ from collections.abc import Collection
 
 from sqlalchemy import text
 
-from jobplane.domain.models import JobSummary
+from jobplane.domain.models import Bucket, JobSummary
 from jobplane.domain.states import InstanceState
 from jobplane.store.stats import DAY_S, TERMINAL, StatsStore
 
@@ -52,6 +52,38 @@ WHERE CAST(:keys AS text[]) IS NULL OR d.key = ANY(CAST(:keys AS text[]))
 
 SUMMARIES = text(SUMMARIES_SQL)
 
+# Ends per time bucket, bucketed by the database on the history's ``at`` (its index bounds the
+# scan to the window); empty buckets come from the series, so every bucket is present.
+THROUGHPUT_SQL = """
+WITH bounds AS (
+    SELECT make_interval(secs => :width) AS width,
+           date_bin(make_interval(secs => :width), now(), TIMESTAMPTZ '2000-01-01 00:00+00')
+               AS last
+),
+series AS (
+    SELECT generate_series(last - width * (:count - 1), last, width) AS start FROM bounds
+),
+counts AS (
+    SELECT date_bin((SELECT width FROM bounds), t.at, TIMESTAMPTZ '2000-01-01 00:00+00')
+               AS start,
+           count(*) FILTER (WHERE t.to_state = 'succeeded') AS succeeded,
+           count(*) FILTER (WHERE t.to_state = 'failed') AS failed,
+           count(*) FILTER (WHERE t.to_state = 'terminated') AS terminated
+    FROM instance_transitions t
+    WHERE t.at >= (SELECT min(start) FROM series)
+      AND t.to_state IN ('succeeded', 'failed', 'terminated')
+      AND (CAST(:job AS text) IS NULL OR EXISTS (
+          SELECT 1 FROM job_instances i WHERE i.id = t.instance_id AND i.job_key = :job))
+    GROUP BY 1
+)
+SELECT s.start, COALESCE(c.succeeded, 0) AS succeeded, COALESCE(c.failed, 0) AS failed,
+       COALESCE(c.terminated, 0) AS terminated
+FROM series s LEFT JOIN counts c ON c.start = s.start
+ORDER BY s.start
+"""
+
+THROUGHPUT = text(THROUGHPUT_SQL)
+
 
 class PostgresStatsStore(StatsStore):
     async def job_summaries(
@@ -71,3 +103,19 @@ class PostgresStatsStore(StatsStore):
                 )
                 for row in result
             }
+
+    async def throughput(
+        self, width_s: int, count: int, job_key: str | None = None
+    ) -> list[Bucket]:
+        params = {"width": width_s, "count": count, "job": job_key}
+        async with self._read() as conn:
+            result = await conn.execute(THROUGHPUT, params)
+            return [
+                Bucket(
+                    start=row.start,
+                    succeeded=row.succeeded,
+                    failed=row.failed,
+                    terminated=row.terminated,
+                )
+                for row in result
+            ]

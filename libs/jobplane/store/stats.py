@@ -8,17 +8,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import and_, case, func, select
+from sqlalchemy import Integer, and_, case, cast, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from jobplane.domain.models import JobSummary
+from jobplane.domain.models import Bucket, JobSummary
 from jobplane.domain.states import TERMINAL_STATES
 from jobplane.store.base import I, S, SqlBase
 from jobplane.store.tables import instance_transitions, job_instances
 
 TERMINAL = sorted(s.value for s in TERMINAL_STATES)
+
+#: The ends that throughput counts (history records reaching these states).
+ENDS = (S.SUCCEEDED.value, S.FAILED.value, S.TERMINATED.value)
+
+T = instance_transitions.c
 
 #: The window of the jobs list's recent figures.
 DAY_S = 24 * 3600.0
@@ -119,3 +124,32 @@ class StatsStore(SqlBase):
         for key, started, ended in await conn.execute(query):
             out.setdefault(key, []).append((ended - started).total_seconds())
         return out
+
+    async def throughput(
+        self, width_s: int, count: int, job_key: str | None = None
+    ) -> list[Bucket]:
+        # SQLite: bucket on the epoch seconds of ``at`` (stored as UTC text).
+        async with self._read() as conn:
+            now = await self._now(conn)
+            last = int(now.timestamp()) // width_s * width_s
+            first = last - width_s * (count - 1)
+            start = cast(func.strftime("%s", T.at), Integer) // width_s * width_s
+            query = (
+                select(start.label("start"), T.to_state, func.count())
+                .where(T.at >= datetime.fromtimestamp(first, UTC), T.to_state.in_(ENDS))
+                .group_by(start, T.to_state)
+            )
+            if job_key is not None:
+                query = query.join(job_instances, I.id == T.instance_id).where(I.job_key == job_key)
+            counts: dict[tuple[int, str], int] = {
+                (at, state): n for at, state, n in await conn.execute(query)
+            }
+        return [
+            Bucket(
+                start=datetime.fromtimestamp(at, UTC),
+                succeeded=counts.get((at, S.SUCCEEDED.value), 0),
+                failed=counts.get((at, S.FAILED.value), 0),
+                terminated=counts.get((at, S.TERMINATED.value), 0),
+            )
+            for at in range(first, last + 1, width_s)
+        ]
