@@ -210,6 +210,68 @@ async def test_instances_list_get_cancel_retry(api: httpx.AsyncClient) -> None:
     _problem(await api.get("/api/v1/instances", params={"state": ["bogus"]}), 422)
 
 
+async def test_bulk_cancel_by_filter(api: httpx.AsyncClient, store: SqlStore, bus: Bus) -> None:
+    ids = []
+    for value in range(3):
+        created = await api.post("/api/v1/jobs/echo/instances", json={"args": {"value": value}})
+        ids.append(UUID(created.json()["id"]))
+    other = (await api.post("/api/v1/jobs/tick/instances", json={})).json()["id"]
+    [running] = (await store.claim([ids[0]], "w1", 30, ["echo"])).claimed
+    done = await api.post("/api/v1/instances/cancel", json={"job": "echo"})
+    assert done.status_code == 200, done.text
+    body = done.json()
+    assert (body["cancelled"], body["cancel_requested"], body["skipped"]) == (2, 1, 0)
+    assert body["cancelled_ids"] == [str(ids[1]), str(ids[2])] and not body["more"]
+    assert body["cancel_requested_ids"] == [str(running.instance.id)]
+    assert (await store.get_instance(ids[0])).cancel_requested
+    assert (await api.get(f"/api/v1/instances/{other}")).json()["state"] == "enqueued"
+
+    terminal = await api.post(
+        "/api/v1/instances/cancel", json={"job": "echo", "states": ["cancelled"]}
+    )
+    assert terminal.json()["skipped"] == 2 and terminal.json()["cancelled"] == 0
+    # Oldest first: the running one (flagged again), and the tick instance is left for later.
+    bounded = (await api.post("/api/v1/instances/cancel", json={"limit": 1})).json()
+    assert (bounded["cancel_requested"], bounded["cancelled"], bounded["more"]) == (1, 0, True)
+    _problem(await api.post("/api/v1/instances/cancel", json={"limit": 10_001}), 422)
+    _problem(await api.post("/api/v1/instances/cancel", json={"state": "enqueued"}), 422)
+
+
+async def test_bulk_retry_by_filter_links_and_is_safe_to_replay(
+    api: httpx.AsyncClient, store: SqlStore
+) -> None:
+    ids = []
+    for value in range(3):
+        created = await api.post("/api/v1/jobs/echo/instances", json={"args": {"value": value}})
+        ids.append(UUID(created.json()["id"]))
+    claimed = {c.instance.id: c for c in (await store.claim(ids, "w1", 30, ["echo"])).claimed}
+    await store.complete([Outcome(ids[0], claimed[ids[0]].token, S.FAILED)])  # → terminated
+    await store.complete([Outcome(ids[1], claimed[ids[1]].token, S.SUCCEEDED)])
+
+    default = (await api.post("/api/v1/instances/retry", json={"job": "echo"})).json()
+    assert (default["retried"], default["skipped"], default["more"]) == (1, 0, False)
+    [pair] = default["retries"]
+    assert pair["instance_id"] == str(ids[0])
+    new = (await api.get(f"/api/v1/instances/{pair['retry_id']}")).json()
+    assert new["retry_of"] == str(ids[0]) and new["source"] == "retry"
+    assert new["state"] == "enqueued" and new["args"] == {"value": 0}
+
+    picked = {"job": "echo", "states": ["terminated", "succeeded", "processing"]}
+    mixed = (await api.post("/api/v1/instances/retry", json=picked)).json()
+    # ids[1] is retried; ids[0] was already (by the first call); ids[2] is still running.
+    assert [p["instance_id"] for p in mixed["retries"]] == [str(ids[1])]
+    assert sorted(mixed["skipped_ids"]) == sorted([str(ids[0]), str(ids[2])])
+    replay = (await api.post("/api/v1/instances/retry", json=picked)).json()
+    assert (replay["retried"], replay["skipped"]) == (0, 3)
+    assert len((await api.get("/api/v1/instances", params={"job": "echo"})).json()["items"]) == 5
+
+    await api.patch("/api/v1/jobs/echo", json={"version": 1, "options": {"disabled": True}})
+    more = await api.post("/api/v1/jobs/echo/instances", json={"args": {"value": 9}})
+    assert more.status_code == 409  # disabled
+    disabled = (await api.post("/api/v1/instances/retry", json={"states": ["succeeded"]})).json()
+    assert (disabled["retried"], disabled["skipped"]) == (0, 1)
+
+
 async def test_batch_trigger_is_all_or_nothing(api: httpx.AsyncClient) -> None:
     items = [{"job_key": "echo", "args": {"value": i}} for i in range(5)]
     created = await api.post("/api/v1/instances/batch", json={"items": items})

@@ -39,6 +39,8 @@ NEEDS = {
     ("POST", "/api/v1/jobs/{key}/instances"): Role.OPERATOR,
     ("GET", "/api/v1/instances"): Role.VIEWER,
     ("POST", "/api/v1/instances/batch"): Role.OPERATOR,
+    ("POST", "/api/v1/instances/cancel"): Role.OPERATOR,
+    ("POST", "/api/v1/instances/retry"): Role.OPERATOR,
     ("GET", "/api/v1/instances/{instance_id}"): Role.VIEWER,
     ("POST", "/api/v1/instances/{instance_id}/cancel"): Role.OPERATOR,
     ("POST", "/api/v1/instances/{instance_id}/retry"): Role.OPERATOR,

@@ -341,6 +341,48 @@ async def test_cancel_queued_ends_it_and_cancel_running_flags_it(store: SqlStore
         await store.request_cancel(NewInstance(job_key="job").id, "ops")
 
 
+async def test_cancel_many_cancels_queued_flags_running_and_skips_the_rest(
+    store: SqlStore,
+) -> None:
+    await define(store, "job", max_concurrency=2)
+    await define(store, "other")
+    a, b, c, d = await enqueue(store, "job", 4)
+    [e] = await enqueue(store, "job", run_at=(await store.now()) + timedelta(hours=1))
+    [untouched] = await enqueue(store, "other")
+    claims = {
+        cl.instance.id: cl for cl in (await store.claim([c.id, d.id], "w1", 30, ["job"])).claimed
+    }
+    await store.complete([Outcome(d.id, claims[d.id].token, S.SUCCEEDED)])
+
+    done = await store.cancel_many(InstanceFilter(job_key="job"), limit=10, actor="ops")
+    assert {i.id for i in done.cancelled} == {a.id, b.id, e.id}
+    assert all(i.state is S.CANCELLED and i.finished_at for i in done.cancelled)
+    assert [(i.id, i.state, i.cancel_requested) for i in done.requested] == [
+        (c.id, S.PROCESSING, True)
+    ]
+    assert done.skipped == [d.id] and not done.more
+    last = (await store.transitions(e.id))[-1]
+    assert (last.from_state, last.to_state, last.actor) == (S.SCHEDULED, S.CANCELLED, "ops")
+    assert (await store.get_instance(untouched.id)).state is S.ENQUEUED
+    # The running one still holds its slot and ends through its worker.
+    assert await store.complete([Outcome(c.id, claims[c.id].token, S.CANCELLED)]) == {
+        c.id: S.CANCELLED
+    }
+    again = await store.cancel_many(InstanceFilter(job_key="job"), limit=10, actor="ops")
+    assert (again.cancelled, again.requested, len(again.skipped)) == ([], [], 5)
+
+
+async def test_cancel_many_is_bounded_oldest_first(store: SqlStore) -> None:
+    await define(store, "job")
+    first, second, third = await enqueue(store, "job", 3)
+    queued = InstanceFilter(job_key="job", states=(S.ENQUEUED,))
+    done = await store.cancel_many(queued, limit=2, actor="ops")
+    assert [i.id for i in done.cancelled] == [first.id, second.id] and done.more
+    done = await store.cancel_many(queued, limit=2, actor="ops")
+    assert [i.id for i in done.cancelled] == [third.id] and not done.more
+    assert len(await store.transitions(first.id)) == 2  # created, cancelled: once
+
+
 async def test_keyset_pagination_and_filters(store: SqlStore) -> None:
     await define(store, "a", max_concurrency=10)
     await define(store, "b")

@@ -10,9 +10,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jobplane.domain.models import (
     Bucket,
+    BulkCancel,
     DefinitionChange,
     DefinitionVersion,
     Instance,
+    InstanceFilter,
     JobDefinition,
     JobSummary,
     Transition,
@@ -332,3 +334,76 @@ class StatsOut(BaseModel):
     per_hour: list[BucketOut] = Field(
         default_factory=list, description="The last day, one bucket an hour, oldest first."
     )
+
+
+#: The most instances one bulk cancel or retry examines.
+BULK_LIMIT_MAX = 10_000
+
+
+class BulkFilterIn(BaseModel):
+    """The instances to act on: the filters of the instance list, AND-ed, and a bound."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job: str | None = Field(default=None, description="Job key.")
+    states: list[InstanceState] | None = Field(
+        default=None,
+        description="States to select; omitted: every state the operation applies to.",
+    )
+    created_after: datetime | None = None
+    created_before: datetime | None = None
+    scheduled_after: datetime | None = Field(default=None, description="Cron tick time from.")
+    scheduled_before: datetime | None = None
+    worker: str | None = Field(default=None, description="Worker id.")
+    limit: int = Field(
+        default=1000, ge=1, le=BULK_LIMIT_MAX, description="At most this many instances."
+    )
+
+    def to_filter(self, default_states: tuple[InstanceState, ...]) -> InstanceFilter:
+        return InstanceFilter(
+            job_key=self.job,
+            states=tuple(self.states) if self.states else default_states,
+            created_after=self.created_after,
+            created_before=self.created_before,
+            scheduled_after=self.scheduled_after,
+            scheduled_before=self.scheduled_before,
+            worker_id=self.worker,
+        )
+
+
+class BulkCancelOut(BaseModel):
+    cancelled: int = Field(description="Scheduled or Enqueued instances now Cancelled.")
+    cancel_requested: int = Field(description="Running instances told to stop.")
+    skipped: int = Field(description="Selected, but in a state a cancel cannot change.")
+    more: bool = Field(description="More instances match than `limit`: call again.")
+    cancelled_ids: list[UUID]
+    cancel_requested_ids: list[UUID]
+    skipped_ids: list[UUID]
+
+    @classmethod
+    def of(cls, done: BulkCancel) -> BulkCancelOut:
+        return cls(
+            cancelled=len(done.cancelled),
+            cancel_requested=len(done.requested),
+            skipped=len(done.skipped),
+            more=done.more,
+            cancelled_ids=[i.id for i in done.cancelled],
+            cancel_requested_ids=[i.id for i in done.requested],
+            skipped_ids=done.skipped,
+        )
+
+
+class RetryPairOut(BaseModel):
+    instance_id: UUID = Field(description="The instance retried.")
+    retry_id: UUID = Field(description="The new instance (its `retry_of` is `instance_id`).")
+
+
+class BulkRetryOut(BaseModel):
+    retried: int = Field(description="New instances created.")
+    skipped: int = Field(
+        description="Selected, but not terminal, of a disabled job, with arguments the job "
+        "no longer accepts, or already retried by an earlier bulk retry."
+    )
+    more: bool = Field(description="More instances match than `limit`: call again.")
+    retries: list[RetryPairOut]
+    skipped_ids: list[UUID]

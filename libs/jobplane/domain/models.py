@@ -257,6 +257,8 @@ class InstanceFilter:
     states: tuple[InstanceState, ...] = ()
     created_after: datetime | None = None
     created_before: datetime | None = None
+    scheduled_after: datetime | None = None
+    scheduled_before: datetime | None = None
     worker_id: str | None = None
 
 
@@ -266,3 +268,20 @@ class Page:
 
     items: list[Instance]
     next_cursor: UUID | None
+
+
+@dataclass(frozen=True, slots=True)
+class BulkCancel:
+    """What one bulk cancel did to the instances it examined (oldest first, up to its limit;
+    each list in id order).
+
+    - ``cancelled``: were Scheduled or Enqueued; now Cancelled.
+    - ``requested``: were Processing (or Failed); ``cancel_requested`` is set for the worker.
+    - ``skipped``: in a state a cancel cannot leave (terminal), or moved on meanwhile.
+    - ``more``: more instances match the filter than were examined.
+    """
+
+    cancelled: list[Instance] = field(default_factory=list)
+    requested: list[Instance] = field(default_factory=list)
+    skipped: list[UUID] = field(default_factory=list)
+    more: bool = False

@@ -16,6 +16,7 @@ from uuid import UUID
 from jobplane.auth import Role, TokenInfo
 from jobplane.domain.models import (
     Bucket,
+    BulkCancel,
     ClaimResult,
     DefinitionVersion,
     Instance,
@@ -190,6 +191,12 @@ class Store(Protocol):
         """Cancel: a Scheduled or Enqueued instance ends Cancelled at once; a Processing one
         gets ``cancel_requested`` for its worker. Raises IllegalTransitionError when terminal
         and InstanceNotFoundError when unknown."""
+
+    async def cancel_many(self, filter: InstanceFilter, *, limit: int, actor: str) -> BulkCancel:
+        """Cancel, in one transaction, up to ``limit`` instances that ``filter`` selects, oldest
+        first: Scheduled and Enqueued ones end Cancelled (with history), Processing and Failed
+        ones get ``cancel_requested``, as :meth:`request_cancel` does one at a time. Instances
+        a cancel cannot change (terminal, or moved on meanwhile) are skipped, never an error."""
 
     async def republish_waiting(self, job_keys: Collection[str], limit: int) -> list[Instance]:
         """Enqueued, unpublished instances of ``job_keys`` (parked by ``on_limit=wait``),

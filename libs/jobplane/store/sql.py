@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from jobplane.store.base import logger
+from jobplane.store.bulk import BulkStore
 from jobplane.store.cluster import ClusterStore
 from jobplane.store.definitions import DefinitionStore
 from jobplane.store.instances import InstanceStore
@@ -20,6 +21,7 @@ class SqlStore(
     SweepStore,
     TokenStore,
     StatsStore,
+    BulkStore,
 ):
     """Generic implementation of :class:`jobplane.store.abc.Store`; owns its engine."""
 
