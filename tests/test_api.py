@@ -147,6 +147,8 @@ async def test_version_history_and_rollback(api: httpx.AsyncClient, bus: Bus) ->
     _problem(
         await api.post("/api/v1/jobs/tick/rollback", json={"to_version": 0, "version": 4}), 422
     )
+    huge = {"to_version": 2**40, "version": 4}
+    _problem(await api.post("/api/v1/jobs/tick/rollback", json=huge), 422)
     assert len((await api.get("/api/v1/jobs/tick/versions")).json()) == 4
 
 
@@ -235,6 +237,8 @@ async def test_bulk_cancel_by_filter(api: httpx.AsyncClient, store: SqlStore, bu
     assert (bounded["cancel_requested"], bounded["cancelled"], bounded["more"]) == (1, 0, True)
     _problem(await api.post("/api/v1/instances/cancel", json={"limit": 10_001}), 422)
     _problem(await api.post("/api/v1/instances/cancel", json={"state": "enqueued"}), 422)
+    naive = {"created_after": "2026-01-01T00:00:00"}
+    _problem(await api.post("/api/v1/instances/cancel", json=naive), 422)
 
 
 async def test_bulk_retry_by_filter_links_and_is_safe_to_replay(

@@ -6,7 +6,7 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
 from jobplane.domain.models import (
     Bucket,
@@ -22,6 +22,9 @@ from jobplane.domain.models import (
 )
 from jobplane.domain.options import PRIORITY_MAX, PRIORITY_MIN, JobOptions
 from jobplane.domain.states import InstanceState
+
+#: Versions are stored as 32-bit integers.
+VERSION_MAX = 2**31 - 1
 
 #: Ten years: a longer delay is a mistake, not a schedule.
 MAX_DELAY_S = 10 * 365 * 24 * 3600
@@ -159,8 +162,12 @@ class RollbackIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    to_version: int = Field(ge=1, description="The version whose options to restore.")
-    version: int = Field(description="The current version, as you read it; 409 if it moved on.")
+    to_version: int = Field(
+        ge=1, le=VERSION_MAX, description="The version whose options to restore."
+    )
+    version: int = Field(
+        ge=1, le=VERSION_MAX, description="The current version, as you read it; 409 if not."
+    )
 
 
 class TriggerIn(BaseModel):
@@ -350,10 +357,10 @@ class BulkFilterIn(BaseModel):
         default=None,
         description="States to select; omitted: every state the operation applies to.",
     )
-    created_after: datetime | None = None
-    created_before: datetime | None = None
-    scheduled_after: datetime | None = Field(default=None, description="Cron tick time from.")
-    scheduled_before: datetime | None = None
+    created_after: AwareDatetime | None = None
+    created_before: AwareDatetime | None = None
+    scheduled_after: AwareDatetime | None = Field(default=None, description="Cron tick from.")
+    scheduled_before: AwareDatetime | None = None
     worker: str | None = Field(default=None, description="Worker id.")
     limit: int = Field(
         default=1000, ge=1, le=BULK_LIMIT_MAX, description="At most this many instances."
