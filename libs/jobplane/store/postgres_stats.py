@@ -4,6 +4,7 @@ the database (``percentile_cont``, ``count(*) FILTER``)."""
 from __future__ import annotations
 
 from collections.abc import Collection
+from datetime import timedelta
 
 from sqlalchemy import text
 
@@ -18,8 +19,7 @@ _TERMINAL = ", ".join(f"'{s}'" for s in TERMINAL)
 # LATERAL join, not a scan of all instances); the durations read the window of history by its
 # ``at`` index and pair each attempt's claim with its end by the claim token.
 SUMMARIES_SQL = f"""
-WITH since AS (SELECT now() - make_interval(secs => :window) AS at),
-durations AS (
+WITH durations AS (
     SELECT i.job_key,
            percentile_cont(0.95) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM e.at - s.at)) AS p95
     FROM instance_transitions e
@@ -27,7 +27,7 @@ durations AS (
       ON s.instance_id = e.instance_id AND s.claim_token = e.claim_token
      AND s.to_state = 'processing'
     JOIN job_instances i ON i.id = e.instance_id
-    WHERE e.from_state = 'processing' AND e.at >= (SELECT at FROM since)
+    WHERE e.from_state = 'processing' AND e.at >= :since
       AND (CAST(:keys AS text[]) IS NULL OR i.job_key = ANY(CAST(:keys AS text[])))
     GROUP BY i.job_key
 )
@@ -44,7 +44,7 @@ LEFT JOIN LATERAL (
     SELECT count(*) FILTER (WHERE state = 'succeeded') AS succeeded, count(*) AS ended
     FROM job_instances
     WHERE job_key = d.key AND finished_at IS NOT NULL
-      AND finished_at >= (SELECT at FROM since) AND state IN ({_TERMINAL})
+      AND finished_at >= :since AND state IN ({_TERMINAL})
 ) recent ON true
 LEFT JOIN durations ON durations.job_key = d.key
 WHERE CAST(:keys AS text[]) IS NULL OR d.key = ANY(CAST(:keys AS text[]))
@@ -89,8 +89,11 @@ class PostgresStatsStore(StatsStore):
     async def job_summaries(
         self, keys: Collection[str] | None = None, *, window_s: float = DAY_S
     ) -> dict[str, JobSummary]:
-        params = {"window": window_s, "keys": None if keys is None else list(keys)}
         async with self._read() as conn:
+            # The window's start as a value, not an expression: the planner then estimates
+            # how much history it covers (and joins accordingly).
+            since = await self._now(conn) - timedelta(seconds=window_s)
+            params = {"since": since, "keys": None if keys is None else list(keys)}
             result = await conn.execute(SUMMARIES, params)
             return {
                 row.key: JobSummary(
