@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from uuid import uuid4
+from datetime import datetime
+from itertools import pairwise
+from uuid import UUID, uuid4
 
 import httpx
 import pytest
 
 from jobplane.bus.abc import Bus
+from jobplane.domain.models import Outcome
 from jobplane.domain.options import JobOptions
+from jobplane.domain.states import InstanceState as S
 from jobplane.store.sql import SqlStore
 from jobplane_api.main import create_app
 from jobplane_api.settings import ApiSettings
@@ -57,6 +61,40 @@ async def test_list_and_get_jobs(api: httpx.AsyncClient) -> None:
     _problem(await api.get("/api/v1/jobs/nope"), 404)
 
 
+async def test_jobs_carry_outcome_success_rate_duration_and_next_fire(
+    api: httpx.AsyncClient, store: SqlStore
+) -> None:
+    ids = []
+    for value in range(2):
+        created = await api.post("/api/v1/jobs/echo/instances", json={"args": {"value": value}})
+        ids.append(UUID(created.json()["id"]))
+    claimed = (await store.claim(ids, "w1", 30, ["echo"])).claimed
+    await store.complete(
+        [
+            Outcome(c.instance.id, c.token, S.SUCCEEDED if n == 0 else S.CANCELLED)
+            for n, c in enumerate(claimed)
+        ]
+    )
+    jobs = {j["key"]: j for j in (await api.get("/api/v1/jobs")).json()}
+    echo = jobs["echo"]
+    assert echo["success_rate_24h"] == 0.5
+    assert echo["last_outcome"]["state"] in ("succeeded", "cancelled")
+    assert echo["last_outcome"]["ended_at"] is not None
+    assert 0 <= echo["p95_duration_s_24h"] < 30
+    assert echo["next_fire"] is None and echo["next_fire_times"] == []
+    tick = jobs["tick"]
+    assert tick["next_fire"] == tick["next_fire_times"][0]
+    assert (tick["last_outcome"], tick["success_rate_24h"], tick["p95_duration_s_24h"]) == (
+        None,
+        None,
+        None,
+    )
+    one = (await api.get("/api/v1/jobs/echo")).json()
+    assert {k: one[k] for k in ("last_outcome", "success_rate_24h", "p95_duration_s_24h")} == {
+        k: echo[k] for k in ("last_outcome", "success_rate_24h", "p95_duration_s_24h")
+    }
+
+
 async def test_edit_pause_resume(api: httpx.AsyncClient, bus: Bus) -> None:
     edited = await api.patch(
         "/api/v1/jobs/tick", json={"version": 1, "options": {"cron": "*/5 * * * *"}}
@@ -76,6 +114,42 @@ async def test_edit_pause_resume(api: httpx.AsyncClient, bus: Bus) -> None:
     resumed = (await api.post("/api/v1/jobs/tick/resume")).json()
     assert not resumed["paused"] and resumed["version"] == 4
     _problem(await api.post("/api/v1/jobs/nope/pause"), 404)
+
+
+async def test_version_history_and_rollback(api: httpx.AsyncClient, bus: Bus) -> None:
+    await api.patch("/api/v1/jobs/tick", json={"version": 1, "options": {"cron": "*/5 * * * *"}})
+    await api.post("/api/v1/jobs/tick/pause")
+    versions = (await api.get("/api/v1/jobs/tick/versions")).json()
+    assert [(v["version"], v["action"]) for v in versions] == [
+        (3, "pause"),
+        (2, "edit"),
+        (1, "register"),
+    ]
+    assert versions[1]["options"]["cron"] == "*/5 * * * *" and versions[1]["actor"] == "api"
+    assert versions[2]["options"]["cron"] == "0 12 * * *"
+
+    rolled = await api.post("/api/v1/jobs/tick/rollback", json={"to_version": 1, "version": 3})
+    assert rolled.status_code == 200, rolled.text
+    body = rolled.json()
+    assert body["version"] == 4 and body["options"]["cron"] == "0 12 * * *" and body["paused"]
+    assert (await bus.get_pending_updates(["tick"])) == {"tick": 4}
+    newest = (await api.get("/api/v1/jobs/tick/versions")).json()[0]
+    assert (newest["version"], newest["action"], newest["rolled_back_to"]) == (4, "rollback", 1)
+
+    stale = await api.post("/api/v1/jobs/tick/rollback", json={"to_version": 2, "version": 3})
+    assert "at version 4" in str(_problem(stale, 409)["detail"])
+    unknown = await api.post("/api/v1/jobs/tick/rollback", json={"to_version": 9, "version": 4})
+    assert _problem(unknown, 404)["title"] == "Version not found"
+    _problem(
+        await api.post("/api/v1/jobs/nope/rollback", json={"to_version": 1, "version": 1}), 404
+    )
+    _problem(await api.get("/api/v1/jobs/nope/versions"), 404)
+    _problem(
+        await api.post("/api/v1/jobs/tick/rollback", json={"to_version": 0, "version": 4}), 422
+    )
+    huge = {"to_version": 2**40, "version": 4}
+    _problem(await api.post("/api/v1/jobs/tick/rollback", json=huge), 422)
+    assert len((await api.get("/api/v1/jobs/tick/versions")).json()) == 4
 
 
 async def test_trigger_validates_arguments_and_replays_idempotency_keys(
@@ -138,14 +212,104 @@ async def test_instances_list_get_cancel_retry(api: httpx.AsyncClient) -> None:
     _problem(await api.get("/api/v1/instances", params={"state": ["bogus"]}), 422)
 
 
+async def test_bulk_cancel_by_filter(api: httpx.AsyncClient, store: SqlStore, bus: Bus) -> None:
+    ids = []
+    for value in range(3):
+        created = await api.post("/api/v1/jobs/echo/instances", json={"args": {"value": value}})
+        ids.append(UUID(created.json()["id"]))
+    other = (await api.post("/api/v1/jobs/tick/instances", json={})).json()["id"]
+    [running] = (await store.claim([ids[0]], "w1", 30, ["echo"])).claimed
+    done = await api.post("/api/v1/instances/cancel", json={"job": "echo"})
+    assert done.status_code == 200, done.text
+    body = done.json()
+    assert (body["cancelled"], body["cancel_requested"], body["skipped"]) == (2, 1, 0)
+    assert body["cancelled_ids"] == [str(ids[1]), str(ids[2])] and not body["more"]
+    assert body["cancel_requested_ids"] == [str(running.instance.id)]
+    assert (await store.get_instance(ids[0])).cancel_requested
+    assert (await api.get(f"/api/v1/instances/{other}")).json()["state"] == "enqueued"
+
+    terminal = await api.post(
+        "/api/v1/instances/cancel", json={"job": "echo", "states": ["cancelled"]}
+    )
+    assert terminal.json()["skipped"] == 2 and terminal.json()["cancelled"] == 0
+    # Oldest first: the running one (flagged again), and the tick instance is left for later.
+    bounded = (await api.post("/api/v1/instances/cancel", json={"limit": 1})).json()
+    assert (bounded["cancel_requested"], bounded["cancelled"], bounded["more"]) == (1, 0, True)
+    _problem(await api.post("/api/v1/instances/cancel", json={"limit": 10_001}), 422)
+    _problem(await api.post("/api/v1/instances/cancel", json={"state": "enqueued"}), 422)
+    naive = {"created_after": "2026-01-01T00:00:00"}
+    _problem(await api.post("/api/v1/instances/cancel", json=naive), 422)
+
+
+async def test_bulk_retry_by_filter_links_and_is_safe_to_replay(
+    api: httpx.AsyncClient, store: SqlStore
+) -> None:
+    ids = []
+    for value in range(3):
+        created = await api.post("/api/v1/jobs/echo/instances", json={"args": {"value": value}})
+        ids.append(UUID(created.json()["id"]))
+    claimed = {c.instance.id: c for c in (await store.claim(ids, "w1", 30, ["echo"])).claimed}
+    await store.complete([Outcome(ids[0], claimed[ids[0]].token, S.FAILED)])  # → terminated
+    await store.complete([Outcome(ids[1], claimed[ids[1]].token, S.SUCCEEDED)])
+
+    default = (await api.post("/api/v1/instances/retry", json={"job": "echo"})).json()
+    assert (default["retried"], default["skipped"], default["more"]) == (1, 0, False)
+    [pair] = default["retries"]
+    assert pair["instance_id"] == str(ids[0])
+    new = (await api.get(f"/api/v1/instances/{pair['retry_id']}")).json()
+    assert new["retry_of"] == str(ids[0]) and new["source"] == "retry"
+    assert new["state"] == "enqueued" and new["args"] == {"value": 0}
+
+    picked = {"job": "echo", "states": ["terminated", "succeeded", "processing"]}
+    mixed = (await api.post("/api/v1/instances/retry", json=picked)).json()
+    # ids[1] is retried; ids[0] was already (by the first call); ids[2] is still running.
+    assert [p["instance_id"] for p in mixed["retries"]] == [str(ids[1])]
+    assert sorted(mixed["skipped_ids"]) == sorted([str(ids[0]), str(ids[2])])
+    replay = (await api.post("/api/v1/instances/retry", json=picked)).json()
+    assert (replay["retried"], replay["skipped"]) == (0, 3)
+    assert len((await api.get("/api/v1/instances", params={"job": "echo"})).json()["items"]) == 5
+
+    await api.patch("/api/v1/jobs/echo", json={"version": 1, "options": {"disabled": True}})
+    more = await api.post("/api/v1/jobs/echo/instances", json={"args": {"value": 9}})
+    assert more.status_code == 409  # disabled
+    disabled = (await api.post("/api/v1/instances/retry", json={"states": ["succeeded"]})).json()
+    assert (disabled["retried"], disabled["skipped"]) == (0, 1)
+
+
 async def test_batch_trigger_is_all_or_nothing(api: httpx.AsyncClient) -> None:
     items = [{"job_key": "echo", "args": {"value": i}} for i in range(5)]
     created = await api.post("/api/v1/instances/batch", json={"items": items})
     assert created.status_code == 201 and len(created.json()) == 5
     bad = [*items, {"job_key": "echo", "args": {"value": "x"}}]
     _problem(await api.post("/api/v1/instances/batch", json={"items": bad}), 422)
-    total = (await api.get("/api/v1/stats", params={"job": "echo"})).json()["by_state"]
-    assert total == {"enqueued": 5}
+    stats = (await api.get("/api/v1/stats", params={"job": "echo"})).json()
+    assert stats["by_state"] == {"enqueued": 5}
+    assert len(stats["per_minute"]) == 60 and len(stats["per_hour"]) == 24
+
+
+async def test_stats_count_ends_per_minute_and_per_hour(
+    api: httpx.AsyncClient, store: SqlStore
+) -> None:
+    ids = []
+    for value in range(3):
+        created = await api.post("/api/v1/jobs/echo/instances", json={"args": {"value": value}})
+        ids.append(UUID(created.json()["id"]))
+    claimed = (await store.claim(ids, "w1", 30, ["echo"])).claimed
+    states = [S.SUCCEEDED, S.SUCCEEDED, S.FAILED]
+    await store.complete(
+        [Outcome(c.instance.id, c.token, s) for c, s in zip(claimed, states, strict=True)]
+    )
+    stats = (await api.get("/api/v1/stats")).json()
+    for series, width in (("per_minute", 60), ("per_hour", 3600)):
+        buckets = stats[series]
+        starts = [datetime.fromisoformat(b["start"]) for b in buckets]
+        assert all((b - a).total_seconds() == width for a, b in pairwise(starts))
+        assert sum(b["succeeded"] for b in buckets) == 2
+        assert sum(b["failed"] for b in buckets) == 1
+        assert (
+            sum(b["terminated"] for b in buckets) == 1
+        )  # echo has no retries: the failure ends it
+    assert stats["by_state"] == {"succeeded": 2, "terminated": 1}
 
 
 async def test_workers_scheduler_health_metrics(api: httpx.AsyncClient) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.store.factory import make_engine
@@ -65,3 +67,29 @@ async def test_migrations_match_the_tables_the_code_uses(empty_engine: AsyncEngi
             lambda sync: compare_metadata(MigrationContext.configure(sync), metadata)
         )
     assert diffs == []
+
+
+async def test_definition_history_starts_at_the_version_a_definition_had(
+    empty_engine: AsyncEngine,
+) -> None:
+    await upgrade(empty_engine, "0002")
+    async with empty_engine.begin() as conn:
+        await conn.execute(
+            text(
+                "INSERT INTO job_definitions (key, kind, queue, options, max_concurrency, paused,"
+                " version, created_at, updated_at, updated_by) VALUES ('old', 'triggered',"
+                " 'default', :options, 1, true, 4, :at, :at, 'admin')"
+            ),
+            {"options": json.dumps({"key": "old"}), "at": datetime(2026, 1, 2, tzinfo=UTC)},
+        )
+    await upgrade(empty_engine)
+    async with empty_engine.connect() as conn:
+        rows = (
+            await conn.execute(
+                text("SELECT job_key, version, paused, action, actor FROM job_definition_versions")
+            )
+        ).all()
+    assert [tuple(r) for r in rows] == [("old", 4, True, "import", "admin")]
+    await downgrade(empty_engine, "0002")
+    assert "job_definition_versions" not in await _tables(empty_engine)
+    assert "job_definitions" in await _tables(empty_engine)

@@ -7,6 +7,7 @@ from datetime import timedelta
 import pytest
 
 from jobplane.domain.models import (
+    DefinitionChange,
     ErrorInfo,
     InstanceFilter,
     InstanceSource,
@@ -16,7 +17,12 @@ from jobplane.domain.models import (
 )
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState as S
-from jobplane.errors import IllegalTransitionError, InstanceNotFoundError, JobNotFoundError
+from jobplane.errors import (
+    DefinitionVersionNotFoundError,
+    IllegalTransitionError,
+    InstanceNotFoundError,
+    JobNotFoundError,
+)
 from jobplane.store.sql import SqlStore
 from tests.store_helpers import define, enqueue
 
@@ -55,6 +61,47 @@ async def test_pause_bumps_version_and_unknown_key_raises(store: SqlStore) -> No
     assert info.value.key == "nope"
     with pytest.raises(JobNotFoundError):
         await store.get_definition("nope")
+
+
+async def test_every_save_is_a_version_and_rollback_appends_one(store: SqlStore) -> None:
+    opts = await define(store, "job", retries=1)
+    await store.register_definition(opts.edited(retries=9), None, "worker-b")  # not a save
+    assert await store.save_definition(opts.edited(retries=2), expected_version=1, actor="ann")
+    await store.set_paused("job", True, "ops")
+    await store.set_paused("job", False, "ops")
+    rolled = await store.rollback_definition("job", 1, expected_version=4, actor="bob")
+    assert rolled is not None and rolled.version == 5 and rolled.options.retries == 1
+    assert rolled.updated_by == "bob" and not rolled.paused
+
+    history = await store.definition_history("job")
+    assert [(v.version, v.action, v.actor) for v in history] == [
+        (5, DefinitionChange.ROLLBACK, "bob"),
+        (4, DefinitionChange.RESUME, "ops"),
+        (3, DefinitionChange.PAUSE, "ops"),
+        (2, DefinitionChange.EDIT, "ann"),
+        (1, DefinitionChange.REGISTER, "test"),
+    ]
+    assert [v.options.retries for v in history] == [1, 2, 2, 2, 1]
+    assert [v.paused for v in history] == [False, False, True, False, False]
+    assert history[0].rolled_back_to == 1 and history[1].rolled_back_to is None
+    assert history[0].at >= history[-1].at
+    assert (await store.get_definition("job")).options == history[-1].options
+
+
+async def test_rollback_is_an_optimistic_lock_and_checks_the_version(store: SqlStore) -> None:
+    opts = await define(store, "job")
+    await store.save_definition(opts.edited(retries=3), expected_version=1, actor="a")
+    assert await store.rollback_definition("job", 1, expected_version=1, actor="b") is None
+    with pytest.raises(DefinitionVersionNotFoundError) as info:
+        await store.rollback_definition("job", 7, expected_version=2, actor="b")
+    assert (info.value.key, info.value.version) == ("job", 7)
+    with pytest.raises(JobNotFoundError):
+        await store.rollback_definition("nope", 1, expected_version=1, actor="b")
+    with pytest.raises(JobNotFoundError):
+        await store.definition_history("nope")
+    # Nothing that failed left a version behind.
+    assert [v.version for v in await store.definition_history("job")] == [2, 1]
+    assert (await store.get_definition("job")).options.retries == 3
 
 
 async def test_create_instances_initial_states_and_history(store: SqlStore) -> None:
@@ -292,6 +339,48 @@ async def test_cancel_queued_ends_it_and_cancel_running_flags_it(store: SqlStore
     assert (await store.get_instance(running.id)).state is S.CANCELLED
     with pytest.raises(InstanceNotFoundError):
         await store.request_cancel(NewInstance(job_key="job").id, "ops")
+
+
+async def test_cancel_many_cancels_queued_flags_running_and_skips_the_rest(
+    store: SqlStore,
+) -> None:
+    await define(store, "job", max_concurrency=2)
+    await define(store, "other")
+    a, b, c, d = await enqueue(store, "job", 4)
+    [e] = await enqueue(store, "job", run_at=(await store.now()) + timedelta(hours=1))
+    [untouched] = await enqueue(store, "other")
+    claims = {
+        cl.instance.id: cl for cl in (await store.claim([c.id, d.id], "w1", 30, ["job"])).claimed
+    }
+    await store.complete([Outcome(d.id, claims[d.id].token, S.SUCCEEDED)])
+
+    done = await store.cancel_many(InstanceFilter(job_key="job"), limit=10, actor="ops")
+    assert {i.id for i in done.cancelled} == {a.id, b.id, e.id}
+    assert all(i.state is S.CANCELLED and i.finished_at for i in done.cancelled)
+    assert [(i.id, i.state, i.cancel_requested) for i in done.requested] == [
+        (c.id, S.PROCESSING, True)
+    ]
+    assert done.skipped == [d.id] and not done.more
+    last = (await store.transitions(e.id))[-1]
+    assert (last.from_state, last.to_state, last.actor) == (S.SCHEDULED, S.CANCELLED, "ops")
+    assert (await store.get_instance(untouched.id)).state is S.ENQUEUED
+    # The running one still holds its slot and ends through its worker.
+    assert await store.complete([Outcome(c.id, claims[c.id].token, S.CANCELLED)]) == {
+        c.id: S.CANCELLED
+    }
+    again = await store.cancel_many(InstanceFilter(job_key="job"), limit=10, actor="ops")
+    assert (again.cancelled, again.requested, len(again.skipped)) == ([], [], 5)
+
+
+async def test_cancel_many_is_bounded_oldest_first(store: SqlStore) -> None:
+    await define(store, "job")
+    first, second, third = await enqueue(store, "job", 3)
+    queued = InstanceFilter(job_key="job", states=(S.ENQUEUED,))
+    done = await store.cancel_many(queued, limit=2, actor="ops")
+    assert [i.id for i in done.cancelled] == [first.id, second.id] and done.more
+    done = await store.cancel_many(queued, limit=2, actor="ops")
+    assert [i.id for i in done.cancelled] == [third.id] and not done.more
+    assert len(await store.transitions(first.id)) == 2  # created, cancelled: once
 
 
 async def test_keyset_pagination_and_filters(store: SqlStore) -> None:

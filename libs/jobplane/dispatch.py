@@ -18,12 +18,21 @@ import jsonschema
 
 from jobplane.bus.abc import Bus
 from jobplane.bus.envelope import Envelope, Event, EventKind
-from jobplane.domain.models import Instance, NewInstance
+from jobplane.domain.models import (
+    BulkCancel,
+    Instance,
+    InstanceFilter,
+    InstanceSource,
+    NewInstance,
+)
 from jobplane.domain.states import InstanceState
 from jobplane.errors import BusUnavailableError, InvalidOptionsError, JobplaneError
 from jobplane.store.abc import Store
 
 logger = logging.getLogger(__name__)
+
+#: Retries created per store statement by :meth:`Dispatcher.retry_many`.
+RETRY_BATCH = 500
 
 
 class JobDisabledError(JobplaneError):
@@ -97,19 +106,76 @@ class Dispatcher:
         IllegalTransitionError for a terminal instance, InstanceNotFoundError if unknown."""
         instance = await self.store.request_cancel(instance_id, actor)
         if instance.state is InstanceState.PROCESSING:
-            event = Event(
-                EventKind.CANCEL_REQUESTED,
-                {"instance_id": str(instance.id), "worker_id": instance.worker_id},
-            )
-            try:
-                await self.bus.publish_event(event)
-            except BusUnavailableError:
-                logger.warning(
-                    "bus unavailable; instance %s is cancelled at its next heartbeat",
-                    instance.id,
-                    extra={"action": "dispatch.cancel_deferred", "instance_id": str(instance.id)},
-                )
+            await self._announce_cancel(instance)
         return instance
+
+    async def cancel_many(self, filter: InstanceFilter, *, limit: int, actor: str) -> BulkCancel:
+        """Cancel up to ``limit`` instances that ``filter`` selects, in one store transaction
+        (see :meth:`Store.cancel_many`); tell the workers of the running ones."""
+        done = await self.store.cancel_many(filter, limit=limit, actor=actor)
+        for instance in done.requested:
+            if instance.state is InstanceState.PROCESSING:
+                await self._announce_cancel(instance)
+        return done
+
+    async def retry_many(
+        self, instances: Sequence[Instance], actor: str
+    ) -> tuple[list[tuple[UUID, Instance]], list[UUID]]:
+        """A new instance linked by ``retry_of`` for each terminal one of ``instances``;
+        return ``(old id, new instance)`` pairs and the ids skipped: not terminal, its job
+        disabled, its arguments no longer valid for the job, or already retried by an earlier
+        bulk retry (the ``retry-of:`` idempotency key makes a replay create nothing)."""
+        definitions = {
+            d.key: d for d in await self.store.list_definitions({i.job_key for i in instances})
+        }
+        skipped: list[UUID] = []
+        requests: list[tuple[UUID, NewInstance]] = []
+        for old in instances:
+            definition = definitions.get(old.job_key)
+            if not old.state.is_terminal or definition is None or definition.options.disabled:
+                skipped.append(old.id)
+                continue
+            if definition.args_schema is not None:
+                try:
+                    validate_args(definition.args_schema, old.args)
+                except InvalidArgumentsError:
+                    skipped.append(old.id)
+                    continue
+            new = NewInstance(
+                job_key=old.job_key,
+                args=old.args,
+                source=InstanceSource.RETRY,
+                priority=old.priority,
+                retry_of=old.id,
+                idempotency_key=f"retry-of:{old.id}",
+                actor=actor,
+            )
+            requests.append((old.id, new))
+        retried: list[tuple[UUID, Instance]] = []
+        for start in range(0, len(requests), RETRY_BATCH):
+            batch = requests[start : start + RETRY_BATCH]
+            created = await self.store.create_instances([new for _, new in batch])
+            await self.publish(created)
+            for (old_id, new), instance in zip(batch, created, strict=True):
+                if instance.id == new.id:
+                    retried.append((old_id, instance))
+                else:
+                    skipped.append(old_id)  # an earlier bulk retry created it
+        return retried, skipped
+
+    async def _announce_cancel(self, instance: Instance) -> None:
+        event = Event(
+            EventKind.CANCEL_REQUESTED,
+            {"instance_id": str(instance.id), "worker_id": instance.worker_id},
+        )
+        try:
+            await self.bus.publish_event(event)
+        except BusUnavailableError:
+            logger.warning(
+                "bus unavailable; instance %s is cancelled at its next heartbeat",
+                instance.id,
+                extra={"action": "dispatch.cancel_deferred", "instance_id": str(instance.id)},
+            )
 
     async def publish(self, instances: Sequence[Instance], *, force: bool = False) -> None:
         """Publish the Enqueued ones among ``instances`` that were not published yet (all of

@@ -43,6 +43,15 @@ class JobNotFoundError(JobplaneError, LookupError):
         self.key = key
 
 
+class DefinitionVersionNotFoundError(JobplaneError, LookupError):
+    """A job has no saved version with this number."""
+
+    def __init__(self, key: str, version: int) -> None:
+        super().__init__(f"job {key!r} has no version {version}")
+        self.key = key
+        self.version = version
+
+
 class InstanceNotFoundError(JobplaneError, LookupError):
     """No job instance with this id."""
 

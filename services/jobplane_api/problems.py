@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jobplane.dispatch import JobDisabledError
 from jobplane.errors import (
+    DefinitionVersionNotFoundError,
     IllegalTransitionError,
     InstanceNotFoundError,
     InvalidOptionsError,
@@ -47,6 +48,7 @@ def problem(
 #: Domain errors that map to one status each.
 STATUS_OF: list[tuple[type[Exception], int, str]] = [
     (JobNotFoundError, 404, "Job not found"),
+    (DefinitionVersionNotFoundError, 404, "Version not found"),
     (InstanceNotFoundError, 404, "Instance not found"),
     (IllegalTransitionError, 409, "Illegal state transition"),
     (JobDisabledError, 409, "Job disabled"),

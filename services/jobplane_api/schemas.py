@@ -6,11 +6,25 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
-from jobplane.domain.models import Instance, JobDefinition, Transition, WorkerInfo
+from jobplane.domain.models import (
+    Bucket,
+    BulkCancel,
+    DefinitionChange,
+    DefinitionVersion,
+    Instance,
+    InstanceFilter,
+    JobDefinition,
+    JobSummary,
+    Transition,
+    WorkerInfo,
+)
 from jobplane.domain.options import PRIORITY_MAX, PRIORITY_MIN, JobOptions
 from jobplane.domain.states import InstanceState
+
+#: Versions are stored as 32-bit integers.
+VERSION_MAX = 2**31 - 1
 
 #: Ten years: a longer delay is a mistake, not a schedule.
 MAX_DELAY_S = 10 * 365 * 24 * 3600
@@ -46,6 +60,11 @@ PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+class OutcomeOut(BaseModel):
+    state: InstanceState
+    ended_at: datetime
+
+
 class JobOut(BaseModel):
     key: str
     version: int
@@ -54,12 +73,37 @@ class JobOut(BaseModel):
     args_schema: dict[str, Any] | None
     updated_at: datetime | None
     updated_by: str | None
+    next_fire: datetime | None = Field(
+        default=None, description="Next fire time of a recurring job (UTC), if it fires."
+    )
     next_fire_times: list[datetime] = Field(
         default_factory=list, description="Next fire times of a recurring job (UTC)."
     )
+    last_outcome: OutcomeOut | None = Field(
+        default=None, description="State and end time of the latest instance that ended."
+    )
+    success_rate_24h: float | None = Field(
+        default=None,
+        description="Succeeded / ended among the instances that ended (any terminal state) "
+        "in the last 24 h; null when none did.",
+    )
+    p95_duration_s_24h: float | None = Field(
+        default=None,
+        description="95th percentile of attempt duration (claim to end, seconds) of the "
+        "attempts that ended in the last 24 h; null when none did.",
+    )
 
     @classmethod
-    def of(cls, definition: JobDefinition, next_fires: list[datetime] | None = None) -> JobOut:
+    def of(
+        cls,
+        definition: JobDefinition,
+        next_fires: list[datetime] | None = None,
+        summary: JobSummary | None = None,
+    ) -> JobOut:
+        summary = summary or JobSummary(key=definition.key)
+        last = None
+        if summary.last_state is not None and summary.last_ended_at is not None:
+            last = OutcomeOut(state=summary.last_state, ended_at=summary.last_ended_at)
         return cls(
             key=definition.key,
             version=definition.version,
@@ -68,7 +112,11 @@ class JobOut(BaseModel):
             args_schema=definition.args_schema,
             updated_at=definition.updated_at,
             updated_by=definition.updated_by,
+            next_fire=next_fires[0] if next_fires else None,
             next_fire_times=next_fires or [],
+            last_outcome=last,
+            success_rate_24h=summary.success_rate,
+            p95_duration_s_24h=summary.p95_duration_s,
         )
 
 
@@ -80,6 +128,45 @@ class JobPatch(BaseModel):
     version: int = Field(description="The version being edited; 409 if it moved on.")
     options: dict[str, Any] = Field(
         description='Options to change, e.g. {"cron": "*/5 * * * *", "retries": 3}.'
+    )
+
+
+class VersionOut(BaseModel):
+    """One saved version of a job definition."""
+
+    version: int
+    action: DefinitionChange = Field(description="What made this version.")
+    actor: str
+    at: datetime
+    paused: bool
+    options: JobOptions
+    rolled_back_to: int | None = Field(
+        description="For a rollback: the version whose options were restored."
+    )
+
+    @classmethod
+    def of(cls, v: DefinitionVersion) -> VersionOut:
+        return cls(
+            version=v.version,
+            action=v.action,
+            actor=v.actor,
+            at=v.at,
+            paused=v.paused,
+            options=v.options,
+            rolled_back_to=v.rolled_back_to,
+        )
+
+
+class RollbackIn(BaseModel):
+    """Restore the options of an older version, as a new version."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    to_version: int = Field(
+        ge=1, le=VERSION_MAX, description="The version whose options to restore."
+    )
+    version: int = Field(
+        ge=1, le=VERSION_MAX, description="The current version, as you read it; 409 if not."
     )
 
 
@@ -235,5 +322,95 @@ class SchedulerOut(BaseModel):
     expires_at: datetime | None
 
 
+class BucketOut(BaseModel):
+    start: datetime = Field(description="Start of the bucket (UTC).")
+    succeeded: int = Field(description="Attempts that succeeded.")
+    failed: int = Field(description="Attempts that failed (a retry may follow).")
+    terminated: int = Field(description="Instances terminated (no attempts left, worker lost).")
+
+    @classmethod
+    def of(cls, b: Bucket) -> BucketOut:
+        return cls(start=b.start, succeeded=b.succeeded, failed=b.failed, terminated=b.terminated)
+
+
 class StatsOut(BaseModel):
     by_state: dict[InstanceState, int]
+    per_minute: list[BucketOut] = Field(
+        default_factory=list, description="The last hour, one bucket a minute, oldest first."
+    )
+    per_hour: list[BucketOut] = Field(
+        default_factory=list, description="The last day, one bucket an hour, oldest first."
+    )
+
+
+#: The most instances one bulk cancel or retry examines.
+BULK_LIMIT_MAX = 10_000
+
+
+class BulkFilterIn(BaseModel):
+    """The instances to act on: the filters of the instance list, AND-ed, and a bound."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job: str | None = Field(default=None, description="Job key.")
+    states: list[InstanceState] | None = Field(
+        default=None,
+        description="States to select; omitted: every state the operation applies to.",
+    )
+    created_after: AwareDatetime | None = None
+    created_before: AwareDatetime | None = None
+    scheduled_after: AwareDatetime | None = Field(default=None, description="Cron tick from.")
+    scheduled_before: AwareDatetime | None = None
+    worker: str | None = Field(default=None, description="Worker id.")
+    limit: int = Field(
+        default=1000, ge=1, le=BULK_LIMIT_MAX, description="At most this many instances."
+    )
+
+    def to_filter(self, default_states: tuple[InstanceState, ...]) -> InstanceFilter:
+        return InstanceFilter(
+            job_key=self.job,
+            states=tuple(self.states) if self.states else default_states,
+            created_after=self.created_after,
+            created_before=self.created_before,
+            scheduled_after=self.scheduled_after,
+            scheduled_before=self.scheduled_before,
+            worker_id=self.worker,
+        )
+
+
+class BulkCancelOut(BaseModel):
+    cancelled: int = Field(description="Scheduled or Enqueued instances now Cancelled.")
+    cancel_requested: int = Field(description="Running instances told to stop.")
+    skipped: int = Field(description="Selected, but in a state a cancel cannot change.")
+    more: bool = Field(description="More instances match than `limit`: call again.")
+    cancelled_ids: list[UUID]
+    cancel_requested_ids: list[UUID]
+    skipped_ids: list[UUID]
+
+    @classmethod
+    def of(cls, done: BulkCancel) -> BulkCancelOut:
+        return cls(
+            cancelled=len(done.cancelled),
+            cancel_requested=len(done.requested),
+            skipped=len(done.skipped),
+            more=done.more,
+            cancelled_ids=[i.id for i in done.cancelled],
+            cancel_requested_ids=[i.id for i in done.requested],
+            skipped_ids=done.skipped,
+        )
+
+
+class RetryPairOut(BaseModel):
+    instance_id: UUID = Field(description="The instance retried.")
+    retry_id: UUID = Field(description="The new instance (its `retry_of` is `instance_id`).")
+
+
+class BulkRetryOut(BaseModel):
+    retried: int = Field(description="New instances created.")
+    skipped: int = Field(
+        description="Selected, but not terminal, of a disabled job, with arguments the job "
+        "no longer accepts, or already retried by an earlier bulk retry."
+    )
+    more: bool = Field(description="More instances match than `limit`: call again.")
+    retries: list[RetryPairOut]
+    skipped_ids: list[UUID]

@@ -38,6 +38,62 @@ class JobDefinition:
         return self.options.key
 
 
+class DefinitionChange(StrEnum):
+    """What made a new version of a definition."""
+
+    REGISTER = "register"  # first registration, from code
+    EDIT = "edit"
+    PAUSE = "pause"
+    RESUME = "resume"
+    ROLLBACK = "rollback"  # options copied from an older version
+    IMPORT = "import"  # the version a definition had when its history began
+
+
+@dataclass(frozen=True, slots=True)
+class DefinitionVersion:
+    """One saved version of a definition: the full options as they were then."""
+
+    key: str
+    version: int
+    options: JobOptions
+    paused: bool
+    action: DefinitionChange
+    actor: str
+    at: datetime
+    rolled_back_to: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class JobSummary:
+    """How a job has been doing: its latest outcome and its recent runs.
+
+    ``succeeded`` and ``ended`` count the instances that reached a terminal state within the
+    window; ``p95_duration_s`` is over the attempts (claim to end) that ended within it.
+    """
+
+    key: str
+    last_state: InstanceState | None = None
+    last_ended_at: datetime | None = None
+    succeeded: int = 0
+    ended: int = 0
+    p95_duration_s: float | None = None
+
+    @property
+    def success_rate(self) -> float | None:
+        return self.succeeded / self.ended if self.ended else None
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """Ends recorded in one time bucket ``[start, start + width)``: attempts that succeeded,
+    attempts that failed, instances that were terminated (no attempts left, worker lost)."""
+
+    start: datetime
+    succeeded: int = 0
+    failed: int = 0
+    terminated: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class NewInstance:
     """What a trigger or a cron fire asks the store to create.
@@ -201,6 +257,8 @@ class InstanceFilter:
     states: tuple[InstanceState, ...] = ()
     created_after: datetime | None = None
     created_before: datetime | None = None
+    scheduled_after: datetime | None = None
+    scheduled_before: datetime | None = None
     worker_id: str | None = None
 
 
@@ -210,3 +268,20 @@ class Page:
 
     items: list[Instance]
     next_cursor: UUID | None
+
+
+@dataclass(frozen=True, slots=True)
+class BulkCancel:
+    """What one bulk cancel did to the instances it examined (oldest first, up to its limit;
+    each list in id order).
+
+    - ``cancelled``: were Scheduled or Enqueued; now Cancelled.
+    - ``requested``: were Processing (or Failed); ``cancel_requested`` is set for the worker.
+    - ``skipped``: in a state a cancel cannot leave (terminal), or moved on meanwhile.
+    - ``more``: more instances match the filter than were examined.
+    """
+
+    cancelled: list[Instance] = field(default_factory=list)
+    requested: list[Instance] = field(default_factory=list)
+    skipped: list[UUID] = field(default_factory=list)
+    more: bool = False

@@ -15,10 +15,14 @@ from uuid import UUID
 
 from jobplane.auth import Role, TokenInfo
 from jobplane.domain.models import (
+    Bucket,
+    BulkCancel,
     ClaimResult,
+    DefinitionVersion,
     Instance,
     InstanceFilter,
     JobDefinition,
+    JobSummary,
     LeaderLease,
     NewInstance,
     Outcome,
@@ -57,10 +61,24 @@ class Store(Protocol):
         self, options: JobOptions, *, expected_version: int, actor: str
     ) -> JobDefinition | None:
         """Replace the options of an existing definition if its version is still
-        ``expected_version`` (optimistic lock); bump the version. ``None`` if it moved on."""
+        ``expected_version`` (optimistic lock); bump the version. ``None`` if it moved on.
+        Every save (this, registration, pause, resume, rollback) appends the new version to
+        the definition's history in the same transaction."""
 
     async def set_paused(self, key: str, paused: bool, actor: str) -> JobDefinition:
         """Pause or resume a job; bumps the version. Raises JobNotFoundError."""
+
+    async def rollback_definition(
+        self, key: str, to_version: int, *, expected_version: int, actor: str
+    ) -> JobDefinition | None:
+        """Save, as a new version, the options that version ``to_version`` had (the paused
+        flag is left as it is). The same optimistic lock as :meth:`save_definition`: ``None``
+        if the definition is no longer at ``expected_version``. Raises JobNotFoundError, or
+        DefinitionVersionNotFoundError for a version never saved."""
+
+    async def definition_history(self, key: str) -> list[DefinitionVersion]:
+        """Every saved version of a definition (register, edit, pause, resume, rollback),
+        newest first, each with its full options. Raises JobNotFoundError."""
 
     async def get_definition(self, key: str) -> JobDefinition:
         """Raises :class:`~jobplane.errors.JobNotFoundError`."""
@@ -100,6 +118,22 @@ class Store(Protocol):
 
     async def count_by_state(self, job_key: str | None = None) -> dict[InstanceState, int]:
         """Number of instances in each state."""
+
+    async def job_summaries(
+        self, keys: Collection[str] | None = None, *, window_s: float = 86400.0
+    ) -> dict[str, JobSummary]:
+        """How each job (or each of ``keys``) has been doing, in one grouped query: its
+        latest terminal instance (by end time), the instances that ended within the last
+        ``window_s`` seconds and how many succeeded, and the 95th percentile (interpolated,
+        as ``percentile_cont``) of the duration, claim to end, of the attempts that ended
+        within it. A job with no ended instance and no attempt may be absent."""
+
+    async def throughput(
+        self, width_s: int, count: int, job_key: str | None = None
+    ) -> list[Bucket]:
+        """Ends recorded in the history (→ Succeeded, → Failed, → Terminated) in each of
+        the last ``count`` buckets of ``width_s`` seconds (aligned on the epoch; the last one
+        holds the store's now, so it is still filling), oldest first; empty buckets included."""
 
     # -- the attempt lifecycle -----------------------------------------------------------
 
@@ -157,6 +191,12 @@ class Store(Protocol):
         """Cancel: a Scheduled or Enqueued instance ends Cancelled at once; a Processing one
         gets ``cancel_requested`` for its worker. Raises IllegalTransitionError when terminal
         and InstanceNotFoundError when unknown."""
+
+    async def cancel_many(self, filter: InstanceFilter, *, limit: int, actor: str) -> BulkCancel:
+        """Cancel, in one transaction, up to ``limit`` instances that ``filter`` selects, oldest
+        first: Scheduled and Enqueued ones end Cancelled (with history), Processing and Failed
+        ones get ``cancel_requested``, as :meth:`request_cancel` does one at a time. Instances
+        a cancel cannot change (terminal, or moved on meanwhile) are skipped, never an error."""
 
     async def republish_waiting(self, job_keys: Collection[str], limit: int) -> list[Instance]:
         """Enqueued, unpublished instances of ``job_keys`` (parked by ``on_limit=wait``),

@@ -1,28 +1,40 @@
-"""Job definitions: registration, edits (optimistic lock), pause."""
+"""Job definitions: registration, edits (optimistic lock), pause, version history, rollback.
+
+Every save of a definition appends its full options to ``job_definition_versions`` in the same
+transaction as the update of ``job_definitions``: a version exists in the history if and only
+if it was saved, and history is never rewritten.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from sqlalchemy import (
     select,
     update,
 )
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobplane.domain.models import (
+    DefinitionChange,
+    DefinitionVersion,
     JobDefinition,
 )
 from jobplane.domain.options import JobOptions
 from jobplane.errors import (
+    DefinitionVersionNotFoundError,
     JobNotFoundError,
 )
 from jobplane.store import rows
 from jobplane.store.base import SqlBase
 from jobplane.store.tables import (
+    job_definition_versions,
     job_definitions,
     job_slots,
 )
+
+V = job_definition_versions.c
 
 
 class DefinitionStore(SqlBase):
@@ -33,26 +45,32 @@ class DefinitionStore(SqlBase):
     ) -> tuple[JobDefinition, bool]:
         async with self._write() as conn:
             now = await self._now(conn)
-            inserted = await conn.execute(
-                self._insert(job_definitions)
-                .values(
-                    key=options.key,
-                    args_schema=args_schema,
-                    created_at=now,
-                    updated_at=now,
-                    updated_by=actor,
-                    **rows.definition_values(options),
+            inserted = (
+                await conn.execute(
+                    self._insert(job_definitions)
+                    .values(
+                        key=options.key,
+                        args_schema=args_schema,
+                        created_at=now,
+                        updated_at=now,
+                        updated_by=actor,
+                        **rows.definition_values(options),
+                    )
+                    .on_conflict_do_nothing(index_elements=["key"])  # type: ignore[attr-defined]
+                    .returning(*job_definitions.c)
                 )
-                .on_conflict_do_nothing(index_elements=["key"])  # type: ignore[attr-defined]
-                .returning(job_definitions.c.key)
-            )
-            created = inserted.first() is not None
+            ).first()
+            created = inserted is not None
             await conn.execute(
                 self._insert(job_slots)
                 .values(job_key=options.key, used=0)
                 .on_conflict_do_nothing(index_elements=["job_key"])  # type: ignore[attr-defined]
             )
-            if not created:
+            if inserted is not None:
+                # Only the registration that inserted the row records version 1: two workers
+                # registering a new job at once cannot both write it (the primary key).
+                await self._record_version(conn, inserted._mapping, DefinitionChange.REGISTER)
+            else:
                 # Stored options win; only the argument schema follows the code.
                 await conn.execute(
                     update(job_definitions)
@@ -70,25 +88,35 @@ class DefinitionStore(SqlBase):
         self, options: JobOptions, *, expected_version: int, actor: str
     ) -> JobDefinition | None:
         async with self._write() as conn:
-            now = await self._now(conn)
-            # Optimistic lock: two editors of one version cannot both win.
-            row = (
-                await conn.execute(
-                    update(job_definitions)
-                    .where(
-                        job_definitions.c.key == options.key,
-                        job_definitions.c.version == expected_version,
-                    )
-                    .values(
-                        version=job_definitions.c.version + 1,
-                        updated_at=now,
-                        updated_by=actor,
-                        **rows.definition_values(options),
-                    )
-                    .returning(*job_definitions.c)
+            row = await self._update_options(conn, options, expected_version, actor)
+            if row is None:
+                return None
+            await self._record_version(conn, row, DefinitionChange.EDIT)
+        return rows.definition_from_row(row)
+
+    async def _update_options(
+        self, conn: AsyncConnection, options: JobOptions, expected_version: int, actor: str
+    ) -> Mapping[Any, Any] | None:
+        """Replace the options if the version is still ``expected_version``; bump it."""
+        now = await self._now(conn)
+        # Optimistic lock: two editors of one version cannot both win.
+        row = (
+            await conn.execute(
+                update(job_definitions)
+                .where(
+                    job_definitions.c.key == options.key,
+                    job_definitions.c.version == expected_version,
                 )
-            ).first()
-        return rows.definition_from_row(row._mapping) if row else None
+                .values(
+                    version=job_definitions.c.version + 1,
+                    updated_at=now,
+                    updated_by=actor,
+                    **rows.definition_values(options),
+                )
+                .returning(*job_definitions.c)
+            )
+        ).first()
+        return row._mapping if row is not None else None
 
     async def set_paused(self, key: str, paused: bool, actor: str) -> JobDefinition:
         async with self._write() as conn:
@@ -106,9 +134,78 @@ class DefinitionStore(SqlBase):
                     .returning(*job_definitions.c)
                 )
             ).first()
-        if row is None:
-            raise JobNotFoundError(key)
+            if row is None:
+                raise JobNotFoundError(key)
+            change = DefinitionChange.PAUSE if paused else DefinitionChange.RESUME
+            await self._record_version(conn, row._mapping, change)
         return rows.definition_from_row(row._mapping)
+
+    async def rollback_definition(
+        self, key: str, to_version: int, *, expected_version: int, actor: str
+    ) -> JobDefinition | None:
+        async with self._write() as conn:
+            old = (
+                await conn.execute(
+                    select(V.options).where(V.job_key == key, V.version == to_version)
+                )
+            ).first()
+            if old is None:
+                if not await self._exists(conn, key):
+                    raise JobNotFoundError(key)
+                raise DefinitionVersionNotFoundError(key, to_version)
+            options = JobOptions.model_validate(old.options)
+            # The same optimistic lock as an edit: a rollback decided on a stale read loses.
+            row = await self._update_options(conn, options, expected_version, actor)
+            if row is None:
+                return None
+            await self._record_version(
+                conn, row, DefinitionChange.ROLLBACK, rolled_back_to=to_version
+            )
+        return rows.definition_from_row(row)
+
+    async def definition_history(self, key: str) -> list[DefinitionVersion]:
+        async with self._read() as conn:
+            found = [
+                rows.version_from_row(r._mapping)
+                for r in await conn.execute(
+                    select(job_definition_versions)
+                    .where(V.job_key == key)
+                    .order_by(V.version.desc())
+                )
+            ]
+            if not found and not await self._exists(conn, key):
+                raise JobNotFoundError(key)
+        return found
+
+    async def _exists(self, conn: AsyncConnection, key: str) -> bool:
+        found = await conn.execute(
+            select(job_definitions.c.key).where(job_definitions.c.key == key)
+        )
+        return found.first() is not None
+
+    async def _record_version(
+        self,
+        conn: AsyncConnection,
+        saved: Mapping[Any, Any],
+        action: DefinitionChange,
+        *,
+        rolled_back_to: int | None = None,
+    ) -> None:
+        """Append the definition row just saved (in this transaction) to its history. The
+        row is locked by that save until commit, so versions are appended in order; the
+        primary key (key, version) refuses a second record of one version."""
+        await conn.execute(
+            job_definition_versions.insert().values(
+                job_key=saved["key"],
+                version=saved["version"],
+                options=saved["options"],
+                paused=saved["paused"],
+                action=action.value,
+                actor=saved["updated_by"] or "unknown",
+                at=saved["updated_at"],
+                rolled_back_to=rolled_back_to,
+            )
+        )
 
     async def get_definition(self, key: str) -> JobDefinition:
         found = await self.list_definitions([key])

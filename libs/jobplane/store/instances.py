@@ -8,6 +8,7 @@ from typing import Any
 from uuid import UUID
 
 from sqlalchemy import (
+    Select,
     and_,
     func,
     select,
@@ -147,17 +148,7 @@ class InstanceStore(SqlBase):
     async def list_instances(
         self, filter: InstanceFilter, *, limit: int = 50, before: UUID | None = None
     ) -> Page:
-        query = select(job_instances).order_by(I.id.desc()).limit(limit + 1)
-        if filter.job_key is not None:
-            query = query.where(I.job_key == filter.job_key)
-        if filter.states:
-            query = query.where(I.state.in_([s.value for s in filter.states]))
-        if filter.created_after is not None:
-            query = query.where(I.created_at >= filter.created_after)
-        if filter.created_before is not None:
-            query = query.where(I.created_at < filter.created_before)
-        if filter.worker_id is not None:
-            query = query.where(I.worker_id == filter.worker_id)
+        query = filtered(select(job_instances), filter).order_by(I.id.desc()).limit(limit + 1)
         if before is not None:
             query = query.where(I.id < before)
         async with self._read() as conn:
@@ -180,6 +171,25 @@ class InstanceStore(SqlBase):
             query = query.where(I.job_key == job_key)
         async with self._read() as conn:
             return {S(state): count for state, count in await conn.execute(query)}
+
+
+def filtered(query: Select[Any], filter: InstanceFilter) -> Select[Any]:
+    """``query`` restricted to the instances ``filter`` selects."""
+    if filter.job_key is not None:
+        query = query.where(I.job_key == filter.job_key)
+    if filter.states:
+        query = query.where(I.state.in_([s.value for s in filter.states]))
+    if filter.created_after is not None:
+        query = query.where(I.created_at >= filter.created_after)
+    if filter.created_before is not None:
+        query = query.where(I.created_at < filter.created_before)
+    if filter.scheduled_after is not None:
+        query = query.where(I.scheduled_at >= filter.scheduled_after)
+    if filter.scheduled_before is not None:
+        query = query.where(I.scheduled_at < filter.scheduled_before)
+    if filter.worker_id is not None:
+        query = query.where(I.worker_id == filter.worker_id)
+    return query
 
 
 def _new_instance_values(n: NewInstance, options: JobOptions, now: datetime) -> dict[str, Any]:

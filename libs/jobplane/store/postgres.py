@@ -26,6 +26,7 @@ from jobplane.domain.states import InstanceState, check_transition
 from jobplane.errors import StoreUnavailableError
 from jobplane.store import rows
 from jobplane.store.lifecycle import log_fenced
+from jobplane.store.postgres_stats import PostgresStatsStore
 from jobplane.store.sql import LIMIT_REASON, SqlStore
 from jobplane.store.tables import job_instances
 
@@ -199,7 +200,7 @@ CLAIM = text(CLAIM_SQL).columns(*job_instances.c, job_options=job_instances.c.ar
 COMPLETE = text(COMPLETE_SQL)
 
 
-class PostgresStore(SqlStore):
+class PostgresStore(PostgresStatsStore, SqlStore):
     async def notifications(self, channel: str) -> AsyncIterator[list[str]]:
         """Batches of payloads ``NOTIFY``-ed on ``channel`` (delivered on commit only), over
         one connection held for the purpose. Raises :class:`StoreUnavailableError` when that

@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from jobplane.domain.models import (
+    DefinitionChange,
+    DefinitionVersion,
     ErrorInfo,
     Instance,
     InstanceSource,
@@ -29,6 +31,19 @@ def definition_from_row(row: Mapping[Any, Any]) -> JobDefinition:
         created_at=row["created_at"],
         updated_at=row["updated_at"],
         updated_by=row["updated_by"],
+    )
+
+
+def version_from_row(row: Mapping[Any, Any]) -> DefinitionVersion:
+    return DefinitionVersion(
+        key=row["job_key"],
+        version=row["version"],
+        options=JobOptions.model_validate(row["options"]),
+        paused=row["paused"],
+        action=DefinitionChange(row["action"]),
+        actor=row["actor"],
+        at=row["at"],
+        rolled_back_to=row["rolled_back_to"],
     )
 
 

@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 from jobplane.store.base import logger
+from jobplane.store.bulk import BulkStore
 from jobplane.store.cluster import ClusterStore
 from jobplane.store.definitions import DefinitionStore
 from jobplane.store.instances import InstanceStore
 from jobplane.store.lifecycle import LIMIT_REASON, LifecycleStore
+from jobplane.store.stats import StatsStore
 from jobplane.store.sweeps import SweepStore
 from jobplane.store.tokens import TokenStore
 
 
 class SqlStore(
-    DefinitionStore, InstanceStore, LifecycleStore, ClusterStore, SweepStore, TokenStore
+    DefinitionStore,
+    InstanceStore,
+    LifecycleStore,
+    ClusterStore,
+    SweepStore,
+    TokenStore,
+    StatsStore,
+    BulkStore,
 ):
     """Generic implementation of :class:`jobplane.store.abc.Store`; owns its engine."""
 

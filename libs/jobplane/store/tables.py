@@ -23,6 +23,7 @@ from sqlalchemy import (
     text,
 )
 
+from jobplane.domain.models import DefinitionChange
 from jobplane.domain.states import InstanceState
 from jobplane.store.types import Json, UtcDateTime
 
@@ -37,6 +38,7 @@ metadata = MetaData(
 )
 
 STATE_VALUES = ", ".join(f"'{s.value}'" for s in InstanceState)
+CHANGE_VALUES = ", ".join(f"'{c.value}'" for c in DefinitionChange)
 
 #: Fencing tokens for claims (Postgres). SQLite keeps its counter in the ``counters`` table.
 claim_token_seq = Sequence("claim_token_seq", metadata=metadata)
@@ -56,6 +58,27 @@ job_definitions = Table(
     Column("updated_at", UtcDateTime, nullable=False),
     Column("updated_by", String(200), nullable=True),
     CheckConstraint("max_concurrency >= 1", name="max_concurrency_positive"),
+)
+
+# Every save of a definition, in full: history is appended, never rewritten (a rollback is a
+# new version whose options are an older one's).
+job_definition_versions = Table(
+    "job_definition_versions",
+    metadata,
+    Column(
+        "job_key",
+        String(200),
+        ForeignKey("job_definitions.key", ondelete="CASCADE"),
+        primary_key=True,
+    ),
+    Column("version", Integer, primary_key=True),
+    Column("options", Json, nullable=False),
+    Column("paused", Boolean, nullable=False),
+    Column("action", String(16), nullable=False),
+    Column("actor", String(200), nullable=False),
+    Column("at", UtcDateTime, nullable=False),
+    Column("rolled_back_to", Integer, nullable=True),
+    CheckConstraint(f"action IN ({CHANGE_VALUES})", name="action_valid"),
 )
 
 # One counter row per job key: the concurrency slots in use. A claim takes slots in its own
@@ -133,6 +156,14 @@ job_instances = Table(
     Index("ix_job_instances_job_key_state_id", "job_key", "state", "id"),
     Index(
         "ix_job_instances_worker_id", "worker_id", postgresql_where=text("worker_id IS NOT NULL")
+    ),
+    # The latest outcome of each job and its recent counts (the jobs list).
+    Index(
+        "ix_job_instances_job_key_finished_at",
+        "job_key",
+        "finished_at",
+        postgresql_where=text("finished_at IS NOT NULL"),
+        sqlite_where=text("finished_at IS NOT NULL"),
     ),
     # Sweeps of the leader: due Scheduled instances, expired leases, stale publications.
     Index(

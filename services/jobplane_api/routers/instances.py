@@ -12,10 +12,27 @@ from jobplane.domain.models import InstanceFilter, InstanceSource, NewInstance
 from jobplane.domain.states import InstanceState
 from jobplane.errors import IllegalTransitionError
 from jobplane_api.deps import DispatcherDep, StoreDep
-from jobplane_api.schemas import PROBLEM_RESPONSES, BatchTriggerIn, InstanceOut, InstancePage
-from jobplane_api.security import Operator, Viewer
+from jobplane_api.schemas import (
+    PROBLEM_RESPONSES,
+    BatchTriggerIn,
+    BulkCancelOut,
+    BulkFilterIn,
+    BulkRetryOut,
+    InstanceOut,
+    InstancePage,
+    RetryPairOut,
+)
+from jobplane_api.security import Operator, Principal, Viewer, actor_of
 
 router = APIRouter(prefix="/api/v1/instances", tags=["instances"], responses=PROBLEM_RESPONSES)
+
+#: What a bulk cancel selects when no states are given: every state it can change.
+CANCELLABLE = (
+    InstanceState.SCHEDULED,
+    InstanceState.ENQUEUED,
+    InstanceState.PROCESSING,
+    InstanceState.FAILED,
+)
 
 
 @router.get("", summary="List instances", response_model=InstancePage, dependencies=[Viewer])
@@ -25,6 +42,8 @@ async def list_instances(
     state: Annotated[list[InstanceState] | None, Query()] = None,
     created_after: datetime | None = None,
     created_before: datetime | None = None,
+    scheduled_after: datetime | None = None,
+    scheduled_before: datetime | None = None,
     worker: str | None = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     before: Annotated[UUID | None, Query(description="Cursor from the previous page.")] = None,
@@ -36,6 +55,8 @@ async def list_instances(
             states=tuple(state or ()),
             created_after=created_after,
             created_before=created_before,
+            scheduled_after=scheduled_after,
+            scheduled_before=scheduled_before,
             worker_id=worker,
         ),
         limit=limit,
@@ -69,6 +90,66 @@ async def batch_trigger(
         for item in body.items
     ]
     return [InstanceOut.of(i) for i in await dispatcher.trigger_many(requests)]
+
+
+BULK_EXAMPLE = {
+    "job": "send_receipt",
+    "states": ["enqueued", "scheduled"],
+    "created_after": "2026-11-22T00:00:00Z",
+    "limit": 1000,
+}
+
+
+@router.post(
+    "/cancel",
+    summary="Cancel the instances a filter selects",
+    response_model=BulkCancelOut,
+    openapi_extra={"requestBody": {"content": {"application/json": {"example": BULK_EXAMPLE}}}},
+)
+async def bulk_cancel(
+    dispatcher: DispatcherDep, body: BulkFilterIn, principal: Annotated[Principal, Operator]
+) -> BulkCancelOut:
+    """Up to ``limit`` instances that the filter selects, oldest first, in one transaction:
+    Scheduled and Enqueued ones end Cancelled, running ones are told to stop. Without
+    ``states``, every state a cancel applies to is selected; instances in a state a cancel
+    cannot change are skipped and counted. ``more`` says to call again."""
+    done = await dispatcher.cancel_many(
+        body.to_filter(CANCELLABLE), limit=body.limit, actor=actor_of(principal)
+    )
+    return BulkCancelOut.of(done)
+
+
+@router.post(
+    "/retry",
+    summary="Retry the instances a filter selects",
+    response_model=BulkRetryOut,
+    openapi_extra={
+        "requestBody": {
+            "content": {
+                "application/json": {"example": {"job": "send_receipt", "states": ["terminated"]}}
+            }
+        }
+    },
+)
+async def bulk_retry(
+    dispatcher: DispatcherDep,
+    store: StoreDep,
+    body: BulkFilterIn,
+    principal: Annotated[Principal, Operator],
+) -> BulkRetryOut:
+    """A new instance linked by ``retry_of`` for each of up to ``limit`` instances that the
+    filter selects, newest first. Without ``states``, Terminated instances are selected.
+    Skipped and counted: instances not terminal, of a disabled job, whose arguments the job
+    no longer accepts, or already retried by an earlier bulk retry (so a replay is safe)."""
+    page = await store.list_instances(body.to_filter((InstanceState.TERMINATED,)), limit=body.limit)
+    retried, skipped = await dispatcher.retry_many(page.items, actor_of(principal))
+    return BulkRetryOut(
+        retried=len(retried),
+        skipped=len(skipped),
+        more=page.next_cursor is not None,
+        retries=[RetryPairOut(instance_id=old, retry_id=new.id) for old, new in retried],
+        skipped_ids=skipped,
+    )
 
 
 @router.get(

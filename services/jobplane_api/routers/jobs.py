@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Header, HTTPException, Query, status
@@ -13,20 +13,34 @@ from jobplane.domain.models import JobDefinition
 from jobplane.domain.options import JobKind
 from jobplane.errors import InvalidOptionsError
 from jobplane_api.deps import BusDep, DispatcherDep, StoreDep
-from jobplane_api.schemas import PROBLEM_RESPONSES, InstanceOut, JobOut, JobPatch, TriggerIn
+from jobplane_api.schemas import (
+    PROBLEM_RESPONSES,
+    InstanceOut,
+    JobOut,
+    JobPatch,
+    RollbackIn,
+    TriggerIn,
+    VersionOut,
+)
 from jobplane_api.security import Admin, Operator, Principal, Viewer, actor_of
 
 router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"], responses=PROBLEM_RESPONSES)
 
 TRIGGER_EXAMPLE = {"args": {"name": "Ada"}, "delay_s": 0, "priority": 5}
+ROLLBACK_EXAMPLE = {"to_version": 3, "version": 7}
+
+
+def _upcoming(definition: JobDefinition, now: datetime, fires: int) -> list[datetime]:
+    options = definition.options
+    if fires and options.cron and not definition.paused and not options.disabled:
+        return next_fire_times(options.cron, options.timezone, now, fires)
+    return []
 
 
 async def _out(store: StoreDep, definition: JobDefinition, fires: int) -> JobOut:
-    options = definition.options
-    upcoming = []
-    if fires and options.cron and not definition.paused and not options.disabled:
-        upcoming = next_fire_times(options.cron, options.timezone, await store.now(), fires)
-    return JobOut.of(definition, upcoming)
+    summaries = await store.job_summaries([definition.key])
+    upcoming = _upcoming(definition, await store.now(), fires)
+    return JobOut.of(definition, upcoming, summaries.get(definition.key))
 
 
 @router.get("", summary="List jobs", response_model=list[JobOut], dependencies=[Viewer])
@@ -37,8 +51,9 @@ async def list_jobs(
     paused: bool | None = None,
     q: Annotated[str | None, Query(description="Text in the key, name or description.")] = None,
 ) -> list[JobOut]:
-    """Every job definition, filtered by kind, queue, paused state or text."""
-    out = []
+    """Every job definition, filtered by kind, queue, paused state or text, with its next
+    fire, its latest outcome, and its success rate and p95 attempt duration over 24 h."""
+    matching = []
     needle = (q or "").lower()
     for d in await store.list_definitions():
         o = d.options
@@ -50,13 +65,17 @@ async def list_jobs(
             continue
         if needle and needle not in f"{o.key} {o.name} {o.description}".lower():
             continue
-        out.append(await _out(store, d, 1))
-    return out
+        matching.append(d)
+    # One grouped query for every job's figures (never one query per job).
+    summaries = await store.job_summaries() if matching else {}
+    now = await store.now()
+    return [JobOut.of(d, _upcoming(d, now, 1), summaries.get(d.key)) for d in matching]
 
 
 @router.get("/{key}", summary="Get a job", response_model=JobOut, dependencies=[Viewer])
 async def get_job(store: StoreDep, key: str) -> JobOut:
-    """Options, version, argument JSON Schema and the next 10 fire times."""
+    """Options, version, argument JSON Schema, the next 10 fire times, the latest outcome
+    and the last 24 hours' success rate and p95 attempt duration."""
     return await _out(store, await store.get_definition(key), 10)
 
 
@@ -102,6 +121,47 @@ async def resume_job(
 ) -> JobOut:
     """The next fire follows the job's misfire policy."""
     saved = await store.set_paused(key, False, actor_of(principal))
+    await _announce(bus, saved)
+    return await _out(store, saved, 10)
+
+
+@router.get(
+    "/{key}/versions",
+    summary="Version history of a job",
+    response_model=list[VersionOut],
+    dependencies=[Viewer],
+)
+async def list_versions(store: StoreDep, key: str) -> list[VersionOut]:
+    """Every saved version of the job's definition, newest first: who saved it, when, why
+    (register, edit, pause, resume, rollback) and the full options it had."""
+    return [VersionOut.of(v) for v in await store.definition_history(key)]
+
+
+@router.post(
+    "/{key}/rollback",
+    summary="Roll a job back to an older version",
+    response_model=JobOut,
+    openapi_extra={"requestBody": {"content": {"application/json": {"example": ROLLBACK_EXAMPLE}}}},
+)
+async def rollback_job(
+    store: StoreDep,
+    bus: BusDep,
+    key: str,
+    body: RollbackIn,
+    principal: Annotated[Principal, Admin],
+) -> JobOut:
+    """Save a new version whose options are those of ``to_version`` (history is never
+    rewritten; the paused flag is left as it is). ``version`` must be the current version,
+    else 409; an unknown ``to_version`` is 404. Applies like an edit: next fire, next claim."""
+    saved = await store.rollback_definition(
+        key, body.to_version, expected_version=body.version, actor=actor_of(principal)
+    )
+    if saved is None:
+        current = await store.get_definition(key)
+        raise HTTPException(
+            status.HTTP_409_CONFLICT,
+            f"job {key!r} is at version {current.version}, not {body.version}",
+        )
     await _announce(bus, saved)
     return await _out(store, saved, 10)
 

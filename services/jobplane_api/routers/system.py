@@ -11,7 +11,13 @@ from jobplane.errors import UnavailableError
 from jobplane_api.deps import BusDep, StoreDep
 from jobplane_api.metrics import render_metrics
 from jobplane_api.problems import problem
-from jobplane_api.schemas import PROBLEM_RESPONSES, SchedulerOut, StatsOut, WorkerOut
+from jobplane_api.schemas import (
+    PROBLEM_RESPONSES,
+    BucketOut,
+    SchedulerOut,
+    StatsOut,
+    WorkerOut,
+)
 from jobplane_api.security import Viewer
 
 router = APIRouter(tags=["system"], responses=PROBLEM_RESPONSES)
@@ -51,11 +57,20 @@ async def scheduler(store: StoreDep) -> SchedulerOut:
 
 
 @router.get(
-    "/api/v1/stats", summary="Instance counts", response_model=StatsOut, dependencies=[Viewer]
+    "/api/v1/stats",
+    summary="Instance counts and throughput",
+    response_model=StatsOut,
+    dependencies=[Viewer],
 )
 async def stats(store: StoreDep, job: str | None = None) -> StatsOut:
-    """Instances in each state (all jobs, or one)."""
-    return StatsOut(by_state=await store.count_by_state(job))
+    """Instances in each state, and the attempts that succeeded or failed and the instances
+    terminated per minute over the last hour and per hour over the last day (all jobs, or
+    one). The last bucket of each series is the current, still filling one."""
+    return StatsOut(
+        by_state=await store.count_by_state(job),
+        per_minute=[BucketOut.of(b) for b in await store.throughput(60, 60, job)],
+        per_hour=[BucketOut.of(b) for b in await store.throughput(3600, 24, job)],
+    )
 
 
 @router.get("/healthz", summary="Liveness", tags=["health"])

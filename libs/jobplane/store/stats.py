@@ -1,0 +1,155 @@
+"""Read-only statistics for the API: how each job has been doing, throughput over time.
+
+The generic statements here serve SQLite (the embedded default); Postgres computes the same
+answers in single statements (:mod:`jobplane.store.postgres_stats`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import Integer, and_, case, cast, func, select
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from jobplane.domain.models import Bucket, JobSummary
+from jobplane.domain.states import TERMINAL_STATES
+from jobplane.store.base import I, S, SqlBase
+from jobplane.store.tables import instance_transitions, job_instances
+
+TERMINAL = sorted(s.value for s in TERMINAL_STATES)
+
+#: The ends that throughput counts (history records reaching these states).
+ENDS = (S.SUCCEEDED.value, S.FAILED.value, S.TERMINATED.value)
+
+T = instance_transitions.c
+
+#: The window of the jobs list's recent figures.
+DAY_S = 24 * 3600.0
+
+
+def percentile_cont(values: Sequence[float], fraction: float) -> float | None:
+    """The percentile by linear interpolation between the closest ranks: what Postgres's
+    ``percentile_cont`` returns. ``None`` for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = fraction * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+class StatsStore(SqlBase):
+    """Job summaries and throughput (generic; Postgres overrides them)."""
+
+    async def job_summaries(
+        self, keys: Collection[str] | None = None, *, window_s: float = DAY_S
+    ) -> dict[str, JobSummary]:
+        async with self._read() as conn:
+            since = await self._now(conn) - timedelta(seconds=window_s)
+            # One grouped statement for every job's latest outcome and recent counts.
+            ranked = (
+                select(
+                    I.job_key,
+                    I.state,
+                    I.finished_at,
+                    func.row_number()
+                    .over(partition_by=I.job_key, order_by=I.finished_at.desc())
+                    .label("rn"),
+                )
+                .where(I.finished_at.is_not(None), I.state.in_(TERMINAL))
+                .subquery()
+            )
+            r = ranked.c
+            recent = r.finished_at >= since
+            query = select(
+                r.job_key,
+                func.max(case((r.rn == 1, r.state))).label("last_state"),
+                func.max(case((r.rn == 1, r.finished_at))).label("last_ended_at"),
+                func.sum(case((and_(recent, r.state == S.SUCCEEDED.value), 1), else_=0)),
+                func.sum(case((recent, 1), else_=0)),
+            ).group_by(r.job_key)
+            if keys is not None:
+                query = query.where(r.job_key.in_(list(keys)))
+            out = {
+                key: JobSummary(
+                    key=key,
+                    last_state=S(state),
+                    last_ended_at=ended_at,
+                    succeeded=succeeded,
+                    ended=ended,
+                )
+                for key, state, ended_at, succeeded, ended in await conn.execute(query)
+            }
+            durations = await self._durations(conn, since, keys)
+        for key, values in durations.items():
+            summary = out.get(key) or JobSummary(key=key)
+            out[key] = JobSummary(
+                key=key,
+                last_state=summary.last_state,
+                last_ended_at=summary.last_ended_at,
+                succeeded=summary.succeeded,
+                ended=summary.ended,
+                p95_duration_s=percentile_cont(values, 0.95),
+            )
+        return out
+
+    async def _durations(
+        self, conn: AsyncConnection, since: datetime, keys: Collection[str] | None
+    ) -> dict[str, list[float]]:
+        """Seconds from claim to end of each attempt that ended after ``since``, per job. An
+        attempt is the pair of history records sharing its claim token: → Processing, and
+        Processing → its end (succeeded, failed, cancelled, released, terminated)."""
+        start = instance_transitions.alias("start")
+        end = instance_transitions.alias("end")
+        query = (
+            select(I.job_key, start.c.at, end.c.at)
+            .select_from(end)
+            .join(
+                start,
+                and_(
+                    start.c.instance_id == end.c.instance_id,
+                    start.c.claim_token == end.c.claim_token,
+                    start.c.to_state == S.PROCESSING.value,
+                ),
+            )
+            .join(job_instances, I.id == end.c.instance_id)
+            .where(end.c.from_state == S.PROCESSING.value, end.c.at >= since)
+        )
+        if keys is not None:
+            query = query.where(I.job_key.in_(list(keys)))
+        out: dict[str, list[float]] = {}
+        for key, started, ended in await conn.execute(query):
+            out.setdefault(key, []).append((ended - started).total_seconds())
+        return out
+
+    async def throughput(
+        self, width_s: int, count: int, job_key: str | None = None
+    ) -> list[Bucket]:
+        # SQLite: bucket on the epoch seconds of ``at`` (stored as UTC text).
+        async with self._read() as conn:
+            now = await self._now(conn)
+            last = int(now.timestamp()) // width_s * width_s
+            first = last - width_s * (count - 1)
+            start = cast(func.strftime("%s", T.at), Integer) // width_s * width_s
+            query = (
+                select(start.label("start"), T.to_state, func.count())
+                .where(T.at >= datetime.fromtimestamp(first, UTC), T.to_state.in_(ENDS))
+                .group_by(start, T.to_state)
+            )
+            if job_key is not None:
+                query = query.join(job_instances, I.id == T.instance_id).where(I.job_key == job_key)
+            counts: dict[tuple[int, str], int] = {
+                (at, state): n for at, state, n in await conn.execute(query)
+            }
+        return [
+            Bucket(
+                start=datetime.fromtimestamp(at, UTC),
+                succeeded=counts.get((at, S.SUCCEEDED.value), 0),
+                failed=counts.get((at, S.FAILED.value), 0),
+                terminated=counts.get((at, S.TERMINATED.value), 0),
+            )
+            for at in range(first, last + 1, width_s)
+        ]
