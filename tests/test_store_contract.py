@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from jobplane.domain.models import (
     DefinitionChange,
     ErrorInfo,
+    Instance,
     InstanceFilter,
     InstanceSource,
     NewInstance,
@@ -406,6 +407,22 @@ async def test_keyset_pagination_and_filters(store: SqlStore) -> None:
         InstanceFilter(created_after=made[0].created_at - timedelta(seconds=1))
     )
     assert len(window.items) == 9
+    # A window bounds the ids too (UUIDv7): still exact at its edges, and a window that ends
+    # before anything was created, or lies at the calendar's ends, finds nothing.
+    edge = made[3].created_at
+    later = await store.list_instances(InstanceFilter(created_after=edge))
+    assert {i.id for i in later.items} == {i.id for i in await _all(store) if i.created_at >= edge}
+    earlier = InstanceFilter(created_before=made[0].created_at - timedelta(seconds=1))
+    assert (await store.list_instances(earlier)).items == []
+    extremes = InstanceFilter(
+        created_after=datetime.min.replace(tzinfo=UTC),
+        created_before=datetime.max.replace(tzinfo=UTC),
+    )
+    assert len((await store.list_instances(extremes, limit=100)).items) == 9
+
+
+async def _all(store: SqlStore) -> list[Instance]:
+    return (await store.list_instances(InstanceFilter(), limit=1000)).items
 
 
 async def test_workers_register_and_heartbeat(store: SqlStore) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from uuid import UUID
 
 import uuid6
@@ -10,3 +11,9 @@ import uuid6
 def new_id() -> UUID:
     """A new UUIDv7: its first 48 bits are the Unix time in milliseconds."""
     return UUID(int=uuid6.uuid7().int)
+
+
+def id_floor(moment: datetime) -> UUID:
+    """The smallest UUIDv7 of ``moment``'s millisecond: every id made at or after it is ≥."""
+    ms = max(0, int(moment.timestamp() * 1000))
+    return UUID(int=ms << 80)

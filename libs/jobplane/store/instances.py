@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
@@ -31,6 +31,7 @@ from jobplane.errors import (
     InstanceNotFoundError,
     JobNotFoundError,
 )
+from jobplane.ids import id_floor
 from jobplane.store import rows
 from jobplane.store.base import I, S, SqlBase
 from jobplane.store.tables import (
@@ -173,16 +174,27 @@ class InstanceStore(SqlBase):
             return {S(state): count for state, count in await conn.execute(query)}
 
 
+ID_CLOCK_SKEW = timedelta(minutes=5)
+
+
 def filtered(query: Select[Any], filter: InstanceFilter) -> Select[Any]:
     """``query`` restricted to the instances ``filter`` selects."""
     if filter.job_key is not None:
         query = query.where(I.job_key == filter.job_key)
     if filter.states:
         query = query.where(I.state.in_([s.value for s in filter.states]))
+    # A created-time window also bounds the id (UUIDv7, time-ordered), so the listing reads
+    # an index range instead of walking the primary key back from the newest row. Ids come
+    # from the creating process's clock, created_at from the database's: the bound is widened
+    # by ID_CLOCK_SKEW, and created_at stays the exact condition.
     if filter.created_after is not None:
         query = query.where(I.created_at >= filter.created_after)
+        if (low := _shifted(filter.created_after, -ID_CLOCK_SKEW)) is not None:
+            query = query.where(I.id >= id_floor(low))
     if filter.created_before is not None:
         query = query.where(I.created_at < filter.created_before)
+        if (high := _shifted(filter.created_before, ID_CLOCK_SKEW)) is not None:
+            query = query.where(I.id < id_floor(high))
     if filter.scheduled_after is not None:
         query = query.where(I.scheduled_at >= filter.scheduled_after)
     if filter.scheduled_before is not None:
@@ -216,3 +228,11 @@ def _new_instance_values(n: NewInstance, options: JobOptions, now: datetime) -> 
         "idempotency_key": n.idempotency_key,
         "reason": n.skip_reason,
     }
+
+
+def _shifted(moment: datetime, delta: timedelta) -> datetime | None:
+    """``moment + delta``, or None past the calendar's ends (then no id bound is added)."""
+    try:
+        return moment + delta
+    except OverflowError:
+        return None

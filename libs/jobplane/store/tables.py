@@ -155,7 +155,10 @@ job_instances = Table(
     Index("ix_job_instances_state_id", "state", "id"),
     Index("ix_job_instances_job_key_state_id", "job_key", "state", "id"),
     Index(
-        "ix_job_instances_worker_id", "worker_id", postgresql_where=text("worker_id IS NOT NULL")
+        "ix_job_instances_worker_id_id",
+        "worker_id",
+        "id",
+        postgresql_where=text("worker_id IS NOT NULL"),
     ),
     # The latest outcome of each job and its recent counts (the jobs list).
     Index(
