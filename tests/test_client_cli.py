@@ -33,10 +33,11 @@ def stack(pg_database_url: str, redis_url: str, redis_prefix: str) -> Iterator[d
     created = run_cli("token", "create", "--role", "operator", "--name", "test", **env)
     assert created.returncode == 0, created.stderr
     viewer = run_cli("token", "create", "--role", "viewer", **env).stdout.strip()
+    admin = run_cli("token", "create", "--role", "admin", **env).stdout.strip()
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http_ok(f"{url}/healthz")
-        yield {"url": url, "token": created.stdout.strip(), "viewer": viewer, **env}
+        yield {"url": url, "token": created.stdout.strip(), "viewer": viewer, "admin": admin, **env}
     finally:
         stop_all(procs, sig=signal.SIGTERM)
 
@@ -62,6 +63,31 @@ def test_cli_trigger_wait_and_listings(stack: dict[str, str]) -> None:
     assert [w["id"] for w in workers] == ["cli-w"]
     table = _cli(stack, "instances", "ls")
     assert table.returncode == 0 and "succeeded" in table.stdout
+
+
+def test_cli_edit_history_rollback_pause(stack: dict[str, str]) -> None:
+    admin = stack["admin"]
+    edited = _cli(stack, "jobs", "edit", "echo", "--set", "retries=4", "-o", "json", token=admin)
+    assert edited.returncode == 0, edited.stderr
+    assert json.loads(edited.stdout)["options"]["retries"] == 4
+    history = json.loads(_cli(stack, "jobs", "history", "echo", "-o", "json").stdout)
+    assert [(v["version"], v["action"]) for v in history] == [(2, "edit"), (1, "register")]
+    assert history[0]["options"]["retries"] == 4
+    original = history[1]["options"]["retries"]
+    rolled = _cli(stack, "jobs", "rollback", "echo", "1", "-o", "json", token=admin)
+    assert rolled.returncode == 0, rolled.stderr
+    job = json.loads(rolled.stdout)
+    assert job["version"] == 3 and job["options"]["retries"] == original
+    table = _cli(stack, "jobs", "history", "echo")
+    assert table.returncode == 0 and "rollback" in table.stdout
+    paused = json.loads(_cli(stack, "jobs", "pause", "echo", "-o", "json").stdout)
+    assert paused["paused"] is True
+    resumed = json.loads(_cli(stack, "jobs", "resume", "echo", "-o", "json").stdout)
+    assert resumed["paused"] is False
+    missing = _cli(stack, "jobs", "rollback", "echo", "99", token=admin)
+    assert missing.returncode == 1 and "HTTP 404" in missing.stderr
+    denied = _cli(stack, "jobs", "rollback", "echo", "1")
+    assert denied.returncode == 1 and "HTTP 403" in denied.stderr
 
 
 def test_cli_reports_errors_in_one_line(stack: dict[str, str]) -> None:

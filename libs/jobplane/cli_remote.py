@@ -132,6 +132,32 @@ def jobs_edit(
         show(c.edit_job(key, version, **changes), output, JOB_COLUMNS)
 
 
+VERSION_COLUMNS = ["version", "action", "actor", "at", "paused", "rolled_back_to"]
+
+
+@jobs_cli.command("history")
+def jobs_history(
+    key: str, url: Url = DEFAULT_URL, token: Token = None, output: Fmt = Output.TABLE
+) -> None:
+    """Every saved version of a job, newest first: who, when, why (``-o json`` for options)."""
+    with client(url, token) as c:
+        show(c.versions(key), output, VERSION_COLUMNS)
+
+
+@jobs_cli.command("rollback")
+def jobs_rollback(
+    key: str,
+    to_version: Annotated[int, typer.Argument(help="The version whose options to restore.")],
+    url: Url = DEFAULT_URL,
+    token: Token = None,
+    output: Fmt = Output.TABLE,
+) -> None:
+    """Restore the options of an older version, saved as a new version."""
+    with client(url, token) as c:
+        version = c.job(key)["version"]
+        show(c.rollback(key, to_version, version=version), output, JOB_COLUMNS)
+
+
 @jobs_cli.command("pause")
 def jobs_pause(
     key: str, url: Url = DEFAULT_URL, token: Token = None, output: Fmt = Output.TABLE

@@ -110,6 +110,16 @@ class AsyncClient:
         body = {"version": version, "options": options}
         return await self._call("PATCH", f"/api/v1/jobs/{key}", json=body)  # type: ignore[no-any-return]
 
+    async def versions(self, key: str) -> list[JSONDict]:
+        """Every saved version of the job, newest first."""
+        return await self._call("GET", f"/api/v1/jobs/{key}/versions")  # type: ignore[no-any-return]
+
+    async def rollback(self, key: str, to_version: int, *, version: int) -> JSONDict:
+        """Save a new version with the options of ``to_version``; ``version`` is the current
+        version as read (409 if it moved on)."""
+        body = {"to_version": to_version, "version": version}
+        return await self._call("POST", f"/api/v1/jobs/{key}/rollback", json=body)  # type: ignore[no-any-return]
+
     async def pause(self, key: str) -> JSONDict:
         return await self._call("POST", f"/api/v1/jobs/{key}/pause")  # type: ignore[no-any-return]
 
@@ -191,6 +201,12 @@ class Client:
 
     def edit_job(self, key: str, version: int, **options: Any) -> JSONDict:
         return self._run(self._async.edit_job(key, version, **options))
+
+    def versions(self, key: str) -> list[JSONDict]:
+        return self._run(self._async.versions(key))
+
+    def rollback(self, key: str, to_version: int, *, version: int) -> JSONDict:
+        return self._run(self._async.rollback(key, to_version, version=version))
 
     def pause(self, key: str) -> JSONDict:
         return self._run(self._async.pause(key))
