@@ -184,6 +184,35 @@ async def test_body_limit_is_413(api: httpx.AsyncClient) -> None:
     _problem(await api.post("/api/v1/jobs/echo/instances", json=big), 413)
 
 
+async def test_nul_in_path_or_query_is_422(api: httpx.AsyncClient) -> None:
+    """Postgres text cannot hold NUL: refused before the store sees it, never a 500."""
+    for url in ("/api/v1/jobs/ec%00ho", "/api/v1/instances?job=e%00cho"):
+        problem = _problem(await api.get(url), 422)
+        assert problem["detail"] == "NUL characters are not allowed"
+
+
+async def test_chunked_body_over_limit_is_413(api: httpx.AsyncClient) -> None:
+    """No Content-Length: the limit is enforced on the bytes as they arrive."""
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b'{"args": {"value": 1, "padding": "'
+        for _ in range(10):
+            yield b"x" * 1000
+        yield b'"}}'
+
+    headers = {"content-type": "application/json"}
+    r = await api.post("/api/v1/jobs/echo/instances", content=chunks(), headers=headers)
+    assert "content-length" not in r.request.headers
+    problem = _problem(r, 413)
+    assert problem["detail"] == "the limit is 4096 bytes"
+
+    async def small() -> AsyncIterator[bytes]:
+        yield b'{"args": {"value": 2}}'
+
+    ok = await api.post("/api/v1/jobs/echo/instances", content=small(), headers=headers)
+    assert ok.status_code == 201, ok.text
+
+
 async def test_instances_list_get_cancel_retry(api: httpx.AsyncClient) -> None:
     ids = []
     for i in range(3):

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import uvicorn
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, HTTPException, Request
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jobplane import __version__
 from jobplane.bus.abc import Bus
@@ -54,28 +56,72 @@ def create_app(
     )
     problems.install(app)
 
-    @app.middleware("http")
-    async def guard_input(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        if "%00" in request.url.path or "%00" in request.url.query:
-            # Postgres text cannot hold NUL: refuse it here rather than fail in the store.
-            return problems.problem(
-                422, "Invalid request", "NUL characters are not allowed", request=request
-            )
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > settings.max_body_bytes):
-            return problems.problem(
-                413,
-                "Request body too large",
-                f"the limit is {settings.max_body_bytes} bytes",
-                request=request,
-            )
-        return await call_next(request)
+    app.add_middleware(InputGuard, max_body_bytes=settings.max_body_bytes)
 
     for module in (jobs, instances, system, tokens):
         app.include_router(module.router)
     return app
+
+
+class InputGuard:
+    """Refuses input the API must never see, before any route runs (a plain ASGI middleware:
+    no per-request task or body copy, unlike ``@app.middleware``).
+
+    - A NUL (``%00``) in the path or query: 422. Postgres text cannot hold NUL; refusing it
+      here keeps a bad request from becoming a 500 in the store.
+    - A body over ``max_body_bytes``: 413, from ``Content-Length`` at once, and for a chunked
+      body (no length given) as soon as the bytes received pass the limit, so a client cannot
+      stream around the limit.
+    """
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
+        if b"%00" in raw_path or b"%00" in scope["query_string"] or "\x00" in scope["path"]:
+            await self._refuse(scope, receive, send, 422, "Invalid request", NUL_REFUSED)
+            return
+        length = Headers(scope=scope).get("content-length")
+        if length is not None:
+            if not length.isdigit() or int(length) > self.max_body_bytes:
+                await self._refuse(scope, receive, send, 413, *self._too_large())
+                return
+            await self.app(scope, receive, send)
+            return
+        await self.app(scope, self._bounded(receive), send)
+
+    def _too_large(self) -> tuple[str, str]:
+        return "Request body too large", f"the limit is {self.max_body_bytes} bytes"
+
+    def _bounded(self, receive: Receive) -> Receive:
+        received = 0
+
+        async def bounded() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    # Raised inside the route's body read; the problem handler answers 413.
+                    raise HTTPException(413, self._too_large()[1])
+            return message
+
+        return bounded
+
+    @staticmethod
+    async def _refuse(
+        scope: Scope, receive: Receive, send: Send, status: int, title: str, detail: str
+    ) -> None:
+        response = problems.problem(status, title, detail, request=Request(scope))
+        await response(scope, receive, send)
+
+
+NUL_REFUSED = "NUL characters are not allowed"
 
 
 class _Server(uvicorn.Server):
