@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import sqlite3
 from pathlib import Path
 
-from tests.cli_helpers import run_cli
+from tests.cli_helpers import ROOT, run_cli
 
 
 def test_migrate_creates_the_schema_and_is_idempotent(tmp_path: Path) -> None:
@@ -80,6 +82,38 @@ def test_dev_runs_the_example_end_to_end(tmp_path: Path) -> None:
     assert "Hello, Ada." in result.stdout
     assert result.stdout.count("succeeded") >= 2
     assert "enqueued → processing → succeeded" in result.stdout
+
+
+def test_readme_example_is_the_shop_file_and_runs(tmp_path: Path) -> None:
+    """The README's example is examples/shop.py, unabridged, and it runs as the README says:
+    the mailer resource is opened and closed by the hooks, the receipt is written, the sync
+    job checkpoints its chunks."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## A job, end to end") :]
+    block = section[section.index("```python\n") + len("```python\n") : section.index("\n```")]
+    assert block.strip() in (ROOT / "examples" / "shop.py").read_text()
+    outbox = tmp_path / "outbox.jsonl"
+    database = tmp_path / "shop.db"
+    result = run_cli(
+        "dev",
+        "--app",
+        "examples.shop:app",
+        "--trigger",
+        'send_receipt={"order_id": 7, "email": "a@b.c"}',
+        "--trigger",
+        "nightly_cleanup",
+        "--exit-when-done",
+        JOBPLANE_DATABASE_URL=f"sqlite:///{database}",
+        SHOP_OUTBOX=str(outbox),
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert [json.loads(line) for line in outbox.read_text().splitlines()] == [
+        {"to": "a@b.c", "subject": "Order 7"}
+    ]
+    with sqlite3.connect(database) as db:
+        rows = dict(db.execute("SELECT job_key, checkpoint FROM job_instances").fetchall())
+    assert json.loads(rows["nightly_cleanup"]) == {"chunks": 10}
 
 
 def test_dev_reports_bad_trigger_arguments(tmp_path: Path) -> None:
