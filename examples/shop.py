@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,7 @@ async def open_mailer() -> dict[str, Any]:
 
 
 @app.on_shutdown
-async def close_mailer(resources: dict[str, Any]) -> None:
+async def close_mailer(resources: Mapping[str, Any]) -> None:
     resources["mailer"].close()
 
 
@@ -70,7 +71,7 @@ async def send_receipt(ctx: JobContext, args: Receipt, mailer: Mailer) -> dict[s
 def nightly_cleanup(ctx: JobContext) -> int:
     """A sync job (it runs in the worker's thread pool): works in chunks, saves where it is,
     and stops early when asked; a retry resumes from the last checkpoint."""
-    done = (ctx.last_checkpoint or {}).get("chunks", 0)
+    done: int = (ctx.last_checkpoint or {}).get("chunks", 0)
     while done < 10 and not ctx.cancelled:
         done += 1  # … delete one chunk of expired rows …
         ctx.checkpoint_sync({"chunks": done})
