@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import uvicorn
@@ -15,6 +14,7 @@ from jobplane import __version__
 from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
 from jobplane.runtime import backends
+from jobplane.serving import serve_until
 from jobplane.store.sql import SqlStore
 from jobplane_api import problems
 from jobplane_api.routers import instances, jobs, system, tokens
@@ -78,14 +78,6 @@ def create_app(
     return app
 
 
-class _Server(uvicorn.Server):
-    """Signals are the caller's (the CLI sets ``stop``), not uvicorn's."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 async def run_api(settings: ApiSettings, stop: asyncio.Event) -> None:
     """Serve until ``stop`` is set, with a store and bus of its own."""
     await serve(settings, stop)
@@ -99,18 +91,11 @@ async def serve(
     bus: Bus | None = None,
 ) -> None:
     """Serve ``create_app(settings, store=…, bus=…)`` with uvicorn until ``stop`` is set."""
-    server = _Server(
-        uvicorn.Config(
-            create_app(settings, store=store, bus=bus),
-            host=settings.host,
-            port=settings.port,
-            log_level=settings.log_level.lower(),
-            lifespan="on",
-        )
+    config = uvicorn.Config(
+        create_app(settings, store=store, bus=bus),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        lifespan="on",
     )
-    serving = asyncio.create_task(server.serve())
-    stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    server.should_exit = True
-    await serving
-    stopping.cancel()
+    await serve_until(config, stop)
