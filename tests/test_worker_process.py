@@ -8,13 +8,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from subprocess import Popen
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.sql import SqlStore
-from tests.cli_helpers import spawn_cli
+from tests.cli_helpers import free_port, spawn_cli, wait_http_ok
 from tests.worker_helpers import settled, wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -97,6 +99,96 @@ async def test_sigterm_mid_job_releases_it_for_another_worker(
     history = [(t.from_state, t.to_state, t.reason) for t in await pg_store.transitions(done.id)]
     assert (S.PROCESSING, S.ENQUEUED, "worker shutdown") in history
     assert not any(to is S.FAILED for _, to, _ in history)
+
+
+async def test_health_port_serves_probes_and_reports_a_runaway(
+    pg_store: SqlStore, redis_bus: Bus, spawn_worker: object, tmp_path: Path
+) -> None:
+    port = free_port()
+    proc = spawn_worker(  # type: ignore[operator]
+        "probed",
+        "--health-port",
+        str(port),
+        "--concurrency",
+        "1",
+        "--grace",
+        "5",
+        JOBPLANE_TIMEOUT_GRACE_S="0.2",
+        JOBPLANE_TEST_SLEEP_S="30",
+    )
+    base = f"http://127.0.0.1:{port}"
+    await asyncio.to_thread(wait_http_ok, f"{base}/readyz", 30)
+    async with httpx.AsyncClient(base_url=base, timeout=5) as http:
+        assert (await http.get("/healthz")).status_code == 200
+        ready = (await http.get("/readyz")).json()
+        assert ready["status"] == "ready"
+        assert {name for name, check in ready["checks"].items() if check["ok"]} == {
+            "postgres",
+            "redis",
+            "job_pool",
+            "worker",
+        }
+        text = (await http.get("/metrics")).text
+        for name in (
+            "jobplane_worker_running_attempts",
+            "jobplane_worker_attempts_finished_total",
+            "jobplane_worker_claims_total",
+            "jobplane_worker_runaway_jobs",
+            "jobplane_worker_runaways_total",
+            "jobplane_worker_lease_lost_writes_total",
+        ):
+            assert f"# TYPE {name.removesuffix('_total')}" in text, name
+
+        # A sync job that ignores its 1 s timeout holds the only pool thread: not ready.
+        gate = tmp_path / "gate"
+        dispatcher = Dispatcher(pg_store, redis_bus)
+        runaway = await dispatcher.trigger("ignores_timeout", {"path": str(gate)})
+        await wait_for(lambda: _ready_is(http, False), what="/readyz to fail", timeout_s=30)
+        body = (await http.get("/readyz")).json()
+        assert body["checks"]["job_pool"]["ok"] is False
+        assert "runaway" in body["checks"]["job_pool"]["detail"]
+        assert body["checks"]["postgres"]["ok"] and body["checks"]["redis"]["ok"]
+        figures = await _metrics(http)
+        assert figures["jobplane_worker_runaway_jobs"] == 1
+        assert figures["jobplane_worker_runaways_total"] == 1
+        assert figures["jobplane_worker_running_attempts"] == 1
+
+        # Its code returns: the thread is free again, and so is the worker.
+        gate.touch()
+        await wait_for(lambda: _ready_is(http, True), what="/readyz to recover", timeout_s=30)
+        [done] = await settled(pg_store, [runaway.id], timeout_s=30)
+        assert done.state is S.TERMINATED and done.error is not None
+        assert done.error.type == "TimeoutError"
+        figures = await _metrics(http)
+        assert figures["jobplane_worker_runaway_jobs"] == 0
+        assert figures["jobplane_worker_runaways_total"] == 1
+        assert figures["jobplane_worker_claims_total"] == 1
+
+        # While it drains on SIGTERM the worker is alive but not ready.
+        await dispatcher.trigger("sleepy")
+        await wait_for(lambda: _exists(tmp_path / "started"), what="sleepy to start")
+        proc.send_signal(signal.SIGTERM)
+        await wait_for(lambda: _ready_is(http, False), what="/readyz to fail on SIGTERM")
+        body = (await http.get("/readyz")).json()
+        assert body["checks"]["worker"] == {"ok": False, "detail": "shutting down"}
+        assert (await http.get("/healthz")).status_code == 200
+    assert await asyncio.to_thread(proc.wait, 30) == 0
+
+
+async def _ready_is(http: httpx.AsyncClient, ready: bool) -> bool:
+    status = (await http.get("/readyz")).status_code
+    assert status in (200, 503)
+    return (status == 200) is ready
+
+
+async def _metrics(http: httpx.AsyncClient) -> dict[str, float]:
+    """Each metric's samples summed over their labels (name → total)."""
+    text = (await http.get("/metrics")).text
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
 
 
 async def _has_definitions(store: SqlStore) -> bool:

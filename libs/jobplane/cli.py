@@ -116,9 +116,21 @@ def worker(
     worker_id: Annotated[
         str | None, typer.Option("--worker-id", help="Stable id (consumer name, leases).")
     ] = None,
+    health_port: Annotated[
+        int | None,
+        typer.Option(
+            "--health-port",
+            min=0,
+            max=65535,
+            help="Serve /healthz, /readyz and /metrics on this port (0: off).",
+        ),
+    ] = None,
 ) -> None:
     """Run a worker: consume queues from Redis, run jobs, record outcomes in Postgres."""
-    settings = WorkerSettings(**_given(queues, concurrency, grace, worker_id))
+    given = _given(queues, concurrency, grace, worker_id)
+    if health_port is not None:
+        given["health_port"] = health_port
+    settings = WorkerSettings(**given)
 
     async def go() -> None:
         from jobplane.runtime import run_worker

@@ -93,6 +93,11 @@ class JobContext:
     logger: logging.LoggerAdapter[logging.Logger] = field(init=False)
     #: Set by the worker: persists a checkpoint, fenced by the claim token.
     saver: Callable[[Any], Awaitable[bool]] | None = field(default=None, repr=False)
+    #: Set in an isolated job's child process: :meth:`checkpoint_sync` calls it directly (the
+    #: job runs on the child's only thread, so it cannot hand the write to an event loop).
+    sync_saver: Callable[[Any], bool] | None = field(default=None, repr=False)
+    #: Set in an isolated job's child process: forwards each progress report to the worker.
+    on_progress: Callable[[float, str | None], None] | None = field(default=None, repr=False)
     loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
     #: Latest progress not yet written; the worker sends it with the next heartbeat.
     pending_progress: tuple[float, str | None] | None = field(default=None, init=False)
@@ -114,6 +119,8 @@ class JobContext:
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"progress fraction must be within [0, 1], got {fraction}")
         self.pending_progress = (fraction, message)
+        if self.on_progress is not None:
+            self.on_progress(fraction, message)
 
     async def checkpoint(self, data: Any) -> None:
         """Persist ``data`` (JSON) now; the next attempt of this instance gets it back as
@@ -125,7 +132,13 @@ class JobContext:
         self.last_checkpoint = data
 
     def checkpoint_sync(self, data: Any) -> None:
-        """:meth:`checkpoint` for sync jobs (they run in a pool thread)."""
+        """:meth:`checkpoint` for sync jobs (they run in a pool thread, or in a child process
+        with ``isolation="process"``)."""
+        if self.sync_saver is not None:
+            if not self.sync_saver(data):
+                raise LeaseLostError(f"instance {self.instance_id}: checkpoint refused, lease lost")
+            self.last_checkpoint = data
+            return
         if self.loop is None:
             raise RuntimeError("checkpoint_sync() is only available inside a worker")
         asyncio.run_coroutine_threadsafe(self.checkpoint(data), self.loop).result()

@@ -55,8 +55,13 @@ class WorkerSettings(CommonSettings):
     #: Seconds running jobs get to finish on SIGTERM before they are released.
     grace_s: float = Field(default=30.0, ge=0)
     #: After a job's timeout its cancellation is signalled; this long later an async job is
-    #: cancelled outright (a sync job keeps its thread and slot until its code returns).
+    #: cancelled outright, and a sync job still running is reported as a runaway (it keeps its
+    #: thread and slot until its code returns).
     timeout_grace_s: float = Field(default=5.0, ge=0)
+    #: Serve ``/healthz``, ``/readyz`` and ``/metrics`` on this port (0: no probe server).
+    health_port: int = Field(default=0, ge=0, le=65535)
+    #: The interface the probe server listens on.
+    health_host: str = "0.0.0.0"
 
 
 class DevSettings(WorkerSettings):

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import uvicorn
@@ -17,6 +16,7 @@ from jobplane import __version__
 from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
 from jobplane.runtime import backends
+from jobplane.serving import serve_until
 from jobplane.store.sql import SqlStore
 from jobplane_api import problems
 from jobplane_api.routers import instances, jobs, system, tokens
@@ -124,14 +124,6 @@ class InputGuard:
 NUL_REFUSED = "NUL characters are not allowed"
 
 
-class _Server(uvicorn.Server):
-    """Signals are the caller's (the CLI sets ``stop``), not uvicorn's."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 async def run_api(settings: ApiSettings, stop: asyncio.Event) -> None:
     """Serve until ``stop`` is set, with a store and bus of its own."""
     await serve(settings, stop)
@@ -145,18 +137,11 @@ async def serve(
     bus: Bus | None = None,
 ) -> None:
     """Serve ``create_app(settings, store=…, bus=…)`` with uvicorn until ``stop`` is set."""
-    server = _Server(
-        uvicorn.Config(
-            create_app(settings, store=store, bus=bus),
-            host=settings.host,
-            port=settings.port,
-            log_level=settings.log_level.lower(),
-            lifespan="on",
-        )
+    config = uvicorn.Config(
+        create_app(settings, store=store, bus=bus),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        lifespan="on",
     )
-    serving = asyncio.create_task(server.serve())
-    stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    server.should_exit = True
-    await serving
-    stopping.cancel()
+    await serve_until(config, stop)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import functools
 import json
 import logging
 import random
 import traceback
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 CANCEL_REQUESTED = "cancel requested"
 TIMEOUT = "timeout"
+
+#: Called with True when a sync job turns runaway, with False once its thread returns.
+RunawayHook = Callable[[bool], None]
 
 
 @dataclass
@@ -44,13 +50,20 @@ class Attempt:
 
 
 async def run_attempt(
-    attempt: Attempt, spec: JobSpec, resources: Resources, pool: Executor, grace_s: float
+    attempt: Attempt,
+    spec: JobSpec,
+    resources: Resources,
+    pool: Executor,
+    grace_s: float,
+    on_runaway: RunawayHook | None = None,
 ) -> Outcome:
     """Run the job function once and describe the end of the attempt.
 
     Async jobs run on the event loop under the job's timeout; sync jobs run in ``pool``. On
-    timeout the job's cancellation is signalled; a sync job that ignores it keeps its thread
-    (and so its slot) until its code returns, and is reported as a runaway.
+    timeout the job's cancellation is signalled; a sync job still running ``grace_s`` later
+    ignores it: it keeps its thread (and so its slot) until its code returns, and is reported
+    as a runaway (a log line, and ``on_runaway(True)`` then ``on_runaway(False)`` once its
+    thread is free again).
     """
     claim, ctx = attempt.claim, attempt.ctx
     timeout = claim.options.timeout_s
@@ -62,7 +75,7 @@ async def run_attempt(
             result = await _run_async(spec, kwargs, timeout, grace_s, ctx)
         else:
             kwargs = spec.bind(ctx, claim.instance.args, resources)
-            result = await _run_sync(spec, kwargs, timeout, ctx, pool)
+            result = await _run_sync(spec, kwargs, timeout, ctx, pool, grace_s, on_runaway)
         if ctx.cancellation.reason == CANCEL_REQUESTED:
             return _cancelled(claim)  # the job noticed the cancel and returned early
         return _succeeded(claim, result)
@@ -114,29 +127,57 @@ async def _run_async(
 
 
 async def _run_sync(
-    spec: JobSpec, kwargs: dict[str, Any], timeout_s: float, ctx: JobContext, pool: Executor
+    spec: JobSpec,
+    kwargs: dict[str, Any],
+    timeout_s: float,
+    ctx: JobContext,
+    pool: Executor,
+    grace_s: float,
+    on_runaway: RunawayHook | None,
 ) -> Any:
     loop = asyncio.get_running_loop()
-    future = loop.run_in_executor(pool, functools.partial(spec.func, **kwargs))
+    thread = pool.submit(functools.partial(spec.func, **kwargs))
+    future = asyncio.wrap_future(thread, loop=loop)
     try:
         return await asyncio.wait_for(asyncio.shield(future), timeout_s)
     except TimeoutError:
         ctx.cancellation.set(TIMEOUT)
+        await asyncio.wait({future}, timeout=grace_s)  # a cooperative job returns by now
         if not future.done():
-            logger.warning(
-                "sync job %s (%s) ignores its timeout; it keeps its slot until it returns",
-                ctx.job_key,
-                ctx.instance_id,
-                extra={
-                    "action": "worker.runaway",
-                    "instance_id": str(ctx.instance_id),
-                    "job_key": ctx.job_key,
-                },
-            )
+            _report_runaway(ctx, thread, loop, on_runaway)
         # The thread cannot be killed: wait for it so the concurrency slot is never freed
         # while the code still runs.
         await asyncio.gather(future, return_exceptions=True)
         raise
+
+
+def _report_runaway(
+    ctx: JobContext,
+    thread: concurrent.futures.Future[Any],
+    loop: asyncio.AbstractEventLoop,
+    on_runaway: RunawayHook | None,
+) -> None:
+    logger.warning(
+        "sync job %s (%s) ignores its timeout; it keeps its slot until it returns",
+        ctx.job_key,
+        ctx.instance_id,
+        extra={
+            "action": "worker.runaway",
+            "instance_id": str(ctx.instance_id),
+            "job_key": ctx.job_key,
+        },
+    )
+    if on_runaway is None:
+        return
+    on_runaway(True)
+
+    def returned(_: concurrent.futures.Future[Any]) -> None:
+        # Counted down when the thread itself is free, even if the attempt was given up
+        # meanwhile (a shutdown releases it while the code still runs).
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the worker has gone
+            loop.call_soon_threadsafe(on_runaway, False)
+
+    thread.add_done_callback(returned)
 
 
 def _cancelled(claim: Claim) -> Outcome:

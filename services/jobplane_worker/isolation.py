@@ -3,29 +3,49 @@
 A thread cannot be stopped, so a sync job that ignores its timeout keeps its slot until its code
 returns. In a child process the worker can enforce the timeout and a cancel: SIGTERM, then
 SIGKILL after a short grace, and only then is the outcome recorded and the slot given back.
+Inside the child ``ctx.cancelled`` never becomes true: a cancel, a timeout or a shutdown kills
+the child instead.
 
 The child is started with the ``spawn`` method: it imports the job's module, finds the App that
-declares the job, runs the app's startup hooks for resources, runs the job once and sends back
-its result or error over a pipe. Progress and checkpoints are not available in the child.
+declares the job, runs the app's startup hooks for resources and runs the job once. It talks to
+the worker over two pipes of JSON messages (never pickle):
+
+- child → worker: ``progress`` reports, ``checkpoint`` requests, and last the ``ok`` result or
+  the ``error``;
+- worker → child: the answer to each checkpoint request (saved, refused, or failed).
+
+The worker applies progress and checkpoints to the attempt's own :class:`JobContext`, so they go
+through the same fenced writes as in-process jobs: progress with the next heartbeat, a checkpoint
+at once with the claim token in its WHERE clause. ``ctx.checkpoint`` and ``ctx.checkpoint_sync``
+in the child return once the worker has stored the data (or raise ``LeaseLostError``), and the
+child starts with the instance's last checkpoint, so a retry resumes where the last one stopped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
+import json
 import logging
 import multiprocessing
+import threading
 import traceback
+from datetime import datetime
 from multiprocessing.connection import Connection
 from typing import Any
 from uuid import UUID
 
+from pydantic import BaseModel
+
 from jobplane.app import App, JobSpec
-from jobplane.context import JobContext
+from jobplane.context import JobContext, LeaseLostError
+from jobplane.errors import JobplaneError, StoreUnavailableError
 
 logger = logging.getLogger(__name__)
 
 KILL_GRACE_S = 1.0
+Message = dict[str, Any]
 
 
 class ChildFailedError(Exception):
@@ -37,31 +57,42 @@ class ChildFailedError(Exception):
         self.child_traceback = child_traceback
 
 
+# -- the worker's side ---------------------------------------------------------------------
+
+
 async def run_in_child(spec: JobSpec, ctx: JobContext, args: Any, timeout_s: float) -> Any:
     """Run one attempt in a child process. Raises TimeoutError after ``timeout_s`` and
     ``asyncio.CancelledError`` when the attempt's cancellation is signalled — in both cases
     only once the child is dead."""
     mp = multiprocessing.get_context("spawn")
-    receiver, sender = mp.Pipe(duplex=False)
-    info = (str(ctx.instance_id), ctx.job_key, ctx.attempt, ctx.worker_id)
+    events, child_events = mp.Pipe(duplex=False)  # child → worker
+    child_replies, replies = mp.Pipe(duplex=False)  # worker → child
+    info = {
+        "instance_id": str(ctx.instance_id),
+        "job_key": ctx.job_key,
+        "attempt": ctx.attempt,
+        "worker_id": ctx.worker_id,
+        "scheduled_at": ctx.scheduled_at.isoformat() if ctx.scheduled_at else None,
+        "last_checkpoint": json.dumps(ctx.last_checkpoint),
+    }
     process = mp.Process(
         target=_child_main,
-        args=(spec.func.__module__, spec.key, args, info, sender),
+        args=(spec.func.__module__, spec.key, args, info, child_events, child_replies),
         name=f"jobplane-job-{ctx.instance_id}",
         daemon=True,
     )
     process.start()
-    sender.close()
-    loop = asyncio.get_running_loop()
-    reply: asyncio.Future[tuple[str, Any] | None] = loop.run_in_executor(None, _receive, receiver)
+    child_events.close()
+    child_replies.close()
+    link = _WorkerLink(ctx, replies)
+    final = link.start_reader(events)
     cancelled: asyncio.Future[Any] = asyncio.ensure_future(ctx.cancellation.wait())
     try:
-        waiting: set[asyncio.Future[Any]] = {reply, cancelled}
         done, _ = await asyncio.wait(
-            waiting, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+            {final, cancelled}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
         )
-        if reply in done:
-            return _unpack(reply.result(), process)
+        if final in done:
+            return _unpack(final.result(), process)
         await _kill(process)
         if cancelled in done:
             raise asyncio.CancelledError
@@ -71,26 +102,91 @@ async def run_in_child(spec: JobSpec, ctx: JobContext, args: Any, timeout_s: flo
         cancelled.cancel()
         if process.is_alive():
             await _kill(process)
-        receiver.close()
-        await asyncio.gather(reply, return_exceptions=True)
+        # The child is gone, so the reader sees the end of the pipe and stops. (Bounded: a
+        # grandchild that inherited the pipe could keep it open.)
+        await asyncio.wait({final}, timeout=KILL_GRACE_S)
+        await link.close()
+        events.close()
 
 
-def _receive(receiver: Connection) -> tuple[str, Any] | None:
-    try:
-        return receiver.recv()  # type: ignore[no-any-return]
-    except (EOFError, OSError):
-        return None  # the child died without answering
+class _WorkerLink:
+    """The worker's end of the pipes for one child: a reader thread hands each message to the
+    event loop, where progress and checkpoints are applied to the attempt's context."""
+
+    def __init__(self, ctx: JobContext, replies: Connection) -> None:
+        self._ctx = ctx
+        self._replies = replies
+        self._loop = asyncio.get_running_loop()
+        self._saving: set[asyncio.Task[None]] = set()
+
+    def start_reader(self, events: Connection) -> asyncio.Future[Message | None]:
+        """Start reading ``events``; the future resolves to the child's last message (``ok``
+        or ``error``), or ``None`` when the child died without one."""
+        final: asyncio.Future[Message | None] = self._loop.create_future()
+        # A thread of its own, not the loop's default executor: a child may run for hours and
+        # must not hold one of that executor's few threads.
+        threading.Thread(
+            target=self._read,
+            args=(events, final),
+            name=f"jobplane-child-{self._ctx.instance_id}",
+            daemon=True,
+        ).start()
+        return final
+
+    def _read(self, events: Connection, final: asyncio.Future[Message | None]) -> None:
+        last: Message | None = None
+        try:
+            while True:
+                message: Message = json.loads(events.recv_bytes())
+                if message["kind"] in ("ok", "error"):
+                    last = message
+                    break
+                self._loop.call_soon_threadsafe(self._apply, message)
+        except (EOFError, OSError):
+            pass  # the child died without answering
+        except ValueError:
+            logger.exception("undecodable message from a job process")
+        self._loop.call_soon_threadsafe(_resolve, final, last)
+
+    def _apply(self, message: Message) -> None:
+        if message["kind"] == "progress":
+            self._ctx.progress(message["fraction"], message["message"])
+        elif message["kind"] == "checkpoint":
+            task = asyncio.create_task(self._save(message["data"]))
+            self._saving.add(task)
+            task.add_done_callback(self._saving.discard)
+
+    async def _save(self, data: Any) -> None:
+        """Store the child's checkpoint through the attempt's own fenced saver, and answer."""
+        reply: Message = {"saved": True, "error": None}
+        try:
+            await self._ctx.checkpoint(data)
+        except LeaseLostError:
+            reply["saved"] = False
+        except JobplaneError as exc:
+            reply = {"saved": False, "error": str(exc)}
+        with contextlib.suppress(OSError):  # the child is gone (killed): nobody waits
+            self._replies.send_bytes(json.dumps(reply).encode())
+
+    async def close(self) -> None:
+        for task in self._saving:
+            task.cancel()
+        await asyncio.gather(*self._saving, return_exceptions=True)
+        self._replies.close()
 
 
-def _unpack(message: tuple[str, Any] | None, process: Any) -> Any:
+def _resolve(future: asyncio.Future[Message | None], value: Message | None) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _unpack(message: Message | None, process: Any) -> Any:
     process.join(KILL_GRACE_S)
     if message is None:
         raise RuntimeError(f"job process exited with code {process.exitcode} without a result")
-    kind, payload = message
-    if kind == "ok":
-        return payload
-    type_name, text, child_traceback = payload
-    raise ChildFailedError(type_name, text, child_traceback)
+    if message["kind"] == "ok":
+        return message["result"]
+    raise ChildFailedError(message["type"], message["message"], message["traceback"])
 
 
 async def _kill(process: Any) -> None:
@@ -109,29 +205,99 @@ async def _kill(process: Any) -> None:
     )
 
 
+# -- the child's side ----------------------------------------------------------------------
+
+
+class _ChildLink:
+    """The child's end of the pipes. Thread-safe: a job may report from threads of its own."""
+
+    def __init__(self, events: Connection, replies: Connection) -> None:
+        self._events = events
+        self._replies = replies
+        self._sending = threading.Lock()
+        self._checkpointing = threading.Lock()  # one request at a time: its answer comes next
+
+    def send(self, message: Message) -> None:
+        data = json.dumps(message).encode()
+        with self._sending:
+            self._events.send_bytes(data)
+
+    def progress(self, fraction: float, message: str | None) -> None:
+        self.send({"kind": "progress", "fraction": fraction, "message": message})
+
+    def checkpoint(self, data: Any) -> bool:
+        """Ask the worker to store ``data``; True once stored, False if the attempt was fenced
+        off. Blocks until the worker answers."""
+        with self._checkpointing:
+            self.send({"kind": "checkpoint", "data": data})
+            try:
+                reply: Message = json.loads(self._replies.recv_bytes())
+            except (EOFError, OSError) as exc:
+                raise StoreUnavailableError("the worker stopped answering") from exc
+        if reply["error"] is not None:
+            raise StoreUnavailableError(reply["error"])
+        return bool(reply["saved"])
+
+    async def checkpoint_async(self, data: Any) -> bool:
+        return await asyncio.to_thread(self.checkpoint, data)
+
+
 def _child_main(
-    module_name: str, key: str, args: Any, info: tuple[str, str, int, str], sender: Connection
+    module_name: str,
+    key: str,
+    args: Any,
+    info: dict[str, Any],
+    events: Connection,
+    replies: Connection,
 ) -> None:
+    link = _ChildLink(events, replies)
     try:
-        result = asyncio.run(_child_run(module_name, key, args, info))
-        sender.send(("ok", result))
+        result = asyncio.run(_child_run(module_name, key, args, info, link))
+        message = _ok_message(result)
     except BaseException as exc:
-        text = "".join(traceback.format_exception(exc))
-        sender.send(("error", (type(exc).__name__, str(exc), text)))
+        message = _error_message(exc)
+    try:
+        link.send(message)
     finally:
-        sender.close()
+        events.close()
+        replies.close()
 
 
-async def _child_run(module_name: str, key: str, args: Any, info: tuple[str, str, int, str]) -> Any:
+def _ok_message(result: Any) -> Message:
+    if isinstance(result, BaseModel):
+        result = result.model_dump(mode="json")
+    try:
+        json.dumps(result)
+    except (TypeError, ValueError) as exc:
+        return _error_message(TypeError(f"job result is not JSON serialisable: {exc}"))
+    return {"kind": "ok", "result": result}
+
+
+def _error_message(exc: BaseException) -> Message:
+    return {
+        "kind": "error",
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc)),
+    }
+
+
+async def _child_run(
+    module_name: str, key: str, args: Any, info: dict[str, Any], link: _ChildLink
+) -> Any:
     app = _find_app(importlib.import_module(module_name), key)
     spec = app.jobs[key]
-    instance_id, job_key, attempt, worker_id = info
+    scheduled_at = info["scheduled_at"]
     ctx = JobContext(
-        instance_id=UUID(instance_id),
-        job_key=job_key,
-        attempt=attempt,
-        scheduled_at=None,
-        worker_id=worker_id,
+        instance_id=UUID(info["instance_id"]),
+        job_key=info["job_key"],
+        attempt=info["attempt"],
+        scheduled_at=datetime.fromisoformat(scheduled_at) if scheduled_at else None,
+        worker_id=info["worker_id"],
+        last_checkpoint=json.loads(info["last_checkpoint"]),
+        saver=link.checkpoint_async,
+        sync_saver=link.checkpoint,
+        on_progress=link.progress,
     )
     async with app.lifespan() as resources:
         kwargs = spec.bind(ctx, args, resources)

@@ -13,6 +13,7 @@ Order of operations for one bus entry, and why:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -39,6 +40,8 @@ from jobplane.errors import BusUnavailableError, StoreUnavailableError, Unavaila
 from jobplane.settings import WorkerSettings
 from jobplane.store.abc import Store
 from jobplane_worker.attempt import CANCEL_REQUESTED, Attempt, run_attempt
+from jobplane_worker.health import serving
+from jobplane_worker.metrics import LEASE_LOST, RELEASED, WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +69,27 @@ class Worker:
         self._reserved = 0  # entries read and being claimed: they count against capacity
         self._last_reclaim = time.monotonic()
         self._failure: Exception | None = None
+        self.registered = False  # read by the readiness probe
+        self.stopping = False
+        self.runaway_count = 0  # sync jobs past their timeout that still hold a pool thread
+        self.metrics = WorkerMetrics(
+            settings.concurrency, lambda: len(self.running), lambda: self.runaway_count
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Run until ``stop`` is set, then stop gracefully (see :meth:`_drain`)."""
+        """Run until ``stop`` is set, then stop gracefully (see :meth:`_drain`). With a health
+        port, the probes answer from the start to the end of the drain."""
+        async with contextlib.AsyncExitStack() as stack:
+            watched: list[asyncio.Task[Any]] = []
+            if self.settings.health_port:
+                probes = serving(self, self.settings.health_host, self.settings.health_port)
+                watched.append(await stack.enter_async_context(probes))
+            await self._run_until(stop, watched)
+        logger.info("worker %s stopped", self.id, extra={"action": "worker.stopped"})
+
+    async def _run_until(self, stop: asyncio.Event, watched: list[asyncio.Task[Any]]) -> None:
         async with self.app.lifespan() as resources:
             self._resources = resources
             await self.register()
@@ -81,16 +100,17 @@ class Worker:
                 asyncio.create_task(self._events_loop(), name="jobplane-events"),
             ]
             try:
-                await self._consume(consumer, stop, side)
+                await self._consume(consumer, stop, [*side, *watched])
+                self.stopping = True
                 await self._drain()
                 await self._outcomes.join()
             finally:
+                self.stopping = True
                 for task in [*side, *self._side_tasks]:
                     task.cancel()
                 await asyncio.gather(*side, *self._side_tasks, return_exceptions=True)
                 self._pool.shutdown(wait=False, cancel_futures=True)
                 await self._quietly(self.store.worker_stopped(self.id))
-        logger.info("worker %s stopped", self.id, extra={"action": "worker.stopped"})
 
     async def register(self) -> None:
         """Register the app's jobs (first registration persists options) and this worker."""
@@ -130,6 +150,7 @@ class Worker:
             self.settings.concurrency,
             extra={"action": "worker.ready"},
         )
+        self.registered = True
 
     # -- consuming -------------------------------------------------------------------------
 
@@ -214,6 +235,7 @@ class Worker:
         # entries go (a long job is never re-delivered). Skipped, parked and stale ones too.
         await consumer.ack(known)
         for claim in result.claimed:
+            self.metrics.claims.labels(job=claim.instance.job_key).inc()
             self._start(claim)
 
     async def _requeue_later(self, consumer: Consumer, deliveries: list[Delivery]) -> None:
@@ -264,7 +286,7 @@ class Worker:
             scheduled_at=instance.scheduled_at,
             worker_id=self.id,
             last_checkpoint=instance.checkpoint,
-            saver=functools.partial(self.store.save_checkpoint, instance.id, claim.token),
+            saver=functools.partial(self._save_checkpoint, instance.id, claim.token),
             loop=asyncio.get_running_loop(),
         )
         attempt = Attempt(claim=claim, ctx=ctx)
@@ -272,18 +294,69 @@ class Worker:
         attempt.task = asyncio.create_task(self._run(attempt), name=f"job-{instance.id}")
 
     async def _run(self, attempt: Attempt) -> None:
-        spec = self.app.jobs[attempt.claim.instance.job_key]
+        key = attempt.claim.instance.job_key
         try:
             outcome = await run_attempt(
-                attempt, spec, self._resources, self._pool, self.settings.timeout_grace_s
+                attempt,
+                self.app.jobs[key],
+                self._resources,
+                self._pool,
+                self.settings.timeout_grace_s,
+                functools.partial(self._on_runaway, key),
             )
         except asyncio.CancelledError:
+            self.metrics.finished.labels(job=key, outcome=RELEASED).inc()
             return  # stopped by _drain, which releases the instance
         finally:
             self.running.pop(attempt.claim.instance.id, None)
             self._slot_freed.set()
-        if outcome is not None and not attempt.lease_lost:
-            self._outcomes.put_nowait((attempt, outcome))
+        if attempt.lease_lost:
+            self.metrics.finished.labels(job=key, outcome=LEASE_LOST).inc()
+            return
+        await self._flush_progress(attempt)
+        self.metrics.finished.labels(job=key, outcome=outcome.state.value).inc()
+        self._outcomes.put_nowait((attempt, outcome))
+
+    def _on_runaway(self, key: str, running: bool) -> None:
+        """A sync job ignores its timeout (``running``), or its thread finally returned."""
+        if running:
+            self.runaway_count += 1
+            self.metrics.runaways.labels(job=key).inc()
+        else:
+            self.runaway_count -= 1
+
+    async def _save_checkpoint(self, instance_id: UUID, token: int, data: Any) -> bool:
+        # The store's UPDATE has claim_token = token in its WHERE clause: after a lost lease
+        # (another worker may have claimed the instance) this attempt's checkpoint is refused.
+        saved = await self.store.save_checkpoint(instance_id, token, data)
+        if not saved:
+            self.metrics.lease_lost_writes.labels(write="checkpoint").inc()
+        return saved
+
+    async def _flush_progress(self, attempt: Attempt) -> None:
+        """Write progress reported since the last heartbeat before the outcome is recorded,
+        so that the last report of a short attempt is not lost."""
+        progress = attempt.ctx.pending_progress
+        if progress is None:
+            return
+        attempt.ctx.pending_progress = None
+        instance_id = attempt.claim.instance.id
+        try:
+            # A heartbeat of this one lease: fenced by the claim token and the Processing
+            # state, so a stale attempt (lease lost, instance re-claimed) writes nothing.
+            kept = await self.store.heartbeat(
+                [attempt.lease], self.settings.lease_s, {instance_id: progress}
+            )
+        except StoreUnavailableError as exc:
+            logger.warning(
+                "could not write the last progress of %s: %s",
+                instance_id,
+                exc,
+                extra={"action": "worker.progress", "instance_id": str(instance_id)},
+            )
+            return
+        if instance_id not in kept:
+            self.metrics.lease_lost_writes.labels(write="progress").inc()
 
     async def _record_loop(self) -> None:
         """Record outcomes in batches: whatever is ready, never waiting to fill a batch."""
@@ -312,6 +385,7 @@ class Worker:
             instance = attempt.claim.instance
             state = ended.get(outcome.instance_id)
             if state is None:
+                self.metrics.lease_lost_writes.labels(write="outcome").inc()
                 continue  # fenced off: the store logged it
             logger.info(
                 "instance %s of %s ended %s",
@@ -362,6 +436,7 @@ class Worker:
                 # Another worker may own it now; every write of ours would be refused anyway.
                 attempt.lease_lost = True
                 attempt.ctx.cancellation.set("lease lost")
+                self.metrics.lease_lost_writes.labels(write="heartbeat").inc()
                 logger.warning(
                     "lost the lease of instance %s; stopping it",
                     instance_id,

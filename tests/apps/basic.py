@@ -10,6 +10,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from jobplane import App, JobContext
+from jobplane.context import LeaseLostError
 
 app = App("tests")
 
@@ -70,9 +71,11 @@ class PidFile(BaseModel):
     path: str
 
 
-@app.triggered(isolation="process", timeout_s=1.0)
+@app.triggered(isolation="process", timeout_s=2.0)
 def runaway(args: PidFile) -> None:
-    """Ignores every cancellation; only a kill stops it."""
+    """Ignores every cancellation; only a kill stops it. (The timeout includes the child's
+    start, about 0.7 s on the 2-core machine and more under load: with 1 s it sometimes timed
+    out before writing its pid.)"""
     Path(args.path).write_text(str(os.getpid()))
     while True:
         time.sleep(0.05)
@@ -92,3 +95,57 @@ def child_fails() -> None:
 async def slow_echo(args: EchoArgs) -> int:
     await asyncio.sleep(0.3)
     return args.value
+
+
+@app.triggered(isolation="process", retries=1, backoff={"kind": "none"})
+def child_resumes(ctx: JobContext) -> dict[str, int]:
+    """Reports progress and saves a checkpoint from the child; the first attempt then fails,
+    the retry starts from the checkpoint."""
+    start = int(ctx.last_checkpoint or 0)
+    ctx.progress(0.5, f"from {start}")
+    ctx.checkpoint_sync(start + 10)
+    if ctx.attempt == 1:
+        raise RuntimeError("first attempt fails after its checkpoint")
+    return {"resumed_from": start}
+
+
+@app.triggered(isolation="process", retries=1, backoff={"kind": "none"})
+async def child_resumes_async(ctx: JobContext) -> dict[str, int]:
+    """:func:`child_resumes` for an async job (``await ctx.checkpoint``)."""
+    start = int(ctx.last_checkpoint or 0)
+    ctx.progress(0.25, f"from {start}")
+    await ctx.checkpoint(start + 5)
+    if ctx.attempt == 1:
+        raise RuntimeError("first attempt fails after its checkpoint")
+    return {"resumed_from": start}
+
+
+class Gate(BaseModel):
+    path: str
+
+
+@app.triggered(timeout_s=1.0)
+def ignores_timeout(ctx: JobContext, args: Gate) -> str:
+    """A sync job that ignores its cancellation: it returns only once the file ``path`` exists
+    (or after 60 s, so that a failed test leaves no thread behind for long)."""
+    _note(Path(args.path + ".started"), str(ctx.instance_id))
+    deadline = time.monotonic() + 60
+    while not Path(args.path).exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return "returned at last"
+
+
+@app.triggered(isolation="process", timeout_s=60)
+def child_checkpoints_late(ctx: JobContext, args: Gate) -> None:
+    """Waits for the file ``path``, then saves a checkpoint; notes in ``path.result`` whether
+    the worker refused it (the attempt had lost its claim meanwhile)."""
+    _note(Path(args.path + ".started"), str(ctx.instance_id))
+    deadline = time.monotonic() + 30
+    while not Path(args.path).exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        ctx.checkpoint_sync({"late": True})
+    except LeaseLostError:
+        _note(Path(args.path + ".result"), "refused")
+        raise
+    _note(Path(args.path + ".result"), "saved")

@@ -1,0 +1,55 @@
+"""Serve an ASGI app with uvicorn inside a role's own event loop, until the role stops."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator
+
+import uvicorn
+
+from jobplane.errors import ConfigurationError
+
+
+class _Server(uvicorn.Server):
+    """Signals are the caller's (the CLI sets ``stop``), not uvicorn's."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket; a port in use is a :class:`ConfigurationError` (one line at the
+    command line), not an exit from inside uvicorn."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigurationError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+async def serve_until(
+    config: uvicorn.Config, stop: asyncio.Event, sockets: list[socket.socket] | None = None
+) -> None:
+    """Serve ``config.app`` until ``stop`` is set (or the server ends by itself), then let
+    uvicorn finish the requests in flight."""
+    server = _Server(config)
+    serving = asyncio.create_task(server.serve(sockets=sockets))
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        server.should_exit = True
+        await serving
+    finally:
+        stopping.cancel()
+        if not serving.done():
+            serving.cancel()
+            await asyncio.gather(serving, return_exceptions=True)

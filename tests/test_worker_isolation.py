@@ -1,0 +1,86 @@
+"""``isolation="process"``: progress and checkpoints cross the process boundary, on Postgres
+and Redis, through the same fenced writes as in-process jobs."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from jobplane.bus.abc import Bus
+from jobplane.dispatch import Dispatcher
+from jobplane.domain.states import InstanceState as S
+from jobplane.store.sql import SqlStore
+from jobplane_worker.worker import Worker
+from tests.apps.basic import app
+from tests.worker_helpers import running_worker, settled, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize(
+    ("key", "step", "fraction"), [("child_resumes", 10, 0.5), ("child_resumes_async", 5, 0.25)]
+)
+async def test_isolated_job_reports_progress_and_resumes_from_its_checkpoint(
+    pg_store: SqlStore, redis_bus: Bus, key: str, step: int, fraction: float
+) -> None:
+    async with running_worker(app, pg_store, redis_bus):
+        instance = await Dispatcher(pg_store, redis_bus).trigger(key)
+        [done] = await settled(pg_store, [instance.id], timeout_s=60)
+    # The first attempt saved `step` and failed; the retry started from it and saved twice that.
+    assert done.state is S.SUCCEEDED, done.error
+    assert done.attempt == 2 and done.retries_used == 1
+    assert done.result == {"resumed_from": step}
+    assert done.checkpoint == 2 * step
+    assert done.progress == fraction and done.progress_message == f"from {step}"
+    steps = [t.to_state for t in await pg_store.transitions(instance.id)]
+    assert steps.count(S.FAILED) == 1 and steps[-1] is S.SUCCEEDED
+
+
+async def test_isolated_checkpoint_after_a_lost_claim_is_refused(
+    pg_store: SqlStore, redis_bus: Bus, tmp_path: Path
+) -> None:
+    """The child's checkpoint goes through the worker's fenced saver: once the instance was
+    released and claimed by another worker (a newer claim token), it is refused, the child
+    gets LeaseLostError, and its outcome is refused as well."""
+    gate = tmp_path / "gate"
+    # No heartbeat during the test: the attempt learns of its lost claim from the refusal.
+    async with running_worker(app, pg_store, redis_bus, heartbeat_s=30, lease_s=60) as worker:
+        instance = await Dispatcher(pg_store, redis_bus).trigger(
+            "child_checkpoints_late", {"path": str(gate)}
+        )
+        await wait_for(lambda: _exists(Path(f"{gate}.started")), what="the child to start")
+        mine = await pg_store.get_instance(instance.id)
+        # What the reaper does to an expired lease, then another worker's claim.
+        released = await pg_store.transition(
+            instance.id,
+            S.ENQUEUED,
+            expect=[S.PROCESSING],
+            claim_token=mine.claim_token,
+            actor="test",
+            reason="lease expired",
+        )
+        assert released is not None
+        claim = await pg_store.claim([instance.id], "thief", 60, ["child_checkpoints_late"])
+        assert [c.instance.id for c in claim.claimed] == [instance.id]
+        gate.touch()
+        await wait_for(lambda: _exists(Path(f"{gate}.result")), what="the checkpoint attempt")
+        # The child raised LeaseLostError; its Failed outcome is refused by the store too.
+        await wait_for(lambda: _refused(worker, "outcome"), what="the outcome to be refused")
+        assert await _refused(worker, "checkpoint")
+    result = await asyncio.to_thread(Path(f"{gate}.result").read_text)
+    assert result.strip() == "refused"
+    now = await pg_store.get_instance(instance.id)
+    assert now.state is S.PROCESSING and now.worker_id == "thief" and now.checkpoint is None
+
+
+async def _exists(path: Path) -> bool:
+    return await asyncio.to_thread(path.exists)
+
+
+async def _refused(worker: Worker, write: str) -> bool:
+    value = worker.metrics.registry.get_sample_value(
+        "jobplane_worker_lease_lost_writes_total", {"write": write}
+    )
+    return value == 1.0
