@@ -87,3 +87,47 @@ def test_end_at_stops_the_timer() -> None:
     [(_, at)] = timers.pop_due(T0 + timedelta(seconds=1))
     timers.advance("tick", at)
     assert timers.next_time() is None
+
+
+def test_a_replan_past_end_at_queues_nothing() -> None:
+    # Every re-plan (new leader, edit, resume) goes through set_job: whether the job's last
+    # tick was at end_at or it never fired, no tick after end_at is queued.
+    ended = job(end_at=T0)
+    for last in (T0, None):
+        timers = CronTimers()
+        timers.set_job(ended, last, T0 + timedelta(seconds=30))
+        assert timers.next_time() is None, last
+    # The tick exactly at end_at is still planned (end is inclusive).
+    timers = CronTimers()
+    timers.set_job(ended, T0 - timedelta(seconds=1), T0 - timedelta(milliseconds=500))
+    assert timers.next_time() == T0
+    # A catch-up 30 s after end_at fires the tick at end_at, nothing later.
+    made = catch_up(ended, T0 - timedelta(seconds=5), T0 + timedelta(seconds=30))
+    assert [m.scheduled_at for m in made if m.skip_reason is None] == [T0]
+    assert max(m.scheduled_at for m in made if m.scheduled_at) == T0
+
+
+def test_start_at_is_inclusive() -> None:
+    start = T0 + timedelta(seconds=10)
+    starting = job(start_at=start)
+    timers = CronTimers()
+    timers.set_job(starting, None, T0)
+    assert timers.next_time() == start
+    # Also when the job has fired before and start_at was moved later by an edit.
+    timers.set_job(starting, T0 - timedelta(hours=1), T0)
+    assert timers.next_time() == start
+    # A daily job starting exactly on one of its ticks fires that tick.
+    daily = JobDefinition(
+        options=JobOptions.parse(key="d", kind="recurring", cron="0 12 * * *", start_at=T0),
+        version=1,
+    )
+    timers.set_job(daily, None, T0 - timedelta(days=3))
+    assert timers.next_time() == T0
+
+
+def test_catch_up_stays_inside_start_at() -> None:
+    start = T0 + timedelta(seconds=10)
+    # Before start_at nothing was missed; from start_at on (inclusive) it was.
+    assert catch_up(job(start_at=start, misfire="skip"), T0, T0 + timedelta(seconds=5)) == []
+    made = catch_up(job(start_at=start, misfire="skip"), T0, start + timedelta(seconds=2))
+    assert [m.scheduled_at for m in made] == [start + timedelta(seconds=s) for s in range(3)]

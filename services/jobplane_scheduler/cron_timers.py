@@ -19,6 +19,7 @@ from jobplane.domain.options import MisfirePolicy
 logger = logging.getLogger(__name__)
 
 MISFIRE = "misfire"
+_JUST_BEFORE = timedelta(microseconds=1)
 
 
 @dataclass(order=True)
@@ -49,10 +50,11 @@ class CronTimers:
         # seeing the same change) leaves one live entry, never two that would fire a tick twice.
         self._plans += 1
         self._schedules[definition.key] = (self._plans, schedule, definition)
-        start = last or max(now, options.start_at or now)
-        if options.start_at and start < options.start_at:
-            start = options.start_at
-        nxt = schedule.next_after(start)
+        nxt = schedule.next_after(_plan_from(options.start_at, last or now))
+        # Every re-plan (new leader, edit, resume, bus restart) comes through here, so the
+        # window is checked here too: a job past its end_at gets no entry at all.
+        if options.end_at is not None and nxt > options.end_at:
+            return
         heapq.heappush(self._heap, _Entry(nxt, definition.key, self._plans))
 
     def drop_job(self, key: str) -> None:
@@ -94,6 +96,15 @@ class CronTimers:
             heapq.heappop(self._heap)
 
 
+def _plan_from(start_at: datetime | None, after: datetime) -> datetime:
+    """The instant the next tick is searched strictly after: ``after``, but never before
+    ``start_at``, which is inclusive (a tick exactly at ``start_at`` fires, as one exactly at
+    ``end_at`` does). Ticks are whole seconds, so one microsecond before it is enough."""
+    if start_at is not None and after < start_at:
+        return start_at - _JUST_BEFORE
+    return after
+
+
 def is_active(definition: JobDefinition) -> bool:
     options = definition.options
     return bool(options.cron) and not definition.paused and not options.disabled
@@ -111,6 +122,9 @@ def catch_up(definition: JobDefinition, last: datetime | None, now: datetime) ->
         return []
     schedule = CronSchedule(options.cron, options.timezone)
     until = min(now, options.end_at) if options.end_at else now
+    last = _plan_from(options.start_at, last)  # nothing before start_at was missed
+    if until <= last:
+        return []
     bound = options.misfire_max
     missed = schedule.between(last, until, bound + 1)
     if not missed:
