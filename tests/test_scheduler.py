@@ -18,7 +18,7 @@ from tests.worker_helpers import wait_for
 
 
 async def _cron_instances(store: SqlStore, key: str) -> list:  # type: ignore[type-arg]
-    page = await store.list_instances(InstanceFilter(job_key=key), limit=1000)
+    page = await store.list_instances(InstanceFilter(job_key=key), limit=5000)
     return sorted((i for i in page.items), key=lambda i: i.scheduled_at)
 
 
@@ -132,3 +132,24 @@ async def test_the_tick_at_start_at_fires(store: SqlStore, bus: Bus) -> None:
 
 async def _leads(scheduler: Scheduler) -> bool:
     return scheduler.lease is not None
+
+
+async def test_a_long_outage_records_every_missed_tick(store: SqlStore, memory_bus: Bus) -> None:
+    # 1,200 ticks missed with misfire_max=10: recorded in passes, all of them, then on time.
+    await define(store, "tick", cron="* * * * * *", misfire_max=10)
+    first = (await store.now()).replace(microsecond=0) - timedelta(seconds=1_200)
+    lease = await store.acquire_leadership(0, "earlier", 30)
+    assert lease is not None
+    tick = NewInstance(job_key="tick", source=InstanceSource.CRON, scheduled_at=first)
+    await store.fire(lease, [tick])
+    assert await store.release_leadership(0, "earlier", lease.term)
+    async with running_scheduler(store, memory_bus):
+        await wait_for(lambda: _count(store, "tick", 1_205), timeout_s=30, what="the backfill")
+    fired = await _cron_instances(store, "tick")
+    ticks = [i.scheduled_at for i in fired]
+    assert ticks[0] == first
+    assert all(b - a == timedelta(seconds=1) for a, b in itertools.pairwise(ticks))
+    late = [i for i in fired[1:] if i.state is S.ENQUEUED]
+    assert late and all(i.reason is None for i in late)
+    missed = [i for i in fired if i.state is S.SKIPPED]
+    assert len(missed) >= 1_190 and all(i.reason == "misfire" for i in missed)

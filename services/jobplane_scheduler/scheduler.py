@@ -144,6 +144,8 @@ class LeaderDuties:
         self._wake = asyncio.Event()
         self._epoch: str | None = None
         self._delayed: list[datetime] = []
+        #: Jobs whose missed ticks are still being recorded in batches (see catch_up).
+        self._backfill: set[str] = set()
 
     async def run(self) -> None:
         deposed = False
@@ -152,6 +154,7 @@ class LeaderDuties:
             # so ticks due during an outage are caught up per the misfire policy.
             self.timers = CronTimers()
             self.cache = DefinitionCache(self.store, self.bus)
+            self._backfill.clear()
             try:
                 await self._load_definitions()
                 async with asyncio.TaskGroup() as group:
@@ -196,14 +199,24 @@ class LeaderDuties:
             definition = cached.get(key)
             if definition is None or self.settings.debug_no_auto_cron or not is_active(definition):
                 self.timers.drop_job(key)
+                self._backfill.discard(key)
             else:
                 active.append(definition)
         last = await self.store.last_occurrences([d.key for d in active])
         now = await self.store.now()
         records = []
         for definition in active:
-            made = catch_up(definition, last.get(definition.key), now)
+            caught = catch_up(definition, last.get(definition.key), now)
+            made = caught.records
             records.extend(made)
+            if not caught.complete:
+                # A long outage: this pass records a batch of its oldest missed ticks; the
+                # cron loop runs the next pass (after any due tick of other jobs), and only
+                # the last one plans the job's timer.
+                self.timers.drop_job(definition.key)
+                self._backfill.add(definition.key)
+                continue
+            self._backfill.discard(definition.key)
             latest = max(
                 [last.get(definition.key)] + [m.scheduled_at for m in made],
                 key=lambda t: t or datetime.min.replace(tzinfo=now.tzinfo),
@@ -220,6 +233,9 @@ class LeaderDuties:
                 due = self.timers.pop_due(now)
                 if due:
                     await self._fire_due(due)
+                    continue
+                if self._backfill:
+                    await self._replan(set(self._backfill))
                     continue
             await self._sleep_until(self.timers.next_time(), now)
 
