@@ -189,6 +189,19 @@ async def test_events_reach_every_subscriber(bus: Bus) -> None:
 
 async def test_epoch_is_stable(bus: Bus) -> None:
     assert await bus.epoch() == await bus.epoch()
+    assert (await bus.epoch()).marker is None  # nothing marked yet
+    marked = await bus.mark_epoch()
+    assert marked.marker is not None
+    assert await bus.mark_epoch() == marked == await bus.epoch()  # set once, then stable
+
+
+async def test_a_flush_shows_in_the_epoch(redis_bus: Bus, redis_url: str) -> None:
+    assert isinstance(redis_bus, RedisBus)
+    marked = await redis_bus.mark_epoch()
+    # A FLUSHALL deletes every key; here only this test's own marker key is deleted.
+    await redis_bus.client.delete(redis_bus.keys.epoch_marker())
+    flushed = await redis_bus.epoch()
+    assert flushed.run_id == marked.run_id and flushed.marker is None
 
 
 async def test_group_is_recreated_when_its_stream_vanished(redis_bus: Bus) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from datetime import UTC, datetime
 from zoneinfo import ZoneInfo
 
@@ -125,3 +126,115 @@ def test_six_fields_fire_on_the_second_in_any_zone() -> None:
         schedule.next_after(start).second,
         len(schedule.between(start, start.replace(minute=1), 10)),
     ] == [15, 4]
+
+
+def gaps(expr: str, tz: str, start: datetime, n: int) -> tuple[list[str], list[float]]:
+    """``n`` ticks as local wall times, and the hours of elapsed time between them."""
+    schedule = CronSchedule(expr, tz)
+    zone = ZoneInfo(tz)
+    ticks, current = [], start
+    for _ in range(n):
+        current = schedule.next_after(current)
+        ticks.append(current)
+    hours = [(b - a).total_seconds() / 3600 for a, b in itertools.pairwise(ticks)]
+    return [t.astimezone(zone).strftime("%d %H:%M%z") for t in ticks], hours
+
+
+@pytest.mark.parametrize(
+    ("expr", "tz", "start", "n", "step", "first", "after_change", "midnight"),
+    [
+        # Berlin, autumn (03:00 CEST → 02:00 CET): 2 h all day, the extra hour at midnight.
+        (
+            "0 */2 * * *",
+            "Europe/Berlin",
+            datetime(2026, 10, 24, 21, tzinfo=UTC),
+            13,
+            2,
+            "25 00:00+0200",
+            "25 03:00+0100",
+            3,
+        ),
+        # Berlin, spring (02:00 CET → 03:00 CEST): the missing hour at midnight.
+        (
+            "0 */2 * * *",
+            "Europe/Berlin",
+            datetime(2026, 3, 28, 22, tzinfo=UTC),
+            13,
+            2,
+            "29 00:00+0100",
+            "29 03:00+0200",
+            1,
+        ),
+        # New York, autumn (02:00 EDT → 01:00 EST): no 4-hour gap at the change.
+        (
+            "0 */3 * * *",
+            "America/New_York",
+            datetime(2026, 11, 1, 3, tzinfo=UTC),
+            9,
+            3,
+            "01 00:00-0400",
+            "01 02:00-0500",
+            4,
+        ),
+        # New York, spring (02:00 EST → 03:00 EDT).
+        (
+            "0 */3 * * *",
+            "America/New_York",
+            datetime(2026, 3, 8, 4, tzinfo=UTC),
+            9,
+            3,
+            "08 00:00-0500",
+            "08 04:00-0400",
+            2,
+        ),
+        # Chatham, spring (02:45 +1245 → 03:45 +1345), with minutes.
+        (
+            "30 */2 * * *",
+            "Pacific/Chatham",
+            datetime(2026, 9, 26, 11, tzinfo=UTC),
+            13,
+            2,
+            "27 00:30+1245",
+            "27 05:30+1345",
+            1,
+        ),
+        # Chatham, autumn (03:45 +1345 → 02:45 +1245).
+        (
+            "30 */2 * * *",
+            "Pacific/Chatham",
+            datetime(2026, 4, 4, 10, tzinfo=UTC),
+            13,
+            2,
+            "05 00:30+1345",
+            "05 03:30+1245",
+            3,
+        ),
+    ],
+)
+def test_hour_steps_keep_their_cadence_in_elapsed_time(
+    expr: str,
+    tz: str,
+    start: datetime,
+    n: int,
+    step: int,
+    first: str,
+    after_change: str,
+    midnight: int,
+) -> None:
+    ticks, hours = gaps(expr, tz, start, n)
+    assert ticks[0] == first
+    assert after_change in ticks  # the first tick after the change: cadence, not wall position
+    # Every interval of the change day is the step; the day's missing or extra hour falls on
+    # the interval across the next midnight, where the steps restart.
+    assert hours[:-1] == [step] * (n - 2)
+    assert hours[-1] == midnight
+    assert ticks[-1].split()[1].startswith("00:")  # back on the wall clock from then on
+
+
+def test_hour_steps_follow_the_wall_clock_on_ordinary_days() -> None:
+    ticks, _hours = gaps("0 */2 * * *", "Europe/Berlin", datetime(2026, 7, 1, 21, tzinfo=UTC), 4)
+    assert ticks == ["02 00:00+0200", "02 02:00+0200", "02 04:00+0200", "02 06:00+0200"]
+    ticks, _ = gaps("15 8-18/4 * * 1-5", "America/New_York", datetime(2026, 7, 3, tzinfo=UTC), 3)
+    assert ticks == ["03 08:15-0400", "03 12:15-0400", "03 16:15-0400"]  # Friday
+    ticks, _ = gaps("0 1-5/2,20 * * *", "Europe/Berlin", datetime(2026, 7, 1, 22, tzinfo=UTC), 4)
+    assert ticks == ["02 01:00+0200", "02 03:00+0200", "02 05:00+0200", "02 20:00+0200"]

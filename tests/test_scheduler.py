@@ -8,16 +8,17 @@ from datetime import timedelta
 
 from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
-from jobplane.domain.models import InstanceFilter
+from jobplane.domain.models import InstanceFilter, InstanceSource, NewInstance
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.sql import SqlStore
+from jobplane_scheduler.scheduler import Scheduler
 from tests.scheduler_helpers import running_scheduler
 from tests.store_helpers import define
 from tests.worker_helpers import wait_for
 
 
 async def _cron_instances(store: SqlStore, key: str) -> list:  # type: ignore[type-arg]
-    page = await store.list_instances(InstanceFilter(job_key=key), limit=1000)
+    page = await store.list_instances(InstanceFilter(job_key=key), limit=5000)
     return sorted((i for i in page.items), key=lambda i: i.scheduled_at)
 
 
@@ -95,3 +96,60 @@ async def test_debug_mode_never_fires_cron(store: SqlStore, bus: Bus) -> None:
     async with running_scheduler(store, bus, debug_no_auto_cron=True):
         await asyncio.sleep(2.2)
     assert await store.count_by_state("tick") == {}
+
+
+async def test_no_tick_after_end_at_on_any_replan(store: SqlStore, bus: Bus) -> None:
+    now = (await store.now()).replace(microsecond=0)
+    end = now - timedelta(seconds=30)
+    # One job never fired; one whose last tick was its end_at (recorded by an earlier leader).
+    await define(store, "never", cron="* * * * * *", end_at=end)
+    await define(store, "ended", cron="* * * * * *", end_at=end)
+    lease = await store.acquire_leadership(0, "earlier", 30)
+    assert lease is not None
+    tick = NewInstance(job_key="ended", source=InstanceSource.CRON, scheduled_at=end)
+    await store.fire(lease, [tick])
+    assert await store.release_leadership(0, "earlier", lease.term)
+    async with running_scheduler(store, bus) as scheduler:
+        await wait_for(lambda: _leads(scheduler), timeout_s=10, what="leadership")
+        await asyncio.sleep(2.5)  # two and more one-second ticks
+        # A pause and resume re-plans both jobs again.
+        await store.set_paused("never", True, "test")
+        await store.set_paused("never", False, "test")
+        await asyncio.sleep(1.5)
+    assert await store.count_by_state("never") == {}
+    assert [i.scheduled_at for i in await _cron_instances(store, "ended")] == [end]
+
+
+async def test_the_tick_at_start_at_fires(store: SqlStore, bus: Bus) -> None:
+    start = (await store.now()).replace(microsecond=0) + timedelta(seconds=3)
+    start += timedelta(seconds=start.second % 2)  # an even second: one of the job's ticks
+    await define(store, "tick", cron="* * * * * */2", start_at=start)
+    async with running_scheduler(store, bus):
+        await wait_for(lambda: _count(store, "tick", 2), timeout_s=10, what="two ticks")
+    ticks = [i.scheduled_at for i in await _cron_instances(store, "tick")]
+    assert ticks[:2] == [start, start + timedelta(seconds=2)]
+
+
+async def _leads(scheduler: Scheduler) -> bool:
+    return scheduler.lease is not None
+
+
+async def test_a_long_outage_records_every_missed_tick(store: SqlStore, memory_bus: Bus) -> None:
+    # 1,200 ticks missed with misfire_max=10: recorded in passes, all of them, then on time.
+    await define(store, "tick", cron="* * * * * *", misfire_max=10)
+    first = (await store.now()).replace(microsecond=0) - timedelta(seconds=1_200)
+    lease = await store.acquire_leadership(0, "earlier", 30)
+    assert lease is not None
+    tick = NewInstance(job_key="tick", source=InstanceSource.CRON, scheduled_at=first)
+    await store.fire(lease, [tick])
+    assert await store.release_leadership(0, "earlier", lease.term)
+    async with running_scheduler(store, memory_bus):
+        await wait_for(lambda: _count(store, "tick", 1_205), timeout_s=30, what="the backfill")
+    fired = await _cron_instances(store, "tick")
+    ticks = [i.scheduled_at for i in fired]
+    assert ticks[0] == first
+    assert all(b - a == timedelta(seconds=1) for a, b in itertools.pairwise(ticks))
+    late = [i for i in fired[1:] if i.state is S.ENQUEUED]
+    assert late and all(i.reason is None for i in late)
+    missed = [i for i in fired if i.state is S.SKIPPED]
+    assert len(missed) >= 1_190 and all(i.reason == "misfire" for i in missed)

@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
-from jobplane.bus.abc import Bus
+from jobplane.bus.abc import Bus, BusEpoch
 from jobplane.bus.envelope import Event, EventKind
 from jobplane.definitions import DefinitionCache
 from jobplane.dispatch import Dispatcher
@@ -142,8 +142,10 @@ class LeaderDuties:
         # all apply definition changes, and a tick must be planned once.
         self._planning = asyncio.Lock()
         self._wake = asyncio.Event()
-        self._epoch: str | None = None
+        self._epoch: BusEpoch | None = None
         self._delayed: list[datetime] = []
+        #: Jobs whose missed ticks are still being recorded in batches (see catch_up).
+        self._backfill: set[str] = set()
 
     async def run(self) -> None:
         deposed = False
@@ -152,6 +154,7 @@ class LeaderDuties:
             # so ticks due during an outage are caught up per the misfire policy.
             self.timers = CronTimers()
             self.cache = DefinitionCache(self.store, self.bus)
+            self._backfill.clear()
             try:
                 await self._load_definitions()
                 async with asyncio.TaskGroup() as group:
@@ -196,14 +199,24 @@ class LeaderDuties:
             definition = cached.get(key)
             if definition is None or self.settings.debug_no_auto_cron or not is_active(definition):
                 self.timers.drop_job(key)
+                self._backfill.discard(key)
             else:
                 active.append(definition)
         last = await self.store.last_occurrences([d.key for d in active])
         now = await self.store.now()
         records = []
         for definition in active:
-            made = catch_up(definition, last.get(definition.key), now)
+            caught = catch_up(definition, last.get(definition.key), now)
+            made = caught.records
             records.extend(made)
+            if not caught.complete:
+                # A long outage: this pass records a batch of its oldest missed ticks; the
+                # cron loop runs the next pass (after any due tick of other jobs), and only
+                # the last one plans the job's timer.
+                self.timers.drop_job(definition.key)
+                self._backfill.add(definition.key)
+                continue
+            self._backfill.discard(definition.key)
             latest = max(
                 [last.get(definition.key)] + [m.scheduled_at for m in made],
                 key=lambda t: t or datetime.min.replace(tzinfo=now.tzinfo),
@@ -220,6 +233,9 @@ class LeaderDuties:
                 due = self.timers.pop_due(now)
                 if due:
                     await self._fire_due(due)
+                    continue
+                if self._backfill:
+                    await self._replan(set(self._backfill))
                     continue
             await self._sleep_until(self.timers.next_time(), now)
 
@@ -282,23 +298,38 @@ class LeaderDuties:
         await self._load_definitions()
         await self._publish(await self.store.promote_due(self.lease))
         await self._publish(await self.store.release_expired(self.lease))
-        epoch = await self._bus_epoch()
-        if epoch is not None and self._epoch is not None and epoch != self._epoch:
+        await self._check_bus_epoch()
+        stale = await self.store.unpublished(self.settings.republish_after_s)
+        await self._publish(stale, force=True)
+        await self.store.mark_dead_workers(self.settings.dead_worker_after_s)
+        await self._publish(await self.store.resolve_orphaned_pins(self.lease))
+        self._delayed = await self.store.scheduled_due_within(self.settings.sweep_interval_s)
+
+    async def _check_bus_epoch(self) -> None:
+        """Redis restarted (new run_id) or was flushed (its marker is gone; a flush keeps the
+        run_id): its streams and pending-update marks may be gone. Republish every Enqueued
+        instance at once and reload every definition, then write the marker. The marker is
+        written only after the republish, so a leader that dies in between leaves it missing
+        and the next leader republishes again (at its first sweep)."""
+        try:
+            epoch = await self.bus.epoch()
+        except UnavailableError:
+            return
+        if epoch.marker is not None and epoch == self._epoch:
+            return
+        if epoch.marker is None or self._epoch is not None:
             logger.warning(
-                "the bus restarted; republishing every Enqueued instance",
+                "the bus restarted or was flushed; republishing every Enqueued instance",
                 extra={"action": "scheduler.bus_restarted"},
             )
             await self._republish_all()
             # Its pending-update marks are gone too: reload every definition.
             async with self._planning:
                 await self._replan(await self.cache.reload_all())
-        if epoch is not None:
-            self._epoch = epoch
-        stale = await self.store.unpublished(self.settings.republish_after_s)
-        await self._publish(stale, force=True)
-        await self.store.mark_dead_workers(self.settings.dead_worker_after_s)
-        await self._publish(await self.store.resolve_orphaned_pins(self.lease))
-        self._delayed = await self.store.scheduled_due_within(self.settings.sweep_interval_s)
+        try:
+            self._epoch = await self.bus.mark_epoch()
+        except UnavailableError:
+            return
 
     async def _sleep_for_delayed(self) -> None:
         """Sleep until the next sweep, waking at each delayed instance's run_at on the way so
@@ -329,12 +360,6 @@ class LeaderDuties:
 
     async def _publish(self, instances: list[Instance], *, force: bool = False) -> None:
         await self.dispatcher.publish(instances, force=force)
-
-    async def _bus_epoch(self) -> str | None:
-        try:
-            return await self.bus.epoch()
-        except UnavailableError:
-            return None
 
     async def _enqueued_loop(self) -> None:
         """Publish what applications enqueued in their own transactions as soon as they

@@ -23,6 +23,17 @@ from jobplane.bus.envelope import Envelope, Event
 
 
 @dataclass(frozen=True, slots=True)
+class BusEpoch:
+    """What the bus's data is: it changed, and may be lost, when either part changes."""
+
+    #: Changes when the server restarts (Redis: its run_id).
+    run_id: str
+    #: The marker written by :meth:`Bus.mark_epoch`; ``None`` when it is gone — the data was
+    #: flushed (FLUSHALL / FLUSHDB on a live Redis keeps its run_id) or never marked.
+    marker: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class Delivery:
     """An entry handed to a consumer: ack it once the claim has committed."""
 
@@ -69,9 +80,13 @@ class Bus(Protocol):
     async def ping(self) -> None:
         """Raise :class:`~jobplane.errors.BusUnavailableError` unless the bus answers."""
 
-    async def epoch(self) -> str:
-        """An id that changes when the bus restarts and may have lost everything
-        (Redis: the server's run_id)."""
+    async def epoch(self) -> BusEpoch:
+        """Read what identifies the bus's data (reads only). The data may be gone when it
+        differs from what was read before, or its marker is missing."""
+
+    async def mark_epoch(self) -> BusEpoch:
+        """Write the data marker if it is missing (set-if-absent: two leaders racing write
+        one), then return the epoch."""
 
     async def publish(self, envelopes: Sequence[tuple[str, Envelope]]) -> None:
         """Append ``(queue, envelope)`` pairs: to the queue's band stream, or to the pinned

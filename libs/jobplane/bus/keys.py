@@ -62,5 +62,9 @@ class Keys:
         """Hash of job key → version of definition edits not yet applied by every cache."""
         return f"{self.prefix}:defs:pending"
 
+    def epoch_marker(self) -> str:
+        """A value the leader writes once; its absence means Redis lost its data (flushed)."""
+        return f"{self.prefix}:epoch"
+
     def events_channel(self) -> str:
         return f"{self.prefix}:events"

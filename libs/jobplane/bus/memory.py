@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 
-from jobplane.bus.abc import DeadLetter, Delivery
+from jobplane.bus.abc import BusEpoch, DeadLetter, Delivery
 from jobplane.bus.envelope import Envelope, Event
 from jobplane.bus.keys import Keys, band_of
 from jobplane.errors import EnvelopeError
@@ -50,6 +50,7 @@ class MemoryBus:
         self._pending_updates: dict[str, int] = {}
         self._subscribers: list[asyncio.Queue[Event | None]] = []
         self._epoch = uuid.uuid4().hex
+        self._marker: str | None = None
         self._closed = False
 
     async def close(self) -> None:
@@ -60,8 +61,13 @@ class MemoryBus:
     async def ping(self) -> None:
         return None
 
-    async def epoch(self) -> str:
-        return self._epoch
+    async def epoch(self) -> BusEpoch:
+        return BusEpoch(self._epoch, self._marker)
+
+    async def mark_epoch(self) -> BusEpoch:
+        if self._marker is None:
+            self._marker = uuid.uuid4().hex
+        return await self.epoch()
 
     def _stream(self, key: str) -> _Stream:
         return self._streams.setdefault(key, _Stream())

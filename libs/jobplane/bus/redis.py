@@ -8,6 +8,7 @@ as soon as its claim has committed in Postgres.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -17,7 +18,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from jobplane.bus.abc import DeadLetter, Delivery
+from jobplane.bus.abc import BusEpoch, DeadLetter, Delivery
 from jobplane.bus.envelope import Envelope, Event
 from jobplane.bus.keys import GROUP, Keys, band_of
 from jobplane.errors import BusUnavailableError, EnvelopeError
@@ -64,10 +65,20 @@ class RedisBus:
         async with _translated("ping"):
             await self.client.ping()
 
-    async def epoch(self) -> str:
-        async with _translated("info"):
-            info = await self.client.info("server")
-        return str(info["run_id"])
+    async def epoch(self) -> BusEpoch:
+        # A restart changes the run_id; a FLUSHALL/FLUSHDB on a live server does not, but it
+        # deletes the marker key.
+        async with _translated("epoch"):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.info("server")
+            pipe.get(self.keys.epoch_marker())
+            info, marker = await pipe.execute()
+        return BusEpoch(str(info["run_id"]), None if marker is None else _text(marker))
+
+    async def mark_epoch(self) -> BusEpoch:
+        async with _translated("mark epoch"):
+            await self.client.set(self.keys.epoch_marker(), uuid.uuid4().hex, nx=True)
+        return await self.epoch()
 
     async def publish(self, envelopes: Sequence[tuple[str, Envelope]]) -> None:
         if not envelopes:
@@ -188,7 +199,9 @@ class RedisConsumer:
             try:
                 return await op()
             except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
+                # NOGROUP: the stream or its group is gone; UNBLOCKED: it vanished while
+                # this read blocked on it (FLUSHALL, restart). Both: recreate, read again.
+                if "NOGROUP" not in str(exc) and "UNBLOCKED" not in str(exc):
                     raise
                 logger.warning(
                     "consumer group missing on %s; recreating it",
