@@ -179,6 +179,90 @@ async def test_trigger_validates_arguments_and_replays_idempotency_keys(
     assert delayed.json()["state"] == "scheduled"
 
 
+async def test_idempotency_key_reused_with_a_different_request_is_409(
+    api: httpx.AsyncClient,
+) -> None:
+    url = "/api/v1/jobs/echo/instances"
+    headers = {"Idempotency-Key": "order-7"}
+    request = {"args": {"value": 7}, "delay_s": 600, "priority": 3, "pinned_worker": "w-1"}
+    first = await api.post(url, json=request, headers=headers)
+    assert first.status_code == 201, first.text
+    # A delayed trigger replayed later still matches: the delay is compared as given.
+    again = await api.post(url, json=request, headers=headers)
+    assert again.status_code == 201 and again.json()["id"] == first.json()["id"]
+    assert again.json()["run_at"] == first.json()["run_at"]
+    different = [
+        (url, {**request, "args": {"value": 8}}),
+        (url, {**request, "delay_s": 601}),
+        (url, {**{k: v for k, v in request.items() if k != "delay_s"}, "run_at": _LATER}),
+        (url, {**request, "priority": 4}),
+        (url, {**request, "pinned_worker": "w-2"}),
+        (url, {k: v for k, v in request.items() if k != "pinned_worker"}),
+        ("/api/v1/jobs/tick/instances", {}),  # another job
+    ]
+    for target, body in different:
+        problem = _problem(await api.post(target, json=body, headers=headers), 409)
+        assert problem["title"] == "Idempotency-Key reused with a different request"
+        assert "'order-7'" in str(problem["detail"]), problem
+    listed = (await api.get("/api/v1/instances")).json()["items"]
+    assert [i["id"] for i in listed] == [first.json()["id"]]
+
+
+_LATER = "2030-01-01T00:00:00+00:00"
+
+
+async def test_batch_items_carry_idempotency_keys(api: httpx.AsyncClient) -> None:
+    url = "/api/v1/instances/batch"
+    items = [
+        {"job_key": "echo", "args": {"value": 1}, "idempotency_key": "b-1"},
+        {"job_key": "echo", "args": {"value": 2}, "idempotency_key": "b-2", "run_at": _LATER},
+        {"job_key": "echo", "args": {"value": 3}},
+    ]
+    first = await api.post(url, json={"items": items})
+    assert first.status_code == 201, first.text
+    assert [i["state"] for i in first.json()] == ["enqueued", "scheduled", "enqueued"]
+    replay = (await api.post(url, json={"items": items[:2]})).json()
+    assert [i["id"] for i in replay] == [i["id"] for i in first.json()[:2]]
+    # A single trigger with the same key and request is the same request.
+    single = await api.post(
+        "/api/v1/jobs/echo/instances",
+        json={"args": {"value": 1}},
+        headers={"Idempotency-Key": "b-1"},
+    )
+    assert single.json()["id"] == first.json()[0]["id"]
+    # One item reusing a key differently fails the batch: the new item is not created either.
+    changed = [
+        {"job_key": "echo", "args": {"value": 4}, "idempotency_key": "b-3"},
+        {**items[1], "args": {"value": 5}},
+    ]
+    problem = _problem(await api.post(url, json={"items": changed}), 409)
+    assert "'b-2'" in str(problem["detail"])
+    same_key_twice = [items[0], {**items[0], "priority": 9}]
+    _problem(await api.post(url, json={"items": same_key_twice}), 409)
+    listed = (await api.get("/api/v1/instances", params={"limit": 10})).json()["items"]
+    assert len(listed) == 3
+
+
+async def test_batch_and_single_trigger_refuse_naive_run_at(api: httpx.AsyncClient) -> None:
+    naive = "2030-01-01T00:00:00"
+    single = await api.post(
+        "/api/v1/jobs/echo/instances", json={"args": {"value": 1}, "run_at": naive}
+    )
+    assert _problem(single, 422)["errors"][0]["field"] == "body.run_at"  # type: ignore[index]
+    items = [
+        {"job_key": "echo", "args": {"value": 1}, "run_at": _LATER},
+        {"job_key": "echo", "args": {"value": 2}, "run_at": naive},
+    ]
+    batch = await api.post("/api/v1/instances/batch", json={"items": items})
+    assert _problem(batch, 422)["errors"][0]["field"] == "body.items.1.run_at"  # type: ignore[index]
+    both = [{"job_key": "echo", "args": {"value": 1}, "run_at": _LATER, "delay_s": 5}]
+    problem = _problem(await api.post("/api/v1/instances/batch", json={"items": both}), 422)
+    assert problem["errors"] == [
+        {"field": "items.0.delay_s", "reason": "give run_at or delay_s, not both"}
+    ]
+    assert (await api.get("/api/v1/instances")).json()["items"] == []
+
+
 async def test_body_limit_is_413(api: httpx.AsyncClient) -> None:
     big = {"args": {"value": 1, "padding": "x" * 10_000}}
     _problem(await api.post("/api/v1/jobs/echo/instances", json=big), 413)
@@ -357,3 +441,6 @@ async def test_openapi_documents_every_route(api: httpx.AsyncClient) -> None:
         for method, operation in operations.items():
             assert operation.get("summary"), f"{method} {path} has no summary"
             assert operation.get("description"), f"{method} {path} has no description"
+            if "requestBody" in operation:
+                content = operation["requestBody"]["content"]["application/json"]
+                assert content.get("example"), f"{method} {path} has no request example"

@@ -47,7 +47,8 @@ _ERRORS = {
     401: "No token, or an unknown or revoked one",
     403: "The token's role is too low",
     404: "No such job, instance or token",
-    409: "Conflict: an illegal transition, a stale version, a disabled job",
+    409: "Conflict: an illegal transition, a stale version, a disabled job, an "
+    "Idempotency-Key reused with a different request",
     413: "Request body too large",
     422: "Invalid request: the fields at fault are in `errors`",
     503: "Postgres or Redis unreachable",
@@ -174,16 +175,26 @@ class TriggerIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     args: Any = Field(default=None, description="JSON arguments, validated against the job.")
-    run_at: datetime | None = Field(default=None, description="Run at this time (aware).")
+    run_at: AwareDatetime | None = Field(
+        default=None, description="Run at this time (with a UTC offset; not with delay_s)."
+    )
     delay_s: float | None = Field(
         default=None, ge=0, le=MAX_DELAY_S, description="Run after this many seconds."
     )
     priority: int | None = Field(default=None, ge=PRIORITY_MIN, le=PRIORITY_MAX)
-    pinned_worker: str | None = Field(default=None, max_length=200)
+    pinned_worker: str | None = Field(
+        default=None, max_length=200, description="Only this worker may run it."
+    )
 
 
 class BatchTriggerItem(TriggerIn):
     job_key: str
+    idempotency_key: str | None = Field(
+        default=None,
+        max_length=200,
+        description="As the Idempotency-Key header of a single trigger: a replay returns the "
+        "first instance; the key reused with a different request is a 409.",
+    )
 
 
 class BatchTriggerIn(BaseModel):
