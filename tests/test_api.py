@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from jobplane.bus.abc import Bus
-from jobplane.domain.models import Outcome
+from jobplane.domain.models import ErrorInfo, Outcome
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.sql import SqlStore
@@ -261,6 +261,46 @@ async def test_batch_and_single_trigger_refuse_naive_run_at(api: httpx.AsyncClie
         {"field": "items.0.delay_s", "reason": "give run_at or delay_s, not both"}
     ]
     assert (await api.get("/api/v1/instances")).json()["items"] == []
+
+
+async def test_instance_detail_lists_attempts(api: httpx.AsyncClient, store: SqlStore) -> None:
+    """Failed once, then succeeded: two attempts, the first with its outcome and reason, the
+    second succeeded; the error the instance kept belongs to no attempt once it succeeded."""
+    options = JobOptions.parse(key="flaky", kind="triggered", retries=1, backoff={"kind": "none"})
+    await store.register_definition(options, None, "test")
+    created = await api.post("/api/v1/jobs/flaky/instances", json={})
+    instance_id = UUID(created.json()["id"])
+    assert created.json()["attempts"] is None  # only the detail carries them
+    [first] = (await store.claim([instance_id], "w-1", 30, ["flaky"])).claimed
+    error = ErrorInfo("ValueError", "boom")
+    await store.complete(
+        [Outcome(instance_id, first.token, S.FAILED, error=error, reason="exception")]
+    )
+    failed = (await api.get(f"/api/v1/instances/{instance_id}")).json()
+    assert failed["state"] == "enqueued"
+    [one] = failed["attempts"]
+    assert (one["number"], one["worker"], one["outcome"], one["reason"]) == (
+        1,
+        "w-1",
+        "failed",
+        "exception",
+    )
+    assert one["error"] == {"type": "ValueError", "message": "boom", "traceback": None}
+    [second] = (await store.claim([instance_id], "w-2", 30, ["flaky"])).claimed
+    running = (await api.get(f"/api/v1/instances/{instance_id}")).json()["attempts"]
+    assert running[1]["worker"] == "w-2" and running[1]["ended_at"] is None
+    assert running[1]["outcome"] is None and running[0]["error"]["message"] == "boom"
+    await store.complete([Outcome(instance_id, second.token, S.SUCCEEDED, result=1)])
+    done = (await api.get(f"/api/v1/instances/{instance_id}")).json()
+    attempts = done["attempts"]
+    assert [(a["number"], a["worker"], a["outcome"]) for a in attempts] == [
+        (1, "w-1", "failed"),
+        (2, "w-2", "succeeded"),
+    ]
+    by_seq = {t["to_state"]: t for t in done["transitions"]}
+    assert attempts[1]["started_at"] < attempts[1]["ended_at"] == by_seq["succeeded"]["at"]
+    assert attempts[0]["ended_at"] <= attempts[1]["started_at"]
+    assert attempts[1]["error"] is None and done["error"] is None
 
 
 async def test_body_limit_is_413(api: httpx.AsyncClient) -> None:

@@ -8,6 +8,7 @@ from uuid import UUID
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
+from jobplane.domain.attempts import Attempt, attempts_of
 from jobplane.domain.models import (
     Bucket,
     BulkCancel,
@@ -231,6 +232,33 @@ class TransitionOut(BaseModel):
         )
 
 
+class AttemptOut(BaseModel):
+    """One attempt: from an entry to Processing to the next transition out of it."""
+
+    number: int = Field(description="1 for the first attempt.")
+    worker: str = Field(description="The worker that claimed it.")
+    started_at: datetime
+    ended_at: datetime | None = Field(description="Null while it runs.")
+    outcome: InstanceState | None = Field(description="The state it ended in; null while it runs.")
+    reason: str | None = Field(description="Why it ended that way, when recorded.")
+    error: ErrorOut | None = Field(
+        description="Its error, for the latest ended attempt that did not succeed (only the "
+        "latest error is kept)."
+    )
+
+    @classmethod
+    def of(cls, a: Attempt) -> AttemptOut:
+        return cls(
+            number=a.number,
+            worker=a.worker,
+            started_at=a.started_at,
+            ended_at=a.ended_at,
+            outcome=a.outcome,
+            reason=a.reason,
+            error=ErrorOut(**a.error.to_json()) if a.error else None,
+        )
+
+
 class InstanceOut(BaseModel):
     id: UUID
     job_key: str
@@ -258,6 +286,11 @@ class InstanceOut(BaseModel):
     error: ErrorOut | None
     reason: str | None
     transitions: list[TransitionOut] | None = None
+    attempts: list[AttemptOut] | None = Field(
+        default=None,
+        description="The attempts, oldest first, derived from the transitions (instance "
+        "detail only).",
+    )
 
     @classmethod
     def of(cls, i: Instance, transitions: list[Transition] | None = None) -> InstanceOut:
@@ -288,6 +321,9 @@ class InstanceOut(BaseModel):
             error=ErrorOut(**i.error.to_json()) if i.error else None,
             reason=i.reason,
             transitions=[TransitionOut.of(t) for t in transitions] if transitions else None,
+            attempts=[AttemptOut.of(a) for a in attempts_of(transitions, i.error)]
+            if transitions
+            else None,
         )
 
 
