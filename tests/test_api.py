@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from datetime import datetime
+from datetime import datetime, timedelta
 from itertools import pairwise
 from uuid import UUID, uuid4
 
@@ -11,13 +11,17 @@ import httpx
 import pytest
 
 from jobplane.bus.abc import Bus
+from jobplane.bus.factory import open_bus
 from jobplane.domain.models import ErrorInfo, Outcome
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState as S
+from jobplane.store.factory import open_store
 from jobplane.store.sql import SqlStore
 from jobplane_api.main import create_app
 from jobplane_api.settings import ApiSettings
 from tests.apps.basic import app as jobs_app
+from tests.cli_helpers import free_port
+from tests.worker_helpers import running_worker, wait_for
 
 PROBLEM = "application/problem+json"
 
@@ -484,3 +488,88 @@ async def test_openapi_documents_every_route(api: httpx.AsyncClient) -> None:
             if "requestBody" in operation:
                 content = operation["requestBody"]["content"]["application/json"]
                 assert content.get("example"), f"{method} {path} has no request example"
+
+
+async def test_trigger_at_a_time_and_pinned_to_a_worker(
+    api: httpx.AsyncClient, store: SqlStore
+) -> None:
+    url = "/api/v1/jobs/echo/instances"
+    now = await store.now()
+    later = (now + timedelta(hours=2)).isoformat()
+    at = (await api.post(url, json={"args": {"value": 1}, "run_at": later})).json()
+    assert at["state"] == "scheduled"
+    assert datetime.fromisoformat(at["run_at"]) == now + timedelta(hours=2)
+    past = (now - timedelta(minutes=1)).isoformat()
+    due = (await api.post(url, json={"args": {"value": 2}, "run_at": past})).json()
+    assert due["state"] == "enqueued"
+    pinned = await api.post(url, json={"args": {"value": 3}, "pinned_worker": "w-only"})
+    assert pinned.status_code == 201 and pinned.json()["pinned_worker"] == "w-only"
+    stored = await store.get_instance(UUID(pinned.json()["id"]))
+    assert stored.pinned_worker == "w-only"
+    both = await api.post(url, json={"args": {"value": 4}, "run_at": later, "delay_s": 1})
+    assert _problem(both, 422)["errors"] == [  # type: ignore[comparison-overlap]
+        {"field": "delay_s", "reason": "give run_at or delay_s, not both"}
+    ]
+    too_long = await api.post(url, json={"args": {"value": 5}, "pinned_worker": "w" * 201})
+    assert _problem(too_long, 422)["errors"][0]["field"] == "body.pinned_worker"  # type: ignore[index]
+
+
+async def test_jobs_list_filters_by_queue_and_paused(
+    api: httpx.AsyncClient, store: SqlStore
+) -> None:
+    options = JobOptions.parse(key="mailer", kind="triggered", queue="mail")
+    await store.register_definition(options, None, "test")
+    by_queue = (await api.get("/api/v1/jobs", params={"queue": "mail"})).json()
+    assert [j["key"] for j in by_queue] == ["mailer"]
+    assert (await api.get("/api/v1/jobs", params={"queue": "nowhere"})).json() == []
+    assert (await api.get("/api/v1/jobs", params={"paused": "true"})).json() == []
+    await api.post("/api/v1/jobs/tick/pause")
+    paused = (await api.get("/api/v1/jobs", params={"paused": "true"})).json()
+    assert [j["key"] for j in paused] == ["tick"]
+    running = {j["key"] for j in (await api.get("/api/v1/jobs", params={"paused": "false"})).json()}
+    assert "tick" not in running and {"echo", "mailer"} <= running
+    both = await api.get("/api/v1/jobs", params={"paused": "false", "queue": "mail"})
+    assert [j["key"] for j in both.json()] == ["mailer"]
+    _problem(await api.get("/api/v1/jobs", params={"paused": "maybe"}), 422)
+
+
+@pytest.mark.parametrize("down", ["postgres", "redis"])
+async def test_readyz_is_503_when_a_backend_is_unreachable(
+    down: str, pg_store: SqlStore, redis_bus: Bus
+) -> None:
+    closed = free_port()  # nothing listens there
+    store, bus = pg_store, redis_bus
+    if down == "postgres":
+        store = open_store(f"postgresql://postgres@127.0.0.1:{closed}/jobplane")
+    else:
+        bus = open_bus(f"redis://127.0.0.1:{closed}/0", prefix="readyz-test")
+    app = create_app(ApiSettings(auth_enabled=False), store=store, bus=bus)
+    try:
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
+                problem = _problem(await client.get("/readyz"), 503)
+                assert problem["title"] == "Not ready"
+                assert (await client.get("/healthz")).status_code == 200
+    finally:
+        await (store.close() if down == "postgres" else bus.close())
+
+
+async def test_workers_list_what_a_running_worker_runs(
+    api: httpx.AsyncClient, store: SqlStore, bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("JOBPLANE_TEST_SLEEP_S", "30")
+    async with running_worker(jobs_app, store, bus) as worker:
+        made = (await api.post("/api/v1/jobs/sleepy/instances", json={})).json()
+        later = {"args": {"value": 1}, "delay_s": 3600}
+        idle = (await api.post("/api/v1/jobs/echo/instances", json=later)).json()
+
+        async def running() -> bool:
+            found = await store.get_instance(UUID(made["id"]))
+            return found.state is S.PROCESSING
+
+        await wait_for(running, what="the sleepy instance to run")
+        [listed] = (await api.get("/api/v1/workers")).json()
+        assert listed["id"] == worker.id and listed["stopped_at"] is None
+        assert made["id"] in listed["running"] and idle["id"] not in listed["running"]
+        await api.post(f"/api/v1/instances/{made['id']}/cancel")
