@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from datetime import datetime
+from datetime import datetime, timedelta
 from itertools import pairwise
 from uuid import UUID, uuid4
 
@@ -11,13 +11,17 @@ import httpx
 import pytest
 
 from jobplane.bus.abc import Bus
-from jobplane.domain.models import Outcome
+from jobplane.bus.factory import open_bus
+from jobplane.domain.models import ErrorInfo, Outcome
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState as S
+from jobplane.store.factory import open_store
 from jobplane.store.sql import SqlStore
 from jobplane_api.main import create_app
 from jobplane_api.settings import ApiSettings
 from tests.apps.basic import app as jobs_app
+from tests.cli_helpers import free_port
+from tests.worker_helpers import running_worker, wait_for
 
 PROBLEM = "application/problem+json"
 
@@ -177,6 +181,130 @@ async def test_trigger_validates_arguments_and_replays_idempotency_keys(
         "/api/v1/jobs/echo/instances", json={"args": {"value": 1}, "delay_s": 3600}
     )
     assert delayed.json()["state"] == "scheduled"
+
+
+async def test_idempotency_key_reused_with_a_different_request_is_409(
+    api: httpx.AsyncClient,
+) -> None:
+    url = "/api/v1/jobs/echo/instances"
+    headers = {"Idempotency-Key": "order-7"}
+    request = {"args": {"value": 7}, "delay_s": 600, "priority": 3, "pinned_worker": "w-1"}
+    first = await api.post(url, json=request, headers=headers)
+    assert first.status_code == 201, first.text
+    # A delayed trigger replayed later still matches: the delay is compared as given.
+    again = await api.post(url, json=request, headers=headers)
+    assert again.status_code == 201 and again.json()["id"] == first.json()["id"]
+    assert again.json()["run_at"] == first.json()["run_at"]
+    different = [
+        (url, {**request, "args": {"value": 8}}),
+        (url, {**request, "delay_s": 601}),
+        (url, {**{k: v for k, v in request.items() if k != "delay_s"}, "run_at": _LATER}),
+        (url, {**request, "priority": 4}),
+        (url, {**request, "pinned_worker": "w-2"}),
+        (url, {k: v for k, v in request.items() if k != "pinned_worker"}),
+        ("/api/v1/jobs/tick/instances", {}),  # another job
+    ]
+    for target, body in different:
+        problem = _problem(await api.post(target, json=body, headers=headers), 409)
+        assert problem["title"] == "Idempotency-Key reused with a different request"
+        assert "'order-7'" in str(problem["detail"]), problem
+    listed = (await api.get("/api/v1/instances")).json()["items"]
+    assert [i["id"] for i in listed] == [first.json()["id"]]
+
+
+_LATER = "2030-01-01T00:00:00+00:00"
+
+
+async def test_batch_items_carry_idempotency_keys(api: httpx.AsyncClient) -> None:
+    url = "/api/v1/instances/batch"
+    items = [
+        {"job_key": "echo", "args": {"value": 1}, "idempotency_key": "b-1"},
+        {"job_key": "echo", "args": {"value": 2}, "idempotency_key": "b-2", "run_at": _LATER},
+        {"job_key": "echo", "args": {"value": 3}},
+    ]
+    first = await api.post(url, json={"items": items})
+    assert first.status_code == 201, first.text
+    assert [i["state"] for i in first.json()] == ["enqueued", "scheduled", "enqueued"]
+    replay = (await api.post(url, json={"items": items[:2]})).json()
+    assert [i["id"] for i in replay] == [i["id"] for i in first.json()[:2]]
+    # A single trigger with the same key and request is the same request.
+    single = await api.post(
+        "/api/v1/jobs/echo/instances",
+        json={"args": {"value": 1}},
+        headers={"Idempotency-Key": "b-1"},
+    )
+    assert single.json()["id"] == first.json()[0]["id"]
+    # One item reusing a key differently fails the batch: the new item is not created either.
+    changed = [
+        {"job_key": "echo", "args": {"value": 4}, "idempotency_key": "b-3"},
+        {**items[1], "args": {"value": 5}},
+    ]
+    problem = _problem(await api.post(url, json={"items": changed}), 409)
+    assert "'b-2'" in str(problem["detail"])
+    same_key_twice = [items[0], {**items[0], "priority": 9}]
+    _problem(await api.post(url, json={"items": same_key_twice}), 409)
+    listed = (await api.get("/api/v1/instances", params={"limit": 10})).json()["items"]
+    assert len(listed) == 3
+
+
+async def test_batch_and_single_trigger_refuse_naive_run_at(api: httpx.AsyncClient) -> None:
+    naive = "2030-01-01T00:00:00"
+    single = await api.post(
+        "/api/v1/jobs/echo/instances", json={"args": {"value": 1}, "run_at": naive}
+    )
+    assert _problem(single, 422)["errors"][0]["field"] == "body.run_at"  # type: ignore[index]
+    items = [
+        {"job_key": "echo", "args": {"value": 1}, "run_at": _LATER},
+        {"job_key": "echo", "args": {"value": 2}, "run_at": naive},
+    ]
+    batch = await api.post("/api/v1/instances/batch", json={"items": items})
+    assert _problem(batch, 422)["errors"][0]["field"] == "body.items.1.run_at"  # type: ignore[index]
+    both = [{"job_key": "echo", "args": {"value": 1}, "run_at": _LATER, "delay_s": 5}]
+    problem = _problem(await api.post("/api/v1/instances/batch", json={"items": both}), 422)
+    assert problem["errors"] == [
+        {"field": "items.0.delay_s", "reason": "give run_at or delay_s, not both"}
+    ]
+    assert (await api.get("/api/v1/instances")).json()["items"] == []
+
+
+async def test_instance_detail_lists_attempts(api: httpx.AsyncClient, store: SqlStore) -> None:
+    """Failed once, then succeeded: two attempts, the first with its outcome and reason, the
+    second succeeded; the error the instance kept belongs to no attempt once it succeeded."""
+    options = JobOptions.parse(key="flaky", kind="triggered", retries=1, backoff={"kind": "none"})
+    await store.register_definition(options, None, "test")
+    created = await api.post("/api/v1/jobs/flaky/instances", json={})
+    instance_id = UUID(created.json()["id"])
+    assert created.json()["attempts"] is None  # only the detail carries them
+    [first] = (await store.claim([instance_id], "w-1", 30, ["flaky"])).claimed
+    error = ErrorInfo("ValueError", "boom")
+    await store.complete(
+        [Outcome(instance_id, first.token, S.FAILED, error=error, reason="exception")]
+    )
+    failed = (await api.get(f"/api/v1/instances/{instance_id}")).json()
+    assert failed["state"] == "enqueued"
+    [one] = failed["attempts"]
+    assert (one["number"], one["worker"], one["outcome"], one["reason"]) == (
+        1,
+        "w-1",
+        "failed",
+        "exception",
+    )
+    assert one["error"] == {"type": "ValueError", "message": "boom", "traceback": None}
+    [second] = (await store.claim([instance_id], "w-2", 30, ["flaky"])).claimed
+    running = (await api.get(f"/api/v1/instances/{instance_id}")).json()["attempts"]
+    assert running[1]["worker"] == "w-2" and running[1]["ended_at"] is None
+    assert running[1]["outcome"] is None and running[0]["error"]["message"] == "boom"
+    await store.complete([Outcome(instance_id, second.token, S.SUCCEEDED, result=1)])
+    done = (await api.get(f"/api/v1/instances/{instance_id}")).json()
+    attempts = done["attempts"]
+    assert [(a["number"], a["worker"], a["outcome"]) for a in attempts] == [
+        (1, "w-1", "failed"),
+        (2, "w-2", "succeeded"),
+    ]
+    by_seq = {t["to_state"]: t for t in done["transitions"]}
+    assert attempts[1]["started_at"] < attempts[1]["ended_at"] == by_seq["succeeded"]["at"]
+    assert attempts[0]["ended_at"] <= attempts[1]["started_at"]
+    assert attempts[1]["error"] is None and done["error"] is None
 
 
 async def test_body_limit_is_413(api: httpx.AsyncClient) -> None:
@@ -357,3 +485,91 @@ async def test_openapi_documents_every_route(api: httpx.AsyncClient) -> None:
         for method, operation in operations.items():
             assert operation.get("summary"), f"{method} {path} has no summary"
             assert operation.get("description"), f"{method} {path} has no description"
+            if "requestBody" in operation:
+                content = operation["requestBody"]["content"]["application/json"]
+                assert content.get("example"), f"{method} {path} has no request example"
+
+
+async def test_trigger_at_a_time_and_pinned_to_a_worker(
+    api: httpx.AsyncClient, store: SqlStore
+) -> None:
+    url = "/api/v1/jobs/echo/instances"
+    now = await store.now()
+    later = (now + timedelta(hours=2)).isoformat()
+    at = (await api.post(url, json={"args": {"value": 1}, "run_at": later})).json()
+    assert at["state"] == "scheduled"
+    assert datetime.fromisoformat(at["run_at"]) == now + timedelta(hours=2)
+    past = (now - timedelta(minutes=1)).isoformat()
+    due = (await api.post(url, json={"args": {"value": 2}, "run_at": past})).json()
+    assert due["state"] == "enqueued"
+    pinned = await api.post(url, json={"args": {"value": 3}, "pinned_worker": "w-only"})
+    assert pinned.status_code == 201 and pinned.json()["pinned_worker"] == "w-only"
+    stored = await store.get_instance(UUID(pinned.json()["id"]))
+    assert stored.pinned_worker == "w-only"
+    both = await api.post(url, json={"args": {"value": 4}, "run_at": later, "delay_s": 1})
+    assert _problem(both, 422)["errors"] == [  # type: ignore[comparison-overlap]
+        {"field": "delay_s", "reason": "give run_at or delay_s, not both"}
+    ]
+    too_long = await api.post(url, json={"args": {"value": 5}, "pinned_worker": "w" * 201})
+    assert _problem(too_long, 422)["errors"][0]["field"] == "body.pinned_worker"  # type: ignore[index]
+
+
+async def test_jobs_list_filters_by_queue_and_paused(
+    api: httpx.AsyncClient, store: SqlStore
+) -> None:
+    options = JobOptions.parse(key="mailer", kind="triggered", queue="mail")
+    await store.register_definition(options, None, "test")
+    by_queue = (await api.get("/api/v1/jobs", params={"queue": "mail"})).json()
+    assert [j["key"] for j in by_queue] == ["mailer"]
+    assert (await api.get("/api/v1/jobs", params={"queue": "nowhere"})).json() == []
+    assert (await api.get("/api/v1/jobs", params={"paused": "true"})).json() == []
+    await api.post("/api/v1/jobs/tick/pause")
+    paused = (await api.get("/api/v1/jobs", params={"paused": "true"})).json()
+    assert [j["key"] for j in paused] == ["tick"]
+    running = {j["key"] for j in (await api.get("/api/v1/jobs", params={"paused": "false"})).json()}
+    assert "tick" not in running and {"echo", "mailer"} <= running
+    both = await api.get("/api/v1/jobs", params={"paused": "false", "queue": "mail"})
+    assert [j["key"] for j in both.json()] == ["mailer"]
+    _problem(await api.get("/api/v1/jobs", params={"paused": "maybe"}), 422)
+
+
+@pytest.mark.parametrize("down", ["postgres", "redis"])
+async def test_readyz_is_503_when_a_backend_is_unreachable(
+    down: str, pg_store: SqlStore, redis_bus: Bus
+) -> None:
+    closed = free_port()  # nothing listens there
+    store, bus = pg_store, redis_bus
+    if down == "postgres":
+        store = open_store(f"postgresql://postgres@127.0.0.1:{closed}/jobplane")
+    else:
+        bus = open_bus(f"redis://127.0.0.1:{closed}/0", prefix="readyz-test")
+    app = create_app(ApiSettings(auth_enabled=False), store=store, bus=bus)
+    try:
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
+                problem = _problem(await client.get("/readyz"), 503)
+                assert problem["title"] == "Not ready"
+                assert (await client.get("/healthz")).status_code == 200
+    finally:
+        await (store.close() if down == "postgres" else bus.close())
+
+
+async def test_workers_list_what_a_running_worker_runs(
+    api: httpx.AsyncClient, store: SqlStore, bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("JOBPLANE_TEST_SLEEP_S", "30")
+    async with running_worker(jobs_app, store, bus) as worker:
+        made = (await api.post("/api/v1/jobs/sleepy/instances", json={})).json()
+        later = {"args": {"value": 1}, "delay_s": 3600}
+        idle = (await api.post("/api/v1/jobs/echo/instances", json=later)).json()
+
+        async def running() -> bool:
+            found = await store.get_instance(UUID(made["id"]))
+            return found.state is S.PROCESSING
+
+        await wait_for(running, what="the sleepy instance to run")
+        [listed] = (await api.get("/api/v1/workers")).json()
+        assert listed["id"] == worker.id and listed["stopped_at"] is None
+        assert made["id"] in listed["running"] and idle["id"] not in listed["running"]
+        await api.post(f"/api/v1/instances/{made['id']}/cancel")

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import signal
 import sqlite3
+import subprocess
 from pathlib import Path
 
-from tests.cli_helpers import ROOT, run_cli
+import httpx
+
+from tests.cli_helpers import (
+    JOBPLANE,
+    ROOT,
+    free_port,
+    jobplane_env,
+    run_cli,
+    wait_http_ok,
+)
 
 
 def test_migrate_creates_the_schema_and_is_idempotent(tmp_path: Path) -> None:
@@ -128,3 +140,44 @@ def test_dev_reports_bad_trigger_arguments(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "args.name" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_dev_serves_the_api_on_loopback_without_auth_and_says_so(tmp_path: Path) -> None:
+    port = free_port()
+    log_path = tmp_path / "dev.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [JOBPLANE, "dev", "--app", "examples.hello:app", "--api-port", str(port)],
+            cwd=ROOT,
+            env=jobplane_env(JOBPLANE_DATABASE_URL=f"sqlite:///{tmp_path}/dev.db"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/healthz", timeout_s=60)
+        jobs = httpx.get(f"http://127.0.0.1:{port}/api/v1/jobs", timeout=5)  # no token
+        assert jobs.status_code == 200, jobs.text
+        assert "greet" in {j["key"] for j in jobs.json()}
+        assert _listening_addresses(port) == {"127.0.0.1"}
+        said = log_path.read_text()
+        assert f"dev API on http://127.0.0.1:{port} without authentication" in said, said
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, log_path.read_text()
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """The IPv4 and IPv6 addresses a socket listens on at ``port`` (Linux /proc/net)."""
+    found: set[str] = set()
+    for table, size in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hex_port = local.partition(":")
+            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(address)
+            # /proc prints each 32-bit word in host (little-endian) order.
+            words = b"".join(raw[i : i + 4][::-1] for i in range(0, size, 4))
+            found.add(str(ipaddress.ip_address(words)))
+    return found

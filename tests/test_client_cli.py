@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -124,3 +126,67 @@ async def test_async_client(stack: dict[str, str]) -> None:
             await jp.trigger("echo", {"value": "five"})
         assert info.value.status == 422
         assert info.value.problem["errors"][0]["field"] == "args.value"
+
+
+def test_cli_jobs_ls_filters_show_cancel_and_retry(stack: dict[str, str]) -> None:
+    assert _cli(stack, "jobs", "pause", "echo").returncode == 0
+    paused = json.loads(_cli(stack, "jobs", "ls", "--paused", "-o", "json").stdout)
+    assert [j["key"] for j in paused] == ["echo"]
+    running = json.loads(_cli(stack, "jobs", "ls", "--no-paused", "-o", "json").stdout)
+    assert "echo" not in {j["key"] for j in running} and "add_sync" in {j["key"] for j in running}
+    found = json.loads(_cli(stack, "jobs", "ls", "--text", "ADD_SY", "-o", "json").stdout)
+    assert [j["key"] for j in found] == ["add_sync"]
+    shown = _cli(stack, "jobs", "show", "echo")
+    assert shown.returncode == 0, shown.stderr
+    job = json.loads(shown.stdout)
+    assert job["key"] == "echo" and job["paused"] is True and "args_schema" in job
+
+    with Client(stack["url"], stack["token"]) as jp:
+        later = jp.trigger("add_sync", {"value": 1}, delay_s=3600)
+    cancelled = _cli(stack, "instances", "cancel", later["id"], "-o", "json")
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert json.loads(cancelled.stdout)["state"] == "cancelled"
+    again = _cli(stack, "instances", "cancel", later["id"])
+    assert again.returncode == 1 and "HTTP 409" in again.stderr
+    retried = _cli(stack, "instances", "retry", later["id"], "-o", "json")
+    assert retried.returncode == 0, retried.stderr
+    new = json.loads(retried.stdout)
+    assert new["retry_of"] == later["id"] and new["state"] in {
+        "enqueued",
+        "processing",
+        "succeeded",
+    }
+    with Client(stack["url"], stack["token"]) as jp:
+        assert jp.instance(new["id"])["retry_of"] == later["id"]
+
+
+def test_client_trigger_at_pinned_batch_stats_scheduler(stack: dict[str, str]) -> None:
+    with Client(stack["url"], stack["token"]) as jp:
+        at = datetime.now(UTC) + timedelta(hours=1)
+        made = jp.trigger("echo", {"value": 1}, run_at=at, pinned_worker="cli-w", priority=2)
+        assert made["state"] == "scheduled" and made["pinned_worker"] == "cli-w"
+        assert datetime.fromisoformat(made["run_at"]) == at and made["priority"] == 2
+        batch = jp.trigger_batch(
+            [
+                {"job_key": "add_sync", "args": {"value": 1}, "idempotency_key": "b-1"},
+                {"job_key": "echo", "args": {"value": 2}, "run_at": at},
+            ]
+        )
+        assert [i["state"] for i in batch] == ["enqueued", "scheduled"]
+        replay = jp.trigger_batch(
+            [{"job_key": "add_sync", "args": {"value": 1}, "idempotency_key": "b-1"}]
+        )
+        assert replay[0]["id"] == batch[0]["id"]
+        with pytest.raises(ApiError) as info:
+            jp.trigger_batch(
+                [{"job_key": "add_sync", "args": {"value": 2}, "idempotency_key": "b-1"}]
+            )
+        assert info.value.status == 409 and "b-1" in str(info.value)
+        jp.wait(batch[0]["id"], timeout_s=30)
+        stats = jp.stats("add_sync")
+        assert stats["by_state"] == {"succeeded": 1}
+        assert jp.stats()["by_state"]["scheduled"] == 2
+        deadline = time.monotonic() + 30
+        while (leader := jp.scheduler())["leader"] is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert leader["leader"] and leader["term"] >= 1

@@ -4,6 +4,7 @@ and the scheduler publishes it shortly after."""
 from __future__ import annotations
 
 import asyncio
+from datetime import timedelta
 from uuid import UUID
 
 import pytest
@@ -12,11 +13,11 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 
 from jobplane.bus.abc import Bus
-from jobplane.dispatch import InvalidArgumentsError
+from jobplane.dispatch import Dispatcher, InvalidArgumentsError, JobDisabledError
 from jobplane.domain.models import InstanceFilter
 from jobplane.domain.states import InstanceState as S
 from jobplane.enqueue import enqueue, enqueue_async
-from jobplane.errors import JobNotFoundError
+from jobplane.errors import IdempotencyConflictError, InvalidOptionsError, JobNotFoundError
 from jobplane.store.sql import SqlStore
 from jobplane_scheduler.scheduler import Scheduler
 from tests.apps.basic import app
@@ -114,3 +115,78 @@ async def _leading(scheduler: Scheduler) -> bool:
 
 async def _published(store: SqlStore, instance_id: UUID) -> bool:
     return (await store.get_instance(instance_id)).published_at is not None
+
+
+@pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
+async def test_refuses_a_disabled_job_and_delays_on_the_database_clock(
+    store: SqlStore, redis_bus: Bus, sync_url: str
+) -> None:
+    async with running_worker(app, store, redis_bus):
+        pass
+    engine = create_engine(sync_url)
+    try:
+        with engine.begin() as conn:
+            # now() is the transaction's start: the instance's created_at is exactly it.
+            db_now = conn.execute(text("SELECT now()")).scalar_one()
+            delayed = enqueue(conn, "echo", {"value": 1}, delay=timedelta(minutes=10))
+            at = enqueue(conn, "echo", {"value": 2}, run_at=db_now + timedelta(hours=1))
+        with engine.begin() as conn, pytest.raises(InvalidOptionsError):
+            enqueue(conn, "echo", {"value": 1}, run_at=db_now, delay=timedelta(seconds=1))
+        definition = await store.get_definition("echo")
+        disabled = definition.options.edited(disabled=True)
+        await store.save_definition(disabled, expected_version=definition.version, actor="t")
+        with engine.begin() as conn, pytest.raises(JobDisabledError):
+            enqueue(conn, "echo", {"value": 3})
+    finally:
+        engine.dispose()
+    made = await store.get_instance(delayed)
+    assert made.state is S.SCHEDULED and made.created_at == db_now
+    assert made.run_at == db_now + timedelta(minutes=10)
+    assert (await store.get_instance(at)).run_at == db_now + timedelta(hours=1)
+    assert await _count(store) == 2
+
+
+@pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
+async def test_idempotency_key_replays_and_conflicts(
+    store: SqlStore, redis_bus: Bus, sync_url: str, database_url: str
+) -> None:
+    async with running_worker(app, store, redis_bus):
+        pass
+    engine = create_engine(sync_url)
+    try:
+        with engine.begin() as conn:
+            first = enqueue(
+                conn, "echo", {"value": 1}, delay=timedelta(hours=1), idempotency_key="o-1"
+            )
+        with engine.begin() as conn:
+            again = enqueue(
+                conn, "echo", {"value": 1}, delay=timedelta(hours=1), idempotency_key="o-1"
+            )
+        assert again == first
+        for kwargs in ({"args": {"value": 2}}, {"args": {"value": 1}, "priority": 1}):
+            with engine.begin() as conn, pytest.raises(IdempotencyConflictError) as info:
+                enqueue(conn, "echo", idempotency_key="o-1", delay=timedelta(hours=1), **kwargs)  # type: ignore[arg-type]
+            assert info.value.key == "o-1"
+        with engine.begin() as conn, pytest.raises(IdempotencyConflictError):
+            enqueue(conn, "always_fails", idempotency_key="o-1")  # another job
+    finally:
+        engine.dispose()
+    async_engine = create_async_engine(make_url(database_url).set(drivername="postgresql+asyncpg"))
+    try:
+        async with AsyncSession(async_engine) as session, session.begin():
+            replay = await enqueue_async(
+                session, "echo", {"value": 1}, delay=timedelta(hours=1), idempotency_key="o-1"
+            )
+            with pytest.raises(IdempotencyConflictError):
+                await enqueue_async(session, "echo", {"value": 9}, idempotency_key="o-1")
+    finally:
+        await async_engine.dispose()
+    assert replay == first
+    # The same key through the store (as REST does) is the same request.
+    dispatcher = Dispatcher(store, redis_bus)
+    same = await dispatcher.trigger(
+        "echo", {"value": 1}, delay=timedelta(hours=1), idempotency_key="o-1"
+    )
+    assert same.id == first
+    assert await _count(store) == 1
+    assert len(await store.transitions(first)) == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from sqlalchemy import update
 
 from jobplane.domain.models import (
     DefinitionChange,
@@ -20,11 +21,13 @@ from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState as S
 from jobplane.errors import (
     DefinitionVersionNotFoundError,
+    IdempotencyConflictError,
     IllegalTransitionError,
     InstanceNotFoundError,
     JobNotFoundError,
 )
 from jobplane.store.sql import SqlStore
+from jobplane.store.tables import job_instances
 from tests.store_helpers import define, enqueue
 
 
@@ -160,6 +163,54 @@ async def test_idempotency_key_returns_the_first_instance(store: SqlStore) -> No
     [a] = await enqueue(store, idempotency_key="order-42")
     [b] = await enqueue(store, idempotency_key="order-42")
     assert a.id == b.id
+    assert a.idempotency_fingerprint is not None
+
+
+async def test_idempotency_key_reused_for_another_request_creates_nothing(
+    store: SqlStore,
+) -> None:
+    await define(store, "job")
+    await define(store, "other")
+    [a] = await enqueue(store, args={"n": 1}, idempotency_key="k")
+    for key, kw in (
+        ("job", {"args": {"n": 2}}),
+        ("job", {"args": {"n": 1}, "priority": 1}),
+        ("job", {"args": {"n": 1}, "pinned_worker": "w"}),
+        ("other", {"args": {"n": 1}}),
+    ):
+        with pytest.raises(IdempotencyConflictError) as info:
+            # With a fresh key first: the whole batch rolls back, the fresh one included.
+            await store.create_instances(
+                [
+                    NewInstance(job_key="job", idempotency_key="fresh"),
+                    NewInstance(job_key=key, idempotency_key="k", **kw),  # type: ignore[arg-type]
+                ]
+            )
+        assert info.value.key == "k"
+    assert [i.id for i in (await store.list_instances(InstanceFilter())).items] == [a.id]
+
+
+async def test_a_key_used_before_fingerprints_is_compared_on_what_is_stored(
+    store: SqlStore,
+) -> None:
+    """Instances created before migration 0006 have no fingerprint: the job, arguments and
+    pinned worker stored decide, as under the old per-job unique index."""
+    await define(store, "job")
+    await define(store, "other")
+    [old] = await enqueue(store, args={"n": 1}, idempotency_key="legacy")
+    async with store.engine.begin() as conn:
+        await conn.execute(
+            update(job_instances)
+            .where(job_instances.c.id == old.id)
+            .values(idempotency_fingerprint=None)
+        )
+    [same] = await enqueue(store, args={"n": 1}, priority=2, idempotency_key="legacy")
+    assert same.id == old.id
+    with pytest.raises(IdempotencyConflictError):
+        await enqueue(store, args={"n": 2}, idempotency_key="legacy")
+    # Another job was free to use the key then (the old index was per job): it still is.
+    [elsewhere] = await enqueue(store, "other", args={"n": 1}, idempotency_key="legacy")
+    assert elsewhere.id != old.id and elsewhere.job_key == "other"
 
 
 async def test_claim_complete_and_history(store: SqlStore) -> None:

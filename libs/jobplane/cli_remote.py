@@ -96,10 +96,17 @@ def jobs_ls(
     output: Fmt = Output.TABLE,
     kind: str | None = None,
     queue: str | None = None,
+    paused: Annotated[
+        bool | None,
+        typer.Option("--paused/--no-paused", help="Only paused, or only running, jobs."),
+    ] = None,
+    text: Annotated[
+        str | None, typer.Option("--text", help="Text in the key, name or description.")
+    ] = None,
 ) -> None:
     """List job definitions."""
     with client(url, token) as c:
-        show(c.jobs(kind=kind, queue=queue), output, JOB_COLUMNS)
+        show(c.jobs(kind=kind, queue=queue, paused=paused, q=text), output, JOB_COLUMNS)
 
 
 @jobs_cli.command("show")

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine, Mapping, Sequence
+from datetime import datetime
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -50,13 +51,27 @@ def _check(response: httpx.Response) -> Any:
     return response.json()
 
 
-def _trigger_body(args: Any, delay_s: float | None, priority: int | None) -> JSONDict:
+def _trigger_body(
+    args: Any,
+    delay_s: float | None = None,
+    priority: int | None = None,
+    run_at: datetime | None = None,
+    pinned_worker: str | None = None,
+) -> JSONDict:
     body: JSONDict = {"args": args}
     if delay_s is not None:
         body["delay_s"] = delay_s
+    if run_at is not None:
+        body["run_at"] = run_at.isoformat()
     if priority is not None:
         body["priority"] = priority
+    if pinned_worker is not None:
+        body["pinned_worker"] = pinned_worker
     return body
+
+
+def _batch_item(item: Mapping[str, Any]) -> JSONDict:
+    return {k: v.isoformat() if isinstance(v, datetime) else v for k, v in item.items()}
 
 
 def _headers(token: str | None) -> dict[str, str]:
@@ -132,16 +147,36 @@ class AsyncClient:
         args: Any = None,
         *,
         delay_s: float | None = None,
+        run_at: datetime | None = None,
         priority: int | None = None,
+        pinned_worker: str | None = None,
         idempotency_key: str | None = None,
     ) -> JSONDict:
+        """Create an instance now, after ``delay_s``, or at ``run_at`` (timezone-aware), on
+        any worker or only on ``pinned_worker``. A replayed ``idempotency_key`` returns the
+        first instance; reused with a different request it is an :class:`ApiError` 409."""
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         return await self._call(  # type: ignore[no-any-return]
             "POST",
             f"/api/v1/jobs/{key}/instances",
-            json=_trigger_body(args, delay_s, priority),
+            json=_trigger_body(args, delay_s, priority, run_at, pinned_worker),
             headers=headers,
         )
+
+    async def trigger_batch(self, items: Sequence[Mapping[str, Any]]) -> list[JSONDict]:
+        """Create up to 1,000 instances, all or none. Each item has ``job_key`` and the fields
+        of a trigger (``args``, ``delay_s`` or ``run_at``, ``priority``, ``pinned_worker``,
+        ``idempotency_key``); datetimes are sent as ISO 8601."""
+        body = {"items": [_batch_item(item) for item in items]}
+        return await self._call("POST", "/api/v1/instances/batch", json=body)  # type: ignore[no-any-return]
+
+    async def stats(self, job: str | None = None) -> JSONDict:
+        """Instances by state and throughput per minute and per hour (all jobs, or one)."""
+        return await self._call("GET", "/api/v1/stats", params=_params({"job": job}))  # type: ignore[no-any-return]
+
+    async def scheduler(self) -> JSONDict:
+        """The scheduler leader: who, which term, since when."""
+        return await self._call("GET", "/api/v1/scheduler")  # type: ignore[no-any-return]
 
     async def instances(self, **filters: Any) -> JSONDict:
         return await self._call("GET", "/api/v1/instances", params=_params(filters))  # type: ignore[no-any-return]
@@ -220,14 +255,31 @@ class Client:
         args: Any = None,
         *,
         delay_s: float | None = None,
+        run_at: datetime | None = None,
         priority: int | None = None,
+        pinned_worker: str | None = None,
         idempotency_key: str | None = None,
     ) -> JSONDict:
         return self._run(
             self._async.trigger(
-                key, args, delay_s=delay_s, priority=priority, idempotency_key=idempotency_key
+                key,
+                args,
+                delay_s=delay_s,
+                run_at=run_at,
+                priority=priority,
+                pinned_worker=pinned_worker,
+                idempotency_key=idempotency_key,
             )
         )
+
+    def trigger_batch(self, items: Sequence[Mapping[str, Any]]) -> list[JSONDict]:
+        return self._run(self._async.trigger_batch(items))
+
+    def stats(self, job: str | None = None) -> JSONDict:
+        return self._run(self._async.stats(job))
+
+    def scheduler(self) -> JSONDict:
+        return self._run(self._async.scheduler())
 
     def instances(self, **filters: Any) -> JSONDict:
         return self._run(self._async.instances(**filters))

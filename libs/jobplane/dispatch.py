@@ -27,6 +27,7 @@ from jobplane.domain.models import (
 )
 from jobplane.domain.states import InstanceState
 from jobplane.errors import BusUnavailableError, InvalidOptionsError, JobplaneError
+from jobplane.idempotency import fingerprint
 from jobplane.store.abc import Store
 
 logger = logging.getLogger(__name__)
@@ -66,13 +67,15 @@ class Dispatcher:
         idempotency_key: str | None = None,
         actor: str = "client",
     ) -> Instance:
-        """Create one instance of ``key`` and publish it if it is due now."""
-        if delay is not None:
-            run_at = (await self.store.now()) + delay
-        request = NewInstance(
-            job_key=key,
-            args=args,
+        """Create one instance of ``key`` and publish it if it is due now. Raises
+        IdempotencyConflictError when ``idempotency_key`` was used for another request."""
+        now = await self.store.now() if delay is not None else None
+        request = trigger_request(
+            key,
+            args,
+            now=now,
             run_at=run_at,
+            delay=delay,
             priority=priority,
             pinned_worker=pinned_worker,
             idempotency_key=idempotency_key,
@@ -198,6 +201,44 @@ class Dispatcher:
             )
             return
         await self.store.mark_published([i.id for i in due])
+
+
+def trigger_request(
+    key: str,
+    args: Any = None,
+    *,
+    now: datetime | None = None,
+    run_at: datetime | None = None,
+    delay: timedelta | None = None,
+    priority: int | None = None,
+    pinned_worker: str | None = None,
+    idempotency_key: str | None = None,
+    actor: str = "client",
+) -> NewInstance:
+    """The :class:`NewInstance` for a trigger: ``delay`` counts from ``now`` (the store's
+    clock; required with ``delay``). With an ``idempotency_key`` the request's fingerprint
+    keeps ``delay`` as given, so a replay of the same delayed trigger matches."""
+    if delay is not None:
+        if now is None:
+            raise ValueError("a delay needs the store's current time")
+        if run_at is not None:
+            raise InvalidOptionsError("delay_s", "give run_at or delay_s, not both")
+        run_at = now + delay
+        print_ = fingerprint(key, args, delay=delay, priority=priority, pinned_worker=pinned_worker)
+    else:
+        print_ = fingerprint(
+            key, args, run_at=run_at, priority=priority, pinned_worker=pinned_worker
+        )
+    return NewInstance(
+        job_key=key,
+        args=args,
+        run_at=run_at,
+        priority=priority,
+        pinned_worker=pinned_worker,
+        idempotency_key=idempotency_key,
+        fingerprint=print_ if idempotency_key is not None else None,
+        actor=actor,
+    )
 
 
 def envelope_for(instance: Instance) -> Envelope:

@@ -8,7 +8,13 @@
     # committed: the order and its job exist together; rolled back: neither does
 
 The instance is written with its creation history in the caller's transaction, so it exists if
-and only if the caller commits. Nothing is published from here (the bus is not transactional).
+and only if the caller commits. As a REST trigger: a disabled job is refused
+(:class:`~jobplane.dispatch.JobDisabledError`), arguments are validated, ``created_at`` (and a
+``delay``'s due time) come from the database's clock, and an ``idempotency_key`` replayed with
+the same request returns the first instance's id, while with a different request it raises
+:class:`~jobplane.errors.IdempotencyConflictError`.
+
+Nothing is published from here (the bus is not transactional).
 On Postgres the transaction also sends a ``NOTIFY`` (delivered only on commit), on which the
 leading scheduler publishes the instance at once; the sweep publishes never-published instances
 in any case, on SQLite and if the notification is lost.
@@ -16,21 +22,27 @@ in any case, on SQLite and if the notification is lost.
 
 from __future__ import annotations
 
-from datetime import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import UUID
 
-from sqlalchemy import Connection, Insert, func, select
+from sqlalchemy import ColumnElement, Connection, Insert, Row, func, literal, select
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
-from jobplane.dispatch import validate_args
+from jobplane.dispatch import JobDisabledError, validate_args
 from jobplane.domain.models import InstanceSource
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState
-from jobplane.errors import JobNotFoundError
+from jobplane.errors import InvalidOptionsError, JobNotFoundError
+from jobplane.idempotency import fingerprint, replay_candidates, replayed
 from jobplane.ids import new_id
+from jobplane.store import rows
 from jobplane.store.tables import instance_transitions, job_definitions, job_instances
+from jobplane.store.types import UtcDateTime
 
 
 def enqueue(
@@ -39,21 +51,22 @@ def enqueue(
     args: Any = None,
     *,
     run_at: datetime | None = None,
+    delay: timedelta | None = None,
     priority: int | None = None,
+    idempotency_key: str | None = None,
     actor: str = "app",
 ) -> UUID:
-    """Add an instance of ``key`` to the caller's transaction; returns its id."""
-    row = session_or_connection.execute(_definition(key)).first()
-    if row is None:
-        raise JobNotFoundError(key)
-    instance_id, statements = _statements(
-        row.options, row.args_schema, key, args, run_at, priority, actor
-    )
-    for statement in statements:
-        session_or_connection.execute(statement)
-    if _dialect(session_or_connection) == "postgresql":
-        session_or_connection.execute(_notify(instance_id))
-    return instance_id
+    """Add an instance of ``key`` to the caller's transaction; returns its id (with an
+    ``idempotency_key`` seen before for the same request: the first instance's id)."""
+    target = session_or_connection
+    definition = target.execute(_definition(key)).first()
+    plan = _plan(definition, key, args, run_at, delay, priority, idempotency_key, _dialect(target))
+    if target.execute(plan.insert).first() is None:
+        return plan.replayed(target.execute(plan.candidates()).all())
+    target.execute(plan.history(actor))
+    if plan.dialect == "postgresql":
+        target.execute(_notify(plan.id))
+    return plan.id
 
 
 async def enqueue_async(
@@ -62,24 +75,126 @@ async def enqueue_async(
     args: Any = None,
     *,
     run_at: datetime | None = None,
+    delay: timedelta | None = None,
     priority: int | None = None,
+    idempotency_key: str | None = None,
     actor: str = "app",
 ) -> UUID:
     """:func:`enqueue` for an ``AsyncSession`` or ``AsyncConnection``."""
-    row = (await session_or_connection.execute(_definition(key))).first()
-    if row is None:
-        raise JobNotFoundError(key)
-    instance_id, statements = _statements(
-        row.options, row.args_schema, key, args, run_at, priority, actor
-    )
-    for statement in statements:
-        await session_or_connection.execute(statement)
-    if _dialect(session_or_connection) == "postgresql":
-        await session_or_connection.execute(_notify(instance_id))
-    return instance_id
+    target = session_or_connection
+    definition = (await target.execute(_definition(key))).first()
+    plan = _plan(definition, key, args, run_at, delay, priority, idempotency_key, _dialect(target))
+    if (await target.execute(plan.insert)).first() is None:
+        return plan.replayed((await target.execute(plan.candidates())).all())
+    await target.execute(plan.history(actor))
+    if plan.dialect == "postgresql":
+        await target.execute(_notify(plan.id))
+    return plan.id
 
 
 CHANNEL = "jobplane_enqueued"
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """The statements of one enqueue, shared by the sync and async entry points."""
+
+    id: UUID
+    key: str
+    args: Any
+    state: InstanceState
+    insert: Insert
+    dialect: str
+    idempotency_key: str | None
+    fingerprint: str | None
+
+    def history(self, actor: str) -> Insert:
+        # ``at`` defaults to the database's clock.
+        return instance_transitions.insert().values(
+            instance_id=self.id, from_state=None, to_state=self.state.value, actor=actor
+        )
+
+    def candidates(self) -> Any:
+        assert self.idempotency_key is not None  # only a keyed insert can be skipped
+        return replay_candidates(self.idempotency_key, self.key)
+
+    def replayed(self, found: Sequence[Row[Any]]) -> UUID:
+        assert self.idempotency_key is not None
+        instances = (rows.instance_from_row(r._mapping) for r in found)
+        first = replayed(
+            instances, self.idempotency_key, self.key, self.fingerprint, self.args, None
+        )
+        return first.id
+
+
+def _plan(
+    definition: Row[Any] | None,
+    key: str,
+    args: Any,
+    run_at: datetime | None,
+    delay: timedelta | None,
+    priority: int | None,
+    idempotency_key: str | None,
+    dialect: str,
+) -> _Plan:
+    if definition is None:
+        raise JobNotFoundError(key)
+    options = JobOptions.model_validate(definition.options)
+    if options.disabled:
+        raise JobDisabledError(key)
+    if definition.args_schema is not None:
+        validate_args(definition.args_schema, args)
+    if run_at is not None and delay is not None:
+        raise InvalidOptionsError("delay", "give run_at or delay, not both")
+    if run_at is not None and run_at.tzinfo is None:
+        raise InvalidOptionsError("run_at", "must be timezone-aware")
+    instance_id = new_id()
+    now = _clock(dialect)
+    due: datetime | ColumnElement[datetime] | None = run_at
+    if delay is not None:
+        due = now + delay
+    # A delayed instance is Scheduled; the leader promotes it when due (database clock).
+    state = InstanceState.SCHEDULED if due is not None else InstanceState.ENQUEUED
+    print_ = fingerprint(key, args, run_at=run_at, delay=delay, priority=priority)
+    insert = _insert(dialect).values(
+        id=instance_id,
+        job_key=key,
+        state=state.value,
+        source=InstanceSource.TRIGGER.value,
+        queue=options.queue,
+        priority=options.priority if priority is None else priority,
+        args=args,
+        created_at=now,
+        run_at=due,
+        idempotency_key=idempotency_key,
+        idempotency_fingerprint=print_ if idempotency_key is not None else None,
+    )
+    # A replayed key is not inserted (the unique indexes); nothing then comes back.
+    insert = insert.on_conflict_do_nothing().returning(job_instances.c.id)
+    return _Plan(
+        id=instance_id,
+        key=key,
+        args=args,
+        state=state,
+        insert=insert,
+        dialect=dialect,
+        idempotency_key=idempotency_key,
+        fingerprint=print_ if idempotency_key is not None else None,
+    )
+
+
+def _clock(dialect: str) -> ColumnElement[datetime]:
+    """The store's clock, as the store reads it: the database's ``now()`` on Postgres (the
+    transaction's start), the process's clock on SQLite (one process owns the file)."""
+    if dialect == "postgresql":
+        return func.now()
+    return literal(datetime.now(UTC), UtcDateTime)
+
+
+def _insert(dialect: str) -> Any:
+    if dialect == "postgresql":
+        return postgresql.insert(job_instances)
+    return sqlite.insert(job_instances)
 
 
 def _notify(instance_id: UUID) -> Any:
@@ -97,36 +212,3 @@ def _definition(key: str) -> Any:
     return select(job_definitions.c.options, job_definitions.c.args_schema).where(
         job_definitions.c.key == key
     )
-
-
-def _statements(
-    raw_options: dict[str, Any],
-    schema: dict[str, Any] | None,
-    key: str,
-    args: Any,
-    run_at: datetime | None,
-    priority: int | None,
-    actor: str,
-) -> tuple[UUID, tuple[Insert, Insert]]:
-    options = JobOptions.model_validate(raw_options)
-    if schema is not None:
-        validate_args(schema, args)
-    instance_id = new_id()
-    # A delayed instance is Scheduled; the leader promotes it when due (database clock).
-    state = InstanceState.SCHEDULED if run_at is not None else InstanceState.ENQUEUED
-    now = datetime.now().astimezone()
-    instance = job_instances.insert().values(
-        id=instance_id,
-        job_key=key,
-        state=state.value,
-        source=InstanceSource.TRIGGER.value,
-        queue=options.queue,
-        priority=options.priority if priority is None else priority,
-        args=args,
-        created_at=now,
-        run_at=run_at,
-    )
-    history = instance_transitions.insert().values(
-        instance_id=instance_id, from_state=None, to_state=state.value, actor=actor
-    )
-    return instance_id, (instance, history)

@@ -74,3 +74,12 @@ class BusUnavailableError(UnavailableError):
 
 class EnvelopeError(JobplaneError, ValueError):
     """A bus entry could not be decoded into an :class:`~jobplane.bus.envelope.Envelope`."""
+
+
+class IdempotencyConflictError(JobplaneError):
+    """An idempotency key was used before for a different request (another job, other
+    arguments, time, priority or pinned worker): nothing was created."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"Idempotency-Key {key!r} was used before with a different request")
+        self.key = key

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jobplane.dispatch import JobDisabledError
 from jobplane.errors import (
     DefinitionVersionNotFoundError,
+    IdempotencyConflictError,
     IllegalTransitionError,
     InstanceNotFoundError,
     InvalidOptionsError,
@@ -52,6 +53,7 @@ STATUS_OF: list[tuple[type[Exception], int, str]] = [
     (InstanceNotFoundError, 404, "Instance not found"),
     (IllegalTransitionError, 409, "Illegal state transition"),
     (JobDisabledError, 409, "Job disabled"),
+    (IdempotencyConflictError, 409, "Idempotency-Key reused with a different request"),
 ]
 
 

@@ -8,6 +8,7 @@ from uuid import UUID
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
+from jobplane.domain.attempts import Attempt, attempts_of
 from jobplane.domain.models import (
     Bucket,
     BulkCancel,
@@ -47,7 +48,8 @@ _ERRORS = {
     401: "No token, or an unknown or revoked one",
     403: "The token's role is too low",
     404: "No such job, instance or token",
-    409: "Conflict: an illegal transition, a stale version, a disabled job",
+    409: "Conflict: an illegal transition, a stale version, a disabled job, an "
+    "Idempotency-Key reused with a different request",
     413: "Request body too large",
     422: "Invalid request: the fields at fault are in `errors`",
     503: "Postgres or Redis unreachable",
@@ -174,16 +176,26 @@ class TriggerIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     args: Any = Field(default=None, description="JSON arguments, validated against the job.")
-    run_at: datetime | None = Field(default=None, description="Run at this time (aware).")
+    run_at: AwareDatetime | None = Field(
+        default=None, description="Run at this time (with a UTC offset; not with delay_s)."
+    )
     delay_s: float | None = Field(
         default=None, ge=0, le=MAX_DELAY_S, description="Run after this many seconds."
     )
     priority: int | None = Field(default=None, ge=PRIORITY_MIN, le=PRIORITY_MAX)
-    pinned_worker: str | None = Field(default=None, max_length=200)
+    pinned_worker: str | None = Field(
+        default=None, max_length=200, description="Only this worker may run it."
+    )
 
 
 class BatchTriggerItem(TriggerIn):
     job_key: str
+    idempotency_key: str | None = Field(
+        default=None,
+        max_length=200,
+        description="As the Idempotency-Key header of a single trigger: a replay returns the "
+        "first instance; the key reused with a different request is a 409.",
+    )
 
 
 class BatchTriggerIn(BaseModel):
@@ -220,6 +232,33 @@ class TransitionOut(BaseModel):
         )
 
 
+class AttemptOut(BaseModel):
+    """One attempt: from an entry to Processing to the next transition out of it."""
+
+    number: int = Field(description="1 for the first attempt.")
+    worker: str = Field(description="The worker that claimed it.")
+    started_at: datetime
+    ended_at: datetime | None = Field(description="Null while it runs.")
+    outcome: InstanceState | None = Field(description="The state it ended in; null while it runs.")
+    reason: str | None = Field(description="Why it ended that way, when recorded.")
+    error: ErrorOut | None = Field(
+        description="Its error, for the latest ended attempt that did not succeed (only the "
+        "latest error is kept)."
+    )
+
+    @classmethod
+    def of(cls, a: Attempt) -> AttemptOut:
+        return cls(
+            number=a.number,
+            worker=a.worker,
+            started_at=a.started_at,
+            ended_at=a.ended_at,
+            outcome=a.outcome,
+            reason=a.reason,
+            error=ErrorOut(**a.error.to_json()) if a.error else None,
+        )
+
+
 class InstanceOut(BaseModel):
     id: UUID
     job_key: str
@@ -247,6 +286,11 @@ class InstanceOut(BaseModel):
     error: ErrorOut | None
     reason: str | None
     transitions: list[TransitionOut] | None = None
+    attempts: list[AttemptOut] | None = Field(
+        default=None,
+        description="The attempts, oldest first, derived from the transitions (instance "
+        "detail only).",
+    )
 
     @classmethod
     def of(cls, i: Instance, transitions: list[Transition] | None = None) -> InstanceOut:
@@ -277,6 +321,9 @@ class InstanceOut(BaseModel):
             error=ErrorOut(**i.error.to_json()) if i.error else None,
             reason=i.reason,
             transitions=[TransitionOut.of(t) for t in transitions] if transitions else None,
+            attempts=[AttemptOut.of(a) for a in attempts_of(transitions, i.error)]
+            if transitions
+            else None,
         )
 
 

@@ -33,6 +33,8 @@ def require(role: Role) -> Callable[..., Awaitable[Principal]]:
             raise HTTPException(
                 status.HTTP_401_UNAUTHORIZED, "a bearer token is required", headers=CHALLENGE
             )
+        # Looked up by the secret's SHA-256 in SQL: the secret is never compared itself, so
+        # a timing difference can only concern the hash (see jobplane.auth.hash_secret).
         token = await store.authenticate(secret.strip())
         if token is None:
             # Never echo or log the secret.

@@ -114,6 +114,9 @@ class NewInstance:
     pinned_worker: str | None = None
     retry_of: UUID | None = None
     idempotency_key: str | None = None
+    #: The request's fingerprint (see :mod:`jobplane.idempotency`); computed from the fields
+    #: above when not given. Only kept with an ``idempotency_key``.
+    fingerprint: str | None = None
     skip_reason: str | None = None
     actor: str = "system"
     id: UUID = field(default_factory=new_id)
@@ -164,6 +167,7 @@ class Instance:
     result: JSON = None
     error: ErrorInfo | None = None
     reason: str | None = None
+    idempotency_fingerprint: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

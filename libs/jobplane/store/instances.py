@@ -31,6 +31,7 @@ from jobplane.errors import (
     InstanceNotFoundError,
     JobNotFoundError,
 )
+from jobplane.idempotency import fingerprint_of, replay_candidates, replayed
 from jobplane.ids import id_floor
 from jobplane.store import rows
 from jobplane.store.base import I, S, SqlBase
@@ -118,16 +119,31 @@ class InstanceStore(SqlBase):
                 result.append(by_id[n.id])
                 continue
             if n.idempotency_key is not None:
-                clause = and_(I.job_key == n.job_key, I.idempotency_key == n.idempotency_key)
-            else:
-                clause = and_(
-                    I.job_key == n.job_key,
-                    I.source == InstanceSource.CRON.value,
-                    I.scheduled_at == n.scheduled_at,
-                )
+                result.append(await self._replayed(conn, n))
+                continue
+            clause = and_(
+                I.job_key == n.job_key,
+                I.source == InstanceSource.CRON.value,
+                I.scheduled_at == n.scheduled_at,
+            )
             row = (await conn.execute(select(job_instances).where(clause))).one()
             result.append(rows.instance_from_row(row._mapping))
         return result
+
+    async def _replayed(self, conn: AsyncConnection, n: NewInstance) -> Instance:
+        """The instance created earlier under ``n``'s idempotency key, if it was created
+        for the same request; else raise IdempotencyConflictError (the caller's transaction
+        rolls back: nothing of the batch is created)."""
+        assert n.idempotency_key is not None
+        found = await conn.execute(replay_candidates(n.idempotency_key, n.job_key))
+        return replayed(
+            (rows.instance_from_row(r._mapping) for r in found),
+            n.idempotency_key,
+            n.job_key,
+            fingerprint_of(n),
+            n.args,
+            n.pinned_worker,
+        )
 
     async def mark_published(self, ids: Collection[UUID]) -> None:
         if not ids:
@@ -226,6 +242,7 @@ def _new_instance_values(n: NewInstance, options: JobOptions, now: datetime) -> 
         "pinned_worker": n.pinned_worker,
         "retry_of": n.retry_of,
         "idempotency_key": n.idempotency_key,
+        "idempotency_fingerprint": fingerprint_of(n),
         "reason": n.skip_reason,
     }
 

@@ -24,6 +24,7 @@ from jobplane.domain.models import (
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState, check_transition
 from jobplane.errors import StoreUnavailableError
+from jobplane.idempotency import fingerprint_of
 from jobplane.store import rows
 from jobplane.store.lifecycle import log_fenced
 from jobplane.store.postgres_stats import PostgresStatsStore
@@ -159,9 +160,10 @@ WITH input AS (
         CAST(:queues AS text[]), CAST(:priorities AS integer[]), CAST(:args AS text[]),
         CAST(:scheduled_at AS timestamptz[]), CAST(:run_at AS timestamptz[]),
         CAST(:held AS boolean[]), CAST(:pinned AS text[]), CAST(:retry_of AS uuid[]),
-        CAST(:idempotency AS text[]), CAST(:skip_reasons AS text[]), CAST(:actors AS text[])
+        CAST(:idempotency AS text[]), CAST(:fingerprints AS text[]),
+        CAST(:skip_reasons AS text[]), CAST(:actors AS text[])
     ) AS t(id, job_key, source, queue, priority, args, scheduled_at, run_at, held,
-           pinned_worker, retry_of, idempotency_key, skip_reason, actor)
+           pinned_worker, retry_of, idempotency_key, idempotency_fingerprint, skip_reason, actor)
 ),
 resolved AS (
     SELECT t.*, d.options,
@@ -173,13 +175,13 @@ resolved AS (
 ins AS (
     INSERT INTO job_instances (
         id, job_key, state, source, queue, priority, args, created_at, scheduled_at, run_at,
-        finished_at, pinned_worker, retry_of, idempotency_key, reason
+        finished_at, pinned_worker, retry_of, idempotency_key, idempotency_fingerprint, reason
     )
     SELECT id, job_key, state, source, COALESCE(queue, options ->> 'queue'),
            COALESCE(priority, CAST(options ->> 'priority' AS integer)), CAST(args AS jsonb),
            now(), scheduled_at, CASE WHEN held THEN NULL ELSE run_at END,
            CASE WHEN state = 'skipped' THEN now() END, pinned_worker, retry_of,
-           idempotency_key, skip_reason
+           idempotency_key, idempotency_fingerprint, skip_reason
     FROM resolved
     ON CONFLICT DO NOTHING
     RETURNING {_cols("job_instances")}
@@ -250,6 +252,7 @@ class PostgresStore(PostgresStatsStore, SqlStore):
             "pinned": [n.pinned_worker for n in new],
             "retry_of": [n.retry_of for n in new],
             "idempotency": [n.idempotency_key for n in new],
+            "fingerprints": [fingerprint_of(n) for n in new],
             "skip_reasons": [n.skip_reason for n in new],
             "actors": [n.actor for n in new],
         }

@@ -123,6 +123,8 @@ job_instances = Table(
     Column("pinned_worker", String(200), nullable=True),
     Column("retry_of", Uuid, nullable=True),
     Column("idempotency_key", String(200), nullable=True),
+    # SHA-256 of the request that used ``idempotency_key`` (jobplane.idempotency).
+    Column("idempotency_fingerprint", String(64), nullable=True),
     Column("progress", Float, nullable=True),
     Column("progress_message", Text, nullable=True),
     Column("checkpoint", Json, nullable=True),
@@ -141,7 +143,9 @@ job_instances = Table(
         postgresql_where=text("source = 'cron'"),
         sqlite_where=text("source = 'cron'"),
     ),
-    # A replayed trigger with the same Idempotency-Key returns the first instance.
+    # A replayed trigger with the same Idempotency-Key returns the first instance. One key
+    # names one request, whatever the job: the index on the key alone covers every instance
+    # created with a fingerprint (0006); the one on (job, key) still covers older instances.
     Index(
         "uq_job_instances_idempotency",
         "job_key",
@@ -149,6 +153,13 @@ job_instances = Table(
         unique=True,
         postgresql_where=text("idempotency_key IS NOT NULL"),
         sqlite_where=text("idempotency_key IS NOT NULL"),
+    ),
+    Index(
+        "uq_job_instances_idempotency_key",
+        "idempotency_key",
+        unique=True,
+        postgresql_where=text("idempotency_fingerprint IS NOT NULL"),
+        sqlite_where=text("idempotency_fingerprint IS NOT NULL"),
     ),
     # Keyset listings: by job, by state, by both; newest first on the time-ordered id.
     Index("ix_job_instances_job_key_id", "job_key", "id"),

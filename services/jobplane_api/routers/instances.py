@@ -8,9 +8,10 @@ from uuid import UUID
 
 from fastapi import APIRouter, Query, status
 
+from jobplane.dispatch import trigger_request
 from jobplane.domain.models import InstanceFilter, InstanceSource, NewInstance
 from jobplane.domain.states import InstanceState
-from jobplane.errors import IllegalTransitionError
+from jobplane.errors import IllegalTransitionError, InvalidOptionsError
 from jobplane_api.deps import DispatcherDep, StoreDep
 from jobplane_api.schemas import (
     PROBLEM_RESPONSES,
@@ -65,30 +66,48 @@ async def list_instances(
     return InstancePage(items=[InstanceOut.of(i) for i in page.items], next_cursor=page.next_cursor)
 
 
+BATCH_EXAMPLE = {
+    "items": [
+        {"job_key": "send_receipt", "args": {"order_id": 7}, "idempotency_key": "order-7"},
+        {"job_key": "send_receipt", "args": {"order_id": 8}, "delay_s": 60, "priority": 2},
+        {"job_key": "rebuild_index", "run_at": "2026-11-24T03:00:00Z", "pinned_worker": "w-1"},
+    ]
+}
+
+
 @router.post(
     "/batch",
     summary="Trigger many instances",
     status_code=status.HTTP_201_CREATED,
     response_model=list[InstanceOut],
     dependencies=[Operator],
+    openapi_extra={"requestBody": {"content": {"application/json": {"example": BATCH_EXAMPLE}}}},
 )
 async def batch_trigger(
     dispatcher: DispatcherDep, store: StoreDep, body: BatchTriggerIn
 ) -> list[InstanceOut]:
-    """Create up to 1,000 instances in one statement; all or none."""
+    """Create up to 1,000 instances in one statement; all or none. An item's
+    ``idempotency_key`` works as a single trigger's Idempotency-Key header: a replayed item
+    stands for its first instance, and a key reused with a different request fails the whole
+    batch with 409."""
     now = await store.now()
-    requests = [
-        NewInstance(
-            job_key=item.job_key,
-            args=item.args,
-            run_at=item.run_at
-            or (now + timedelta(seconds=item.delay_s) if item.delay_s is not None else None),
-            priority=item.priority,
-            pinned_worker=item.pinned_worker,
-            actor="api",
+    requests = []
+    for n, item in enumerate(body.items):
+        if item.run_at is not None and item.delay_s is not None:
+            raise InvalidOptionsError(f"items.{n}.delay_s", "give run_at or delay_s, not both")
+        requests.append(
+            trigger_request(
+                item.job_key,
+                item.args,
+                now=now,
+                run_at=item.run_at,
+                delay=timedelta(seconds=item.delay_s) if item.delay_s is not None else None,
+                priority=item.priority,
+                pinned_worker=item.pinned_worker,
+                idempotency_key=item.idempotency_key,
+                actor="api",
+            )
         )
-        for item in body.items
-    ]
     return [InstanceOut.of(i) for i in await dispatcher.trigger_many(requests)]
 
 

@@ -28,6 +28,7 @@ router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"], responses=PROBLEM_RESPO
 
 TRIGGER_EXAMPLE = {"args": {"name": "Ada"}, "delay_s": 0, "priority": 5}
 ROLLBACK_EXAMPLE = {"to_version": 3, "version": 7}
+PATCH_EXAMPLE = {"version": 7, "options": {"cron": "*/5 * * * *", "retries": 3}}
 
 
 def _upcoming(definition: JobDefinition, now: datetime, fires: int) -> list[datetime]:
@@ -79,7 +80,12 @@ async def get_job(store: StoreDep, key: str) -> JobOut:
     return await _out(store, await store.get_definition(key), 10)
 
 
-@router.patch("/{key}", summary="Edit a job's options", response_model=JobOut)
+@router.patch(
+    "/{key}",
+    summary="Edit a job's options",
+    response_model=JobOut,
+    openapi_extra={"requestBody": {"content": {"application/json": {"example": PATCH_EXAMPLE}}}},
+)
 async def edit_job(
     store: StoreDep,
     bus: BusDep,
@@ -180,12 +186,12 @@ async def trigger_job(
     principal: Annotated[Principal, Operator],
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ) -> InstanceOut:
-    """Create an instance with validated arguments, now or later (``run_at`` or ``delay_s``).
-    Replaying an ``Idempotency-Key`` returns the first instance."""
+    """Create an instance with validated arguments, now or later (``run_at`` or ``delay_s``),
+    optionally pinned to one worker. Replaying an ``Idempotency-Key`` with the same request
+    returns the first instance; the key reused with a different request (another job,
+    arguments, time, priority or pinned worker) is a 409 and creates nothing."""
     if body.run_at is not None and body.delay_s is not None:
         raise InvalidOptionsError("delay_s", "give run_at or delay_s, not both")
-    if body.run_at is not None and body.run_at.tzinfo is None:
-        raise InvalidOptionsError("run_at", "must be timezone-aware")
     instance = await dispatcher.trigger(
         key,
         body.args,

@@ -56,8 +56,15 @@ async def list_tokens(store: StoreDep) -> list[TokenOut]:
     return [TokenOut.of(t) for t in await store.list_tokens()]
 
 
+TOKEN_EXAMPLE = {"name": "ci-deploy", "role": "operator"}
+
+
 @router.post(
-    "", summary="Create a token", status_code=status.HTTP_201_CREATED, response_model=NewTokenOut
+    "",
+    summary="Create a token",
+    status_code=status.HTTP_201_CREATED,
+    response_model=NewTokenOut,
+    openapi_extra={"requestBody": {"content": {"application/json": {"example": TOKEN_EXAMPLE}}}},
 )
 async def create_token(
     store: StoreDep, body: TokenIn, principal: Annotated[Principal, Admin]
