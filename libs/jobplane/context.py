@@ -11,12 +11,20 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-from jobplane.errors import JobplaneError
+from jobplane.errors import JobplaneError, StoreUnavailableError
+
+#: The cancellation reason of a cancel requested by an operator (API, CLI, client).
+CANCEL_REQUESTED = "cancel requested"
 
 
 class LeaseLostError(JobplaneError):
     """This attempt no longer holds its instance (lease expired, re-claimed): its writes are
     refused. The job should stop; its outcome will not be recorded."""
+
+
+class CheckpointNotSavedError(StoreUnavailableError):
+    """The store stayed unreachable while :meth:`JobContext.checkpoint` retried, until this
+    attempt's lease could have expired: the checkpoint was not saved."""
 
 
 class Cancellation:
@@ -117,7 +125,10 @@ class JobContext:
 
     async def checkpoint(self, data: Any) -> None:
         """Persist ``data`` (JSON) now; the next attempt of this instance gets it back as
-        :attr:`last_checkpoint`. Raises :class:`LeaseLostError` if this attempt was fenced."""
+        :attr:`last_checkpoint`. While the store is unreachable the write is retried with
+        backoff as long as this attempt's lease may still hold, then
+        :class:`CheckpointNotSavedError` is raised. Raises :class:`LeaseLostError` if this
+        attempt was fenced (not retried)."""
         if self.saver is None:
             raise RuntimeError("checkpoint() is only available inside a worker")
         if not await self.saver(data):

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from jobplane.app import JobSpec, Resources
-from jobplane.context import JobContext
+from jobplane.context import CANCEL_REQUESTED, JobContext
 from jobplane.domain.models import Claim, ErrorInfo, Outcome
 from jobplane.domain.options import Isolation
 from jobplane.domain.states import InstanceState
@@ -23,7 +23,6 @@ from jobplane_worker.isolation import ChildFailedError, run_in_child
 
 logger = logging.getLogger(__name__)
 
-CANCEL_REQUESTED = "cancel requested"
 TIMEOUT = "timeout"
 
 
