@@ -38,9 +38,17 @@ class Cancellation:
         self._thread_event: threading.Event | None = None
         self._async_event: asyncio.Event | None = None
         self._callbacks: list[Callable[[], object]] = []
+        #: Why the signal was set first (``"timeout"``, ``"cancel requested"``, …).
         self.reason: str | None = None
+        #: Whether a cancel was requested, even if another reason set the signal first (a
+        #: cancel arriving during a timeout's grace still makes the attempt end Cancelled).
+        self.cancel_requested = False
 
     def set(self, reason: str) -> None:
+        """Signal the attempt to stop. The first reason is kept in :attr:`reason` and the
+        callbacks run once; a later cancel request is still recorded (:attr:`cancel_requested`)."""
+        if reason == CANCEL_REQUESTED:
+            self.cancel_requested = True
         if self._set:
             return
         self.reason = reason

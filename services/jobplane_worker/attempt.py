@@ -62,17 +62,19 @@ async def run_attempt(
         else:
             kwargs = spec.bind(ctx, claim.instance.args, resources)
             result = await _run_sync(spec, kwargs, timeout, ctx, pool)
-        if ctx.cancellation.reason == CANCEL_REQUESTED:
+        if ctx.cancellation.cancel_requested:
             return _cancelled(claim)  # the job noticed the cancel and returned early
         return _succeeded(claim, result)
     except TimeoutError:
+        if ctx.cancellation.cancel_requested:
+            return _cancelled(claim)  # cancelled during the timeout's grace: no retry
         return _failed(claim, TimeoutError(f"timed out after {timeout:g} s"), reason=TIMEOUT)
     except asyncio.CancelledError:
-        if ctx.cancellation.reason == CANCEL_REQUESTED:
+        if ctx.cancellation.cancel_requested:
             return _cancelled(claim)
         raise  # the worker is stopping: the attempt is released, not failed
     except Exception as exc:
-        if ctx.cancellation.reason == CANCEL_REQUESTED:
+        if ctx.cancellation.cancel_requested:
             return _cancelled(claim)
         return _failed(claim, exc)
 
