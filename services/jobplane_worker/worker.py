@@ -10,6 +10,10 @@ Order of operations for one bus entry, and why:
    again is dropped by the claim (its instance is no longer Enqueued);
 4. run, heartbeat the lease, then record the outcome (batched, fenced by the claim token) —
    retried with backoff while the store is unreachable: an outcome is never dropped.
+
+Once a stop is requested nothing more is claimed: a blocking read is abandoned, and a batch
+a read returned anyway is left pending (the scheduler's sweep republishes an instance still
+Enqueued; another worker reclaims the entry).
 """
 
 from __future__ import annotations
@@ -155,13 +159,16 @@ class Worker:
                     await self._wait_for_room(stopping, inflight)
                     continue
                 try:
-                    deliveries = await self._next_batch(
-                        consumer, min(free, self.settings.batch_size)
+                    deliveries = await self._read_or_stop(
+                        consumer, min(free, self.settings.batch_size), stopping
                     )
                 except UnavailableError as exc:
                     self._pause_warning(exc)
                     await asyncio.sleep(1)
                     continue
+                if stop.is_set():
+                    self._leave_unclaimed(deliveries)
+                    break
                 if deliveries:
                     self._reserved += len(deliveries)
                     task = asyncio.create_task(self._handle_reserved(consumer, deliveries))
@@ -170,6 +177,31 @@ class Worker:
         finally:
             stopping.cancel()
             await asyncio.gather(*inflight, return_exceptions=True)
+
+    async def _read_or_stop(
+        self, consumer: Consumer, count: int, stopping: asyncio.Future[Any]
+    ) -> list[Delivery]:
+        """The next batch, or nothing if a stop comes first. The read is then cancelled (Redis:
+        the client closes the blocked connection, so the server hands nothing more to it; an
+        entry it had already handed over stays pending on this consumer and is reclaimed)."""
+        read = asyncio.ensure_future(self._next_batch(consumer, count))
+        await asyncio.wait({read, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not read.done():
+            read.cancel()
+            await asyncio.gather(read, return_exceptions=True)
+            return []
+        return read.result()
+
+    def _leave_unclaimed(self, deliveries: list[Delivery]) -> None:
+        """Stopping: a batch read meanwhile is not claimed. Its entries stay pending on this
+        consumer (another worker reclaims them after ``reclaim_idle_s``) and their instances
+        stay Enqueued, which the scheduler's sweep republishes."""
+        if deliveries:
+            logger.info(
+                "stopping: leaving %d entr(ies) unclaimed",
+                len(deliveries),
+                extra={"action": "worker.left_unclaimed"},
+            )
 
     async def _next_batch(self, consumer: Consumer, count: int) -> list[Delivery]:
         """New entries, or, every ``reclaim_idle_s / 2``, entries idle on a silent consumer."""
