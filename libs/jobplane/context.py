@@ -101,6 +101,9 @@ class JobContext:
     instance_id: UUID
     job_key: str
     attempt: int
+    #: When the instance was due: the occurrence's time for a cron fire, else its ``run_at``
+    #: (a delayed trigger, or the due time of a retry), else its creation time (an immediate
+    #: trigger). ``None`` only in a child process (``isolation="process"``).
     scheduled_at: datetime | None
     worker_id: str
     #: The checkpoint saved by an earlier attempt of this instance (``None`` on the first).

@@ -330,7 +330,8 @@ class Worker:
             instance_id=instance.id,
             job_key=instance.job_key,
             attempt=instance.attempt,
-            scheduled_at=instance.scheduled_at,
+            # When it was due: the cron occurrence, else run_at (delayed, retry), else created.
+            scheduled_at=instance.scheduled_at or instance.run_at or instance.created_at,
             worker_id=self.id,
             last_checkpoint=instance.checkpoint,
             saver=functools.partial(self._save_checkpoint, claim),
