@@ -26,6 +26,7 @@ from jobplane.errors import (
     InstanceNotFoundError,
     JobNotFoundError,
 )
+from jobplane.store.lifecycle import CANCEL_BEFORE_CLAIM_REASON, CANCEL_WINS_REASON
 from jobplane.store.sql import SqlStore
 from jobplane.store.tables import job_instances
 from tests.store_helpers import define, enqueue
@@ -391,6 +392,65 @@ async def test_cancel_queued_ends_it_and_cancel_running_flags_it(store: SqlStore
     assert (await store.get_instance(running.id)).state is S.CANCELLED
     with pytest.raises(InstanceNotFoundError):
         await store.request_cancel(NewInstance(job_key="job").id, "ops")
+
+
+async def test_a_failed_attempt_of_a_cancel_requested_instance_ends_cancelled(
+    store: SqlStore,
+) -> None:
+    await define(store, "job", retries=3, max_concurrency=1)
+    inst, other = await enqueue(store, n=2)
+    [c] = (await store.claim([inst.id], "w1", 10, ["job"])).claimed
+    await store.request_cancel(inst.id, "ops")
+    error = ErrorInfo("TimeoutError", "timed out after 1 s", None)
+    outcome = Outcome(inst.id, c.token, S.FAILED, error=error, reason="timeout")
+    assert await store.complete([outcome]) == {inst.id: S.CANCELLED}
+    done = await store.get_instance(inst.id)
+    assert done.state is S.CANCELLED and done.retries_used == 0 and done.error == error
+    assert done.finished_at is not None and done.reason == CANCEL_WINS_REASON
+    history = [(t.from_state, t.to_state, t.reason) for t in await store.transitions(inst.id)]
+    assert history[-1] == (S.PROCESSING, S.CANCELLED, CANCEL_WINS_REASON)
+    assert S.FAILED not in [to for _, to, _ in history]
+    # The slot went back with it.
+    assert [x.instance.id for x in (await store.claim([other.id], "w1", 10, ["job"])).claimed] == [
+        other.id
+    ]
+
+
+async def test_a_failure_without_a_cancel_request_still_retries(store: SqlStore) -> None:
+    await define(store, "job", retries=1)
+    [inst] = await enqueue(store)
+    [c] = (await store.claim([inst.id], "w1", 10, ["job"])).claimed
+    assert await store.complete([Outcome(inst.id, c.token, S.FAILED)]) == {inst.id: S.ENQUEUED}
+    assert not (await store.get_instance(inst.id)).cancel_requested
+
+
+async def test_claim_never_runs_an_enqueued_instance_whose_cancel_was_requested(
+    store: SqlStore,
+) -> None:
+    await define(store, "job", retries=2)
+    inst, fine = await enqueue(store, n=2)
+    [c] = (await store.claim([inst.id], "w1", 10, ["job"])).claimed
+    await store.request_cancel(inst.id, "ops")
+    # Released by a stopping worker before it saw the cancel: Enqueued, flag still set.
+    released = await store.transition(
+        inst.id, S.ENQUEUED, expect=[S.PROCESSING], claim_token=c.token, actor="w1"
+    )
+    assert released is not None and released.cancel_requested
+    result = await store.claim([inst.id, fine.id], "w2", 10, ["job"])
+    assert [x.instance.id for x in result.claimed] == [fine.id]
+    assert result.cancelled == [inst.id] and result.ignored == []
+    done = await store.get_instance(inst.id)
+    assert done.state is S.CANCELLED and done.attempt == 1 and done.finished_at is not None
+    last = (await store.transitions(inst.id))[-1]
+    assert (last.from_state, last.to_state, last.reason, last.actor) == (
+        S.ENQUEUED,
+        S.CANCELLED,
+        CANCEL_BEFORE_CLAIM_REASON,
+        "w2",
+    )
+    # A duplicate message for it later is simply ignored.
+    again = await store.claim([inst.id], "w3", 10, ["job"])
+    assert again.claimed == [] and again.ignored == [inst.id]
 
 
 async def test_cancel_many_cancels_queued_flags_running_and_skips_the_rest(

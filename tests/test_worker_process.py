@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from subprocess import Popen
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 
 from jobplane.bus.abc import Bus
@@ -36,13 +38,15 @@ def spawn_worker(
             "--worker-id",
             worker_id,
             *extra,
-            JOBPLANE_DATABASE_URL=pg_database_url,
-            JOBPLANE_REDIS_URL=redis_url,
-            JOBPLANE_KEY_PREFIX=redis_prefix,
-            JOBPLANE_HEARTBEAT_S="0.2",
-            JOBPLANE_POLL_MS="100",
-            JOBPLANE_TEST_MARKER=str(tmp_path / "started"),
-            **env,
+            **{
+                "JOBPLANE_DATABASE_URL": pg_database_url,
+                "JOBPLANE_REDIS_URL": redis_url,
+                "JOBPLANE_KEY_PREFIX": redis_prefix,
+                "JOBPLANE_HEARTBEAT_S": "0.2",
+                "JOBPLANE_POLL_MS": "100",
+                "JOBPLANE_TEST_MARKER": str(tmp_path / "started"),
+                **env,
+            },
         )
         procs.append(proc)
         return proc
@@ -189,6 +193,31 @@ async def _metrics(http: httpx.AsyncClient) -> dict[str, float]:
         for sample in family.samples:
             totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     return totals
+
+
+async def test_sigterm_ends_a_blocking_read_at_once(
+    pg_store: SqlStore, redis_url: str, spawn_worker: object
+) -> None:
+    poll_s = 30
+    proc = spawn_worker("idle", JOBPLANE_POLL_MS=str(poll_s * 1000))  # type: ignore[operator]
+    await wait_for(lambda: _has_definitions(pg_store), what="job registration", timeout_s=30)
+    await wait_for(lambda: _blocked_reader(redis_url), what="a blocking read", timeout_s=30)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(proc.wait, 30) == 0
+    assert time.monotonic() - sent < 3  # not once the read's 30 s block is over
+    [worker] = await pg_store.list_workers()
+    assert worker.stopped_at is not None
+
+
+async def _blocked_reader(redis_url: str) -> bool:
+    """Some client of Redis is blocked in XREADGROUP (the worker's read, in this test)."""
+    client = aioredis.from_url(redis_url)
+    try:
+        clients = await client.client_list()
+    finally:
+        await client.aclose()
+    return any(c.get("cmd") == "xreadgroup" and "b" in c.get("flags", "") for c in clients)
 
 
 async def _has_definitions(store: SqlStore) -> bool:

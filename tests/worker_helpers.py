@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import uuid
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 from uuid import UUID
 
 from jobplane.app import App
-from jobplane.bus.abc import Bus
+from jobplane.bus.abc import Bus, Consumer, Delivery
 from jobplane.domain.models import Instance
 from jobplane.domain.states import InstanceState
+from jobplane.errors import BusUnavailableError, StoreUnavailableError
 from jobplane.settings import WorkerSettings
 from jobplane.store.sql import SqlStore
 from jobplane_worker.worker import Worker
@@ -30,21 +32,23 @@ FAST = {
 
 @asynccontextmanager
 async def running_worker(
-    app: App, store: SqlStore, bus: Bus, **overrides: Any
+    app: App, store: SqlStore | FlakyStore, bus: Bus | Any, **overrides: Any
 ) -> AsyncIterator[Worker]:
     settings = WorkerSettings(**{"worker_id": f"w-{uuid.uuid4().hex[:8]}", **FAST, **overrides})
-    worker = Worker(app, store, bus, settings)
+    worker = Worker(app, cast(SqlStore, store), bus, settings)
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
     try:
-        await wait_for(lambda: _registered(store, worker.id), what="worker registration", task=task)
+        await wait_for(
+            lambda: _registered(worker.store, worker.id), what="worker registration", task=task
+        )
         yield worker
     finally:
         stop.set()
         await asyncio.wait_for(task, timeout=30)
 
 
-async def _registered(store: SqlStore, worker_id: str) -> bool:
+async def _registered(store: Any, worker_id: str) -> bool:
     return any(w.id == worker_id for w in await store.list_workers())
 
 
@@ -86,3 +90,97 @@ async def settled(store: SqlStore, ids: Collection[UUID], timeout_s: float = 20)
 
 def states(instances: Collection[Instance]) -> set[InstanceState]:
     return {i.state for i in instances}
+
+
+class FlakyStore:
+    """The real store, but the methods named in ``down`` fail as if Postgres were unreachable
+    (:class:`StoreUnavailableError`, nothing sent), as do the next ``fail_next[name]`` calls of
+    a method. Every refused call is kept in ``refused`` as ``(name, args)``."""
+
+    def __init__(self, store: SqlStore) -> None:
+        self.store = store
+        self.down: set[str] = set()
+        self.fail_next: dict[str, int] = {}
+        self.refused: list[tuple[str, tuple[Any, ...]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self.store, name)
+        if not inspect.iscoroutinefunction(real):
+            return real
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            if name in self.down or self.fail_next.get(name, 0) > 0:
+                if self.fail_next.get(name, 0) > 0:
+                    self.fail_next[name] -= 1
+                self.refused.append((name, args))
+                raise StoreUnavailableError(f"metadata store unavailable (injected: {name})")
+            return await real(*args, **kwargs)
+
+        return call
+
+    def refusals(self, name: str) -> list[tuple[Any, ...]]:
+        return [args for refused, args in self.refused if refused == name]
+
+
+class FlakyAckBus:
+    """The real bus; its consumers' next ``ack_failures`` acks fail as if Redis were away
+    (nothing is sent). ``acks_refused`` counts them."""
+
+    def __init__(self, bus: Bus, ack_failures: int) -> None:
+        self.bus = bus
+        self.ack_failures = ack_failures
+        self.acks_refused = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.bus, name)
+
+    def consumer(self, worker_id: str, queues: Sequence[str]) -> Consumer:
+        return _FlakyConsumer(self, self.bus.consumer(worker_id, queues))
+
+
+class _FlakyConsumer:
+    def __init__(self, owner: FlakyAckBus, consumer: Consumer) -> None:
+        self.owner = owner
+        self.consumer = consumer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.consumer, name)
+
+    async def ack(self, deliveries: Sequence[Delivery]) -> None:
+        if self.owner.ack_failures > 0:
+            self.owner.ack_failures -= 1
+            self.owner.acks_refused += 1
+            raise BusUnavailableError("Redis unavailable (injected: ack)")
+        await self.consumer.ack(deliveries)
+
+
+class StopDuringReadBus:
+    """The real bus; when one of its consumers' reads returns entries, ``stop`` is set before
+    the worker gets them (a SIGTERM that arrives while a read is in flight)."""
+
+    def __init__(self, bus: Bus, stop: asyncio.Event) -> None:
+        self.bus = bus
+        self.stop = stop
+        self.returned: list[Delivery] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.bus, name)
+
+    def consumer(self, worker_id: str, queues: Sequence[str]) -> Consumer:
+        return _StopDuringRead(self, self.bus.consumer(worker_id, queues))
+
+
+class _StopDuringRead:
+    def __init__(self, owner: StopDuringReadBus, consumer: Consumer) -> None:
+        self.owner = owner
+        self.consumer = consumer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.consumer, name)
+
+    async def read(self, count: int, block_ms: int) -> list[Delivery]:
+        found = await self.consumer.read(count, block_ms)
+        if found:
+            self.owner.returned.extend(found)
+            self.owner.stop.set()
+        return found

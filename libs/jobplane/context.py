@@ -11,12 +11,20 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-from jobplane.errors import JobplaneError
+from jobplane.errors import JobplaneError, StoreUnavailableError
+
+#: The cancellation reason of a cancel requested by an operator (API, CLI, client).
+CANCEL_REQUESTED = "cancel requested"
 
 
 class LeaseLostError(JobplaneError):
     """This attempt no longer holds its instance (lease expired, re-claimed): its writes are
     refused. The job should stop; its outcome will not be recorded."""
+
+
+class CheckpointNotSavedError(StoreUnavailableError):
+    """The store stayed unreachable while :meth:`JobContext.checkpoint` retried, until this
+    attempt's lease could have expired: the checkpoint was not saved."""
 
 
 class Cancellation:
@@ -30,9 +38,17 @@ class Cancellation:
         self._thread_event: threading.Event | None = None
         self._async_event: asyncio.Event | None = None
         self._callbacks: list[Callable[[], object]] = []
+        #: Why the signal was set first (``"timeout"``, ``"cancel requested"``, …).
         self.reason: str | None = None
+        #: Whether a cancel was requested, even if another reason set the signal first (a
+        #: cancel arriving during a timeout's grace still makes the attempt end Cancelled).
+        self.cancel_requested = False
 
     def set(self, reason: str) -> None:
+        """Signal the attempt to stop. The first reason is kept in :attr:`reason` and the
+        callbacks run once; a later cancel request is still recorded (:attr:`cancel_requested`)."""
+        if reason == CANCEL_REQUESTED:
+            self.cancel_requested = True
         if self._set:
             return
         self.reason = reason
@@ -85,6 +101,9 @@ class JobContext:
     instance_id: UUID
     job_key: str
     attempt: int
+    #: When the instance was due: the occurrence's time for a cron fire, else its ``run_at``
+    #: (a delayed trigger, or the due time of a retry), else its creation time (an immediate
+    #: trigger). ``None`` only in a child process (``isolation="process"``).
     scheduled_at: datetime | None
     worker_id: str
     #: The checkpoint saved by an earlier attempt of this instance (``None`` on the first).
@@ -124,7 +143,10 @@ class JobContext:
 
     async def checkpoint(self, data: Any) -> None:
         """Persist ``data`` (JSON) now; the next attempt of this instance gets it back as
-        :attr:`last_checkpoint`. Raises :class:`LeaseLostError` if this attempt was fenced."""
+        :attr:`last_checkpoint`. While the store is unreachable the write is retried with
+        backoff as long as this attempt's lease may still hold, then
+        :class:`CheckpointNotSavedError` is raised. Raises :class:`LeaseLostError` if this
+        attempt was fenced (not retried)."""
         if self.saver is None:
             raise RuntimeError("checkpoint() is only available inside a worker")
         if not await self.saver(data):

@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from jobplane.app import JobSpec, Resources
-from jobplane.context import JobContext
+from jobplane.context import CANCEL_REQUESTED, JobContext
 from jobplane.domain.models import Claim, ErrorInfo, Outcome
 from jobplane.domain.options import Isolation
 from jobplane.domain.states import InstanceState
@@ -26,7 +26,6 @@ from jobplane_worker.isolation import ChildFailedError, run_in_child
 
 logger = logging.getLogger(__name__)
 
-CANCEL_REQUESTED = "cancel requested"
 TIMEOUT = "timeout"
 
 #: Called with True when a sync job turns runaway, with False once its thread returns.
@@ -76,17 +75,19 @@ async def run_attempt(
         else:
             kwargs = spec.bind(ctx, claim.instance.args, resources)
             result = await _run_sync(spec, kwargs, timeout, ctx, pool, grace_s, on_runaway)
-        if ctx.cancellation.reason == CANCEL_REQUESTED:
+        if ctx.cancellation.cancel_requested:
             return _cancelled(claim)  # the job noticed the cancel and returned early
         return _succeeded(claim, result)
     except TimeoutError:
+        if ctx.cancellation.cancel_requested:
+            return _cancelled(claim)  # cancelled during the timeout's grace: no retry
         return _failed(claim, TimeoutError(f"timed out after {timeout:g} s"), reason=TIMEOUT)
     except asyncio.CancelledError:
-        if ctx.cancellation.reason == CANCEL_REQUESTED:
+        if ctx.cancellation.cancel_requested:
             return _cancelled(claim)
         raise  # the worker is stopping: the attempt is released, not failed
     except Exception as exc:
-        if ctx.cancellation.reason == CANCEL_REQUESTED:
+        if ctx.cancellation.cancel_requested:
             return _cancelled(claim)
         return _failed(claim, exc)
 

@@ -4,10 +4,16 @@ Order of operations for one bus entry, and why:
 
 1. read (batched XREADGROUP) — the entry is pending on this consumer;
 2. claim in the store (one statement per batch) — from now on Postgres and the lease own it;
-3. ack + delete the entry — only after the claim committed, so a crash before it leaves the
-   entry pending and another worker reclaims it;
+3. start the claimed instances, then ack + delete the entries — only after the claim
+   committed, so a crash before it leaves the entries pending and another worker reclaims them.
+   A failed ack does not hold the instances back: it is retried later, and an entry delivered
+   again is dropped by the claim (its instance is no longer Enqueued);
 4. run, heartbeat the lease, then record the outcome (batched, fenced by the claim token) —
    retried with backoff while the store is unreachable: an outcome is never dropped.
+
+Once a stop is requested nothing more is claimed: a blocking read is abandoned, and a batch
+a read returned anyway is left pending (the scheduler's sweep republishes an instance still
+Enqueued; another worker reclaims the entry).
 """
 
 from __future__ import annotations
@@ -25,13 +31,11 @@ from dataclasses import replace
 from typing import Any
 from uuid import UUID
 
-from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
-
 from jobplane import __version__
 from jobplane.app import App, Resources
 from jobplane.bus.abc import Bus, Consumer, Delivery
 from jobplane.bus.envelope import EventKind
-from jobplane.context import JobContext
+from jobplane.context import CANCEL_REQUESTED, CheckpointNotSavedError, JobContext
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import Claim, Instance, Outcome, WorkerInfo
 from jobplane.domain.options import OnLimit
@@ -39,9 +43,10 @@ from jobplane.domain.states import InstanceState
 from jobplane.errors import BusUnavailableError, StoreUnavailableError, UnavailableError
 from jobplane.settings import WorkerSettings
 from jobplane.store.abc import Store
-from jobplane_worker.attempt import CANCEL_REQUESTED, Attempt, run_attempt
+from jobplane_worker.attempt import Attempt, run_attempt
 from jobplane_worker.health import serving
 from jobplane_worker.metrics import LEASE_LOST, RELEASED, WorkerMetrics
+from jobplane_worker.retrying import SIDE_WRITE_RETRY_S, retrying
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +80,9 @@ class Worker:
         self.metrics = WorkerMetrics(
             settings.concurrency, lambda: len(self.running), lambda: self.runaway_count
         )
+        #: Per running instance, a ``time.monotonic()`` until which its lease surely holds:
+        #: ``lease_s`` after the claim or last renewal was sent.
+        self._lease_until: dict[UUID, float] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -172,13 +180,16 @@ class Worker:
                     await self._wait_for_room(stopping, inflight)
                     continue
                 try:
-                    deliveries = await self._next_batch(
-                        consumer, min(free, self.settings.batch_size)
+                    deliveries = await self._read_or_stop(
+                        consumer, min(free, self.settings.batch_size), stopping
                     )
                 except UnavailableError as exc:
                     self._pause_warning(exc)
                     await asyncio.sleep(1)
                     continue
+                if stop.is_set():
+                    self._leave_unclaimed(deliveries)
+                    break
                 if deliveries:
                     self._reserved += len(deliveries)
                     task = asyncio.create_task(self._handle_reserved(consumer, deliveries))
@@ -187,6 +198,31 @@ class Worker:
         finally:
             stopping.cancel()
             await asyncio.gather(*inflight, return_exceptions=True)
+
+    async def _read_or_stop(
+        self, consumer: Consumer, count: int, stopping: asyncio.Future[Any]
+    ) -> list[Delivery]:
+        """The next batch, or nothing if a stop comes first. The read is then cancelled (Redis:
+        the client closes the blocked connection, so the server hands nothing more to it; an
+        entry it had already handed over stays pending on this consumer and is reclaimed)."""
+        read = asyncio.ensure_future(self._next_batch(consumer, count))
+        await asyncio.wait({read, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not read.done():
+            read.cancel()
+            await asyncio.gather(read, return_exceptions=True)
+            return []
+        return read.result()
+
+    def _leave_unclaimed(self, deliveries: list[Delivery]) -> None:
+        """Stopping: a batch read meanwhile is not claimed. Its entries stay pending on this
+        consumer (another worker reclaims them after ``reclaim_idle_s``) and their instances
+        stay Enqueued, which the scheduler's sweep republishes."""
+        if deliveries:
+            logger.info(
+                "stopping: leaving %d entr(ies) unclaimed",
+                len(deliveries),
+                extra={"action": "worker.left_unclaimed"},
+            )
 
     async def _next_batch(self, consumer: Consumer, count: int) -> list[Delivery]:
         """New entries, or, every ``reclaim_idle_s / 2``, entries idle on a silent consumer."""
@@ -230,13 +266,46 @@ class Worker:
         if not known:
             return
         ids = list(dict.fromkeys(d.envelope.instance_id for d in known))
+        sent = time.monotonic()  # the lease is counted from no earlier than this
         result = await self.store.claim(ids, self.id, self.settings.lease_s, self.app.jobs.keys())
-        # The claim has committed: Postgres and the lease own these instances now, so the
-        # entries go (a long job is never re-delivered). Skipped, parked and stale ones too.
-        await consumer.ack(known)
+        # The claim has committed: Postgres and the lease own these instances now. They start
+        # whatever the bus does next: they must not wait, unrenewed, for the reaper.
         for claim in result.claimed:
             self.metrics.claims.labels(job=claim.instance.job_key).inc()
-            self._start(claim)
+            self._start(claim, sent + self.settings.lease_s)
+        for instance_id in result.cancelled:
+            logger.info(
+                "instance %s not run: a cancel was requested",
+                instance_id,
+                extra={"action": "worker.cancelled_at_claim", "instance_id": str(instance_id)},
+            )
+        # The entries go (a long job is never re-delivered). Skipped, parked and stale ones too.
+        try:
+            await consumer.ack(known)
+        except BusUnavailableError as exc:
+            self._spawn(self._ack_later(consumer, known, exc))
+
+    async def _ack_later(
+        self, consumer: Consumer, deliveries: list[Delivery], error: BusUnavailableError
+    ) -> None:
+        """Retry a failed ack until the bus is back. Should the worker stop first, the entries
+        stay pending and are reclaimed by a worker whose claim drops them: their instances are
+        no longer Enqueued."""
+        delay = 0.2
+        while True:
+            logger.warning(
+                "ack of %d entr(ies) failed: %s; retrying in %.1f s",
+                len(deliveries),
+                error,
+                delay,
+                extra={"action": "worker.ack_retry"},
+            )
+            await asyncio.sleep(delay)
+            try:
+                await consumer.ack(deliveries)
+                return
+            except BusUnavailableError as exc:
+                error, delay = exc, min(delay * 2, 5.0)
 
     async def _requeue_later(self, consumer: Consumer, deliveries: list[Delivery]) -> None:
         """Leave a job this worker does not know for a worker that does: forward it to a live
@@ -277,21 +346,47 @@ class Worker:
 
     # -- running ---------------------------------------------------------------------------
 
-    def _start(self, claim: Claim) -> None:
+    def _start(self, claim: Claim, lease_until: float) -> None:
         instance = claim.instance
         ctx = JobContext(
             instance_id=instance.id,
             job_key=instance.job_key,
             attempt=instance.attempt,
-            scheduled_at=instance.scheduled_at,
+            # When it was due: the cron occurrence, else run_at (delayed, retry), else created.
+            scheduled_at=instance.scheduled_at or instance.run_at or instance.created_at,
             worker_id=self.id,
             last_checkpoint=instance.checkpoint,
-            saver=functools.partial(self._save_checkpoint, instance.id, claim.token),
+            saver=functools.partial(self._save_checkpoint, claim),
             loop=asyncio.get_running_loop(),
         )
         attempt = Attempt(claim=claim, ctx=ctx)
         self.running[instance.id] = attempt
+        self._lease_until[instance.id] = lease_until
         attempt.task = asyncio.create_task(self._run(attempt), name=f"job-{instance.id}")
+
+    async def _save_checkpoint(self, claim: Claim, data: Any) -> bool:
+        """Write a checkpoint, fenced by the claim token; retried while the store is
+        unreachable and the lease may still hold. ``False``: refused, the lease was lost."""
+        instance_id = claim.instance.id
+        what = f"checkpoint of instance {instance_id} ({claim.instance.job_key})"
+
+        def deadline() -> float:
+            return self._lease_until.get(instance_id, 0.0)
+
+        try:
+            # The store's UPDATE has claim_token = token in its WHERE clause: after a lost lease
+            # (another worker may have claimed the instance) this attempt's checkpoint is refused.
+            saved: bool = await retrying(what, deadline)(
+                self.store.save_checkpoint, instance_id, claim.token, data
+            )
+        except StoreUnavailableError as exc:
+            raise CheckpointNotSavedError(
+                f"instance {instance_id}: checkpoint not saved, the store stayed unreachable "
+                f"until this attempt's lease could have expired ({exc})"
+            ) from exc
+        if not saved:
+            self.metrics.lease_lost_writes.labels(write="checkpoint").inc()
+        return saved
 
     async def _run(self, attempt: Attempt) -> None:
         key = attempt.claim.instance.job_key
@@ -310,6 +405,7 @@ class Worker:
         finally:
             self.running.pop(attempt.claim.instance.id, None)
             self._slot_freed.set()
+            self._lease_until.pop(attempt.claim.instance.id, None)
         if attempt.lease_lost:
             self.metrics.finished.labels(job=key, outcome=LEASE_LOST).inc()
             return
@@ -325,21 +421,12 @@ class Worker:
         else:
             self.runaway_count -= 1
 
-    async def _save_checkpoint(self, instance_id: UUID, token: int, data: Any) -> bool:
-        # The store's UPDATE has claim_token = token in its WHERE clause: after a lost lease
-        # (another worker may have claimed the instance) this attempt's checkpoint is refused.
-        saved = await self.store.save_checkpoint(instance_id, token, data)
-        if not saved:
-            self.metrics.lease_lost_writes.labels(write="checkpoint").inc()
-        return saved
-
     async def _flush_progress(self, attempt: Attempt) -> None:
         """Write progress reported since the last heartbeat before the outcome is recorded,
         so that the last report of a short attempt is not lost."""
         progress = attempt.ctx.pending_progress
         if progress is None:
             return
-        attempt.ctx.pending_progress = None
         instance_id = attempt.claim.instance.id
         try:
             # A heartbeat of this one lease: fenced by the claim token and the Processing
@@ -355,6 +442,8 @@ class Worker:
                 extra={"action": "worker.progress", "instance_id": str(instance_id)},
             )
             return
+        if attempt.ctx.pending_progress == progress:
+            attempt.ctx.pending_progress = None  # written; a newer report stays pending
         if instance_id not in kept:
             self.metrics.lease_lost_writes.labels(write="progress").inc()
 
@@ -372,13 +461,9 @@ class Worker:
 
     async def _record(self, batch: list[tuple[Attempt, Outcome]]) -> None:
         outcomes = [outcome for _, outcome in batch]
-        async for retry in AsyncRetrying(
-            retry=retry_if_exception_type(StoreUnavailableError),
-            wait=wait_exponential(multiplier=0.2, max=5),
-            reraise=True,
-        ):
-            with retry:
-                ended = await self.store.complete(outcomes)
+        ended: dict[UUID, InstanceState] = await retrying(f"recording {len(outcomes)} outcome(s)")(
+            self.store.complete, outcomes
+        )
         requeued: list[Instance] = []
         wait_keys: dict[str, int] = {}
         for attempt, outcome in batch:
@@ -403,9 +488,30 @@ class Worker:
                 requeued.append(replace(instance, state=state))
             if attempt.claim.options.on_limit is OnLimit.WAIT:
                 wait_keys[instance.job_key] = wait_keys.get(instance.job_key, 0) + 1
+        try:
+            await self._republish(requeued, wait_keys)
+        except UnavailableError as exc:
+            # Not fatal: the outcomes are recorded; the sweep republishes what is Enqueued.
+            logger.warning(
+                "republishing after %d outcome(s) failed: %s; left for the sweep",
+                len(batch),
+                exc,
+                extra={"action": "worker.republish_deferred"},
+            )
+
+    async def _republish(self, requeued: list[Instance], wait_keys: dict[str, int]) -> None:
+        """Publish retries, and as many instances parked by ``on_limit=wait`` as slots were
+        freed. Store writes are retried for a bounded time."""
+        deadline = time.monotonic() + SIDE_WRITE_RETRY_S
         for key, freed in wait_keys.items():
-            requeued.extend(await self.store.republish_waiting([key], freed))
-        await self.dispatcher.publish(requeued, force=True)
+            requeued.extend(
+                await retrying(f"republishing parked instances of {key}", lambda: deadline)(
+                    self.store.republish_waiting, [key], freed
+                )
+            )
+        await retrying("marking instances published", lambda: deadline)(
+            self.dispatcher.publish, requeued, force=True
+        )
 
     # -- leases ----------------------------------------------------------------------------
 
@@ -422,16 +528,22 @@ class Worker:
         attempts = [a for a in self.running.values() if not a.lease_lost]
         if not attempts:
             return
-        progress = {}
-        for attempt in attempts:
-            if attempt.ctx.pending_progress is not None:
-                progress[attempt.claim.instance.id] = attempt.ctx.pending_progress
-                attempt.ctx.pending_progress = None
+        # Progress stays pending until a heartbeat has written it (a failed one loses nothing).
+        progress = {
+            a.claim.instance.id: a.ctx.pending_progress
+            for a in attempts
+            if a.ctx.pending_progress is not None
+        }
+        sent = time.monotonic()
         kept = await self.store.heartbeat(
             [a.lease for a in attempts], self.settings.lease_s, progress
         )
         for attempt in attempts:
             instance_id = attempt.claim.instance.id
+            if instance_id in kept:
+                self._lease_until[instance_id] = sent + self.settings.lease_s
+                if attempt.ctx.pending_progress is progress.get(instance_id):
+                    attempt.ctx.pending_progress = None  # written; a newer report would stay
             if instance_id not in kept:
                 # Another worker may own it now; every write of ours would be refused anyway.
                 attempt.lease_lost = True
@@ -478,23 +590,52 @@ class Worker:
             )
             await asyncio.wait(tasks, timeout=self.settings.grace_s)
         left = list(self.running.values())
+        deadlines = {
+            a.claim.instance.id: self._lease_until.get(a.claim.instance.id, 0.0) for a in left
+        }
         for attempt in left:
             attempt.ctx.cancellation.set(SHUTDOWN_REASON)
             if attempt.task is not None:
                 attempt.task.cancel()
-        released: list[Instance] = []
-        for attempt in left:
-            instance = await self.store.transition(
-                attempt.claim.instance.id,
+        found = await asyncio.gather(
+            *(self._release(a, deadlines[a.claim.instance.id]) for a in left)
+        )
+        await self._quietly(self.dispatcher.publish([i for i in found if i is not None]))
+
+    async def _release(self, attempt: Attempt, lease_until: float) -> Instance | None:
+        """Processing → Enqueued, fenced by the claim token; retried while the store is
+        unreachable and the lease may still hold (after that the reaper releases it, counting
+        an unexpected retry). A refusal (lease lost) is logged, not retried."""
+        instance = attempt.claim.instance
+        try:
+            released: Instance | None = await retrying(
+                f"releasing instance {instance.id} ({instance.job_key})", lambda: lease_until
+            )(
+                self.store.transition,
+                instance.id,
                 InstanceState.ENQUEUED,
                 expect=[InstanceState.PROCESSING],
                 claim_token=attempt.claim.token,
                 actor=self.id,
                 reason=SHUTDOWN_REASON,
             )
-            if instance is not None:
-                released.append(instance)
-        await self.dispatcher.publish(released)
+        except StoreUnavailableError as exc:
+            logger.warning(
+                "could not release instance %s of %s: %s; the reaper will once its lease expires",
+                instance.id,
+                instance.job_key,
+                exc,
+                extra=_about(instance, "worker.release_failed"),
+            )
+            return None
+        if released is None:
+            logger.warning(
+                "instance %s of %s not released: this worker no longer holds it",
+                instance.id,
+                instance.job_key,
+                extra=_about(instance, "worker.release_refused"),
+            )
+        return released
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -508,6 +649,10 @@ class Worker:
             await coro
         except UnavailableError as exc:
             logger.warning("%s", exc, extra={"action": "worker.cleanup"})
+
+
+def _about(instance: Instance, action: str) -> dict[str, str]:
+    return {"action": action, "instance_id": str(instance.id), "job_key": instance.job_key}
 
 
 def _raise_if_dead(side: list[asyncio.Task[Any]]) -> None:

@@ -204,12 +204,14 @@ class ClaimResult:
     - ``claimed``: now Processing for this worker, slot taken.
     - ``skipped``: job at max concurrency with ``on_limit=skip``; now Skipped.
     - ``waiting``: job at max concurrency with ``on_limit=wait``; still Enqueued, unpublished.
+    - ``cancelled``: a cancel was requested for it (``cancel_requested``); now Cancelled.
     - ``ignored``: not claimable here (no longer Enqueued, pinned elsewhere, unknown id).
     """
 
     claimed: list[Claim] = field(default_factory=list)
     skipped: list[UUID] = field(default_factory=list)
     waiting: list[UUID] = field(default_factory=list)
+    cancelled: list[UUID] = field(default_factory=list)
     ignored: list[UUID] = field(default_factory=list)
 
 

@@ -147,6 +147,8 @@ class Store(Protocol):
         of ``lease_s`` on the store's clock, and one slot of its job: per job key, the free slots
         (max concurrency - used) go to the eligible rows by priority then age; the excess is
         Skipped (``on_limit=skip``) or left Enqueued and unpublished (``on_limit=wait``).
+        An eligible instance with ``cancel_requested`` (a cancel that reached a running attempt
+        which was then released) is never claimed: it ends Cancelled in the same statement.
         """
 
     async def heartbeat(
@@ -167,9 +169,11 @@ class Store(Protocol):
         """Record the end of attempts (fenced by their claim tokens); release their slots.
 
         A Failed attempt with retries left moves on to Scheduled (backoff > 0) or Enqueued
-        (the caller publishes it), otherwise to Terminated. Returns the state each recorded
-        instance ended in; an outcome whose token no longer matches was fenced off, changed
-        nothing, and is absent from the answer.
+        (the caller publishes it), otherwise to Terminated. A cancel wins over a retry: a Failed
+        outcome (exception or timeout) of an instance with ``cancel_requested`` ends Cancelled
+        instead, the error kept, decided by the same conditional update. Returns the state
+        each recorded instance ended in; an outcome whose token no longer matches was fenced
+        off, changed nothing, and is absent from the answer.
         """
 
     async def transition(

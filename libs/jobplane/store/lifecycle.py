@@ -15,6 +15,7 @@ from uuid import UUID
 from sqlalchemy import (
     Row,
     and_,
+    case,
     or_,
     select,
     tuple_,
@@ -43,6 +44,10 @@ from jobplane.store.tables import (
 )
 
 LIMIT_REASON = "max concurrency reached"
+#: A failed attempt (exception or timeout) of an instance whose cancel was requested.
+CANCEL_WINS_REASON = "cancel requested; the failed attempt is not retried"
+#: An Enqueued instance found with ``cancel_requested`` by a claim.
+CANCEL_BEFORE_CLAIM_REASON = "cancel requested; not run again"
 
 #: (fraction done in [0, 1], message) reported by a running job.
 Progress = tuple[float, str | None]
@@ -58,9 +63,9 @@ class LifecycleStore(SqlBase):
             return ClaimResult()
         async with self._write() as conn:
             now = await self._now(conn)
-            candidates = (
+            found = (
                 await conn.execute(
-                    select(I.id, I.job_key, I.priority)
+                    select(I.id, I.job_key, I.priority, I.cancel_requested)
                     .where(
                         I.id.in_(list(ids)),
                         I.state == S.ENQUEUED.value,
@@ -71,6 +76,21 @@ class LifecycleStore(SqlBase):
                     .with_for_update()
                 )
             ).all()
+            # A cancel that reached a running attempt which was then released (shutdown) left
+            # the flag on an Enqueued row: that row is never run again. It is read from the
+            # row locked above, so a cancel request cannot slip in before the claim.
+            cancel_ids = [c.id for c in found if c.cancel_requested]
+            candidates = [c for c in found if not c.cancel_requested]
+            for instance_id in cancel_ids:
+                await self._move(
+                    conn,
+                    instance_id,
+                    S.CANCELLED,
+                    expect=(S.ENQUEUED,),
+                    claim_token=None,
+                    actor=worker_id,
+                    reason=CANCEL_BEFORE_CLAIM_REASON,
+                )
             slots = await self._lock_slots(conn, {c.job_key for c in candidates})
             claim_ids, skip_ids, wait_ids = _allot(candidates, slots)
             claimed = await self._take(conn, claim_ids, worker_id, now, lease_s)
@@ -83,11 +103,12 @@ class LifecycleStore(SqlBase):
                     .values(published_at=None)
                 )
         options = {key: opts for key, (_, opts) in slots.items()}
-        handled = {*claim_ids, *skip_ids, *wait_ids}
+        handled = {*claim_ids, *skip_ids, *wait_ids, *cancel_ids}
         return ClaimResult(
             claimed=[Claim(instance=i, options=options[i.job_key]) for i in claimed],
             skipped=skip_ids,
             waiting=wait_ids,
+            cancelled=cancel_ids,
             ignored=[i for i in dict.fromkeys(ids) if i not in handled],
         )
 
@@ -252,6 +273,7 @@ class LifecycleStore(SqlBase):
                         "result": outcome.result,
                         "error": outcome.error.to_json() if outcome.error else None,
                     },
+                    cancel_wins=outcome.state is S.FAILED,
                 )
                 if moved is None:
                     log_fenced(outcome)
@@ -339,9 +361,11 @@ class LifecycleStore(SqlBase):
         actor: str | None,
         reason: str | None,
         values: dict[str, Any] | None = None,
+        cancel_wins: bool = False,
     ) -> Instance | None:
         """One compare-and-set transition with its history and slot release, inside ``conn``'s
-        transaction. ``actor=None`` means the worker holding the claim."""
+        transaction. ``actor=None`` means the worker holding the claim. With ``cancel_wins``
+        a row with ``cancel_requested`` ends Cancelled instead of ``to_state``."""
         where = [I.id == instance_id, I.state.in_([s.value for s in expect])]
         if claim_token is not None:
             # Fencing: a stale attempt (lease lost, instance re-claimed) matches nothing.
@@ -360,6 +384,15 @@ class LifecycleStore(SqlBase):
             changes["lease_expires_at"] = None
         if to_state is S.ENQUEUED:
             changes["published_at"] = None  # to be published again by the caller or the sweep
+        if cancel_wins:
+            # A cancel beats a retry, decided by this UPDATE on the row locked above (FOR
+            # UPDATE; SQLite: BEGIN IMMEDIATE): a cancel request committed before it is seen
+            # here; one committed after finds the instance Scheduled/Enqueued (retry) or
+            # Terminated and acts on that state.
+            wanted = I.cancel_requested.is_(True)
+            changes["state"] = case((wanted, S.CANCELLED.value), else_=to_state.value)
+            changes["reason"] = case((wanted, CANCEL_WINS_REASON), else_=reason)
+            changes["finished_at"] = case((wanted, self._clock()), else_=changes.get("finished_at"))
         row = (
             await conn.execute(
                 update(job_instances)
@@ -382,9 +415,9 @@ class LifecycleStore(SqlBase):
                 {
                     "instance_id": instance_id,
                     "from_state": old.state,
-                    "to_state": to_state.value,
+                    "to_state": instance.state.value,
                     "actor": actor or old.worker_id or "system",
-                    "reason": reason,
+                    "reason": instance.reason,
                     "claim_token": instance.claim_token,
                 }
             ],
@@ -452,7 +485,7 @@ class LifecycleStore(SqlBase):
 
 
 def _allot(
-    candidates: Sequence[Row[Any, Any, Any]], slots: dict[str, tuple[int, JobOptions]]
+    candidates: Sequence[Row[Any, Any, Any, Any]], slots: dict[str, tuple[int, JobOptions]]
 ) -> tuple[list[UUID], list[UUID], list[UUID]]:
     """Give each job key's free slots to its candidates by priority, then age (id)."""
     claim: list[UUID] = []

@@ -26,7 +26,11 @@ from jobplane.domain.states import InstanceState, check_transition
 from jobplane.errors import StoreUnavailableError
 from jobplane.idempotency import fingerprint_of
 from jobplane.store import rows
-from jobplane.store.lifecycle import log_fenced
+from jobplane.store.lifecycle import (
+    CANCEL_BEFORE_CLAIM_REASON,
+    CANCEL_WINS_REASON,
+    log_fenced,
+)
 from jobplane.store.postgres_stats import PostgresStatsStore
 from jobplane.store.sql import LIMIT_REASON, SqlStore
 from jobplane.store.tables import job_instances
@@ -47,10 +51,13 @@ def _cols(alias: str) -> str:
 #   latest ``used``, and the claim adds to it in the same statement (``rn <= free``), so
 #   ``used <= max_concurrency`` holds whatever the number of claimers;
 # - history: written by the same statement, after the slot lock, so the history sequence
-#   orders claims and releases of one job key the way they really happened.
+#   orders claims and releases of one job key the way they really happened;
+# - a cancel requested while an attempt ran that was then released (shutdown): ``cand`` reads
+#   ``cancel_requested`` from the locked row, and such a row is never claimed: ``cancelled``
+#   ends it in this statement (a cancel request waits on the lock and sees it Cancelled).
 CLAIM_SQL = f"""
 WITH cand AS MATERIALIZED (
-    SELECT id, job_key, priority
+    SELECT id, job_key, priority, cancel_requested
     FROM job_instances
     WHERE id = ANY(CAST(:ids AS uuid[]))
       AND state = 'enqueued'
@@ -70,6 +77,14 @@ ranked AS (
     SELECT c.id, c.job_key, s.free, s.on_limit,
            row_number() OVER (PARTITION BY c.job_key ORDER BY c.priority DESC, c.id) AS rn
     FROM cand c JOIN slots s ON s.job_key = c.job_key
+    WHERE NOT c.cancel_requested
+),
+cancelled AS (
+    UPDATE job_instances i
+    SET state = 'cancelled', finished_at = clock_timestamp(), reason = :cancel_reason
+    FROM cand c
+    WHERE i.id = c.id AND c.cancel_requested
+    RETURNING i.id
 ),
 claimed AS (
     UPDATE job_instances i
@@ -105,6 +120,8 @@ history AS (
     SELECT id, 'enqueued', 'processing', :worker, NULL, claim_token FROM claimed
     UNION ALL
     SELECT id, 'enqueued', 'skipped', :worker, :limit_reason, NULL FROM skipped
+    UNION ALL
+    SELECT id, 'enqueued', 'cancelled', :worker, :cancel_reason, NULL FROM cancelled
     RETURNING 1
 )
 SELECT 'claimed' AS outcome, {_cols("c")}, d.options AS job_options
@@ -113,11 +130,17 @@ UNION ALL
 SELECT 'skipped', {_cols("i")}, NULL FROM job_instances i WHERE i.id IN (SELECT id FROM skipped)
 UNION ALL
 SELECT 'waiting', {_cols("i")}, NULL FROM job_instances i WHERE i.id IN (SELECT id FROM parked)
+UNION ALL
+SELECT 'cancelled', {_cols("i")}, NULL FROM job_instances i WHERE i.id IN (SELECT id FROM cancelled)
 """
 
 # One statement records a batch of outcomes. Each row matches only while the attempt still holds
 # its claim token and is Processing: a stale worker (lease lost, instance re-claimed) writes
 # nothing and leaves no history. The slot goes back in the same statement.
+# A cancel beats a retry: a Failed outcome of a row with ``cancel_requested`` ends Cancelled
+# (the error kept). The flag is read from the row this UPDATE locks, so a cancel request
+# committed first is seen here, and one that waited on the lock finds the retry (Scheduled,
+# Enqueued) or Terminated row and cancels or refuses that.
 COMPLETE_SQL = """
 WITH o AS (
     SELECT * FROM unnest(
@@ -127,9 +150,14 @@ WITH o AS (
 ),
 done AS (
     UPDATE job_instances i
-    SET state = o.state, result = CAST(o.result AS jsonb), error = CAST(o.error AS jsonb),
-        reason = o.reason, lease_expires_at = NULL,
-        finished_at = CASE WHEN o.state = 'failed' THEN NULL ELSE clock_timestamp() END
+    SET state = CASE WHEN o.state = 'failed' AND i.cancel_requested
+                     THEN 'cancelled' ELSE o.state END,
+        result = CAST(o.result AS jsonb), error = CAST(o.error AS jsonb),
+        reason = CASE WHEN o.state = 'failed' AND i.cancel_requested
+                      THEN :cancel_reason ELSE o.reason END,
+        lease_expires_at = NULL,
+        finished_at = CASE WHEN o.state = 'failed' AND NOT i.cancel_requested
+                           THEN NULL ELSE clock_timestamp() END
     FROM o
     WHERE i.id = o.id AND i.claim_token = o.token AND i.state = 'processing'
     RETURNING i.id, i.job_key, i.state, i.claim_token, i.worker_id, i.reason
@@ -283,12 +311,14 @@ class PostgresStore(PostgresStatsStore, SqlStore):
                     "worker": worker_id,
                     "lease": lease_s,
                     "limit_reason": LIMIT_REASON,
+                    "cancel_reason": CANCEL_BEFORE_CLAIM_REASON,
                 },
             )
             found = [r._mapping for r in result]
         claimed: list[Claim] = []
         skipped: list[UUID] = []
         waiting: list[UUID] = []
+        cancelled: list[UUID] = []
         options: dict[str, JobOptions] = {}  # parsed once per job key, not once per row
         for row in found:
             if row["outcome"] == "claimed":
@@ -298,13 +328,16 @@ class PostgresStore(PostgresStatsStore, SqlStore):
                 claimed.append(Claim(instance=rows.instance_from_row(row), options=options[key]))
             elif row["outcome"] == "skipped":
                 skipped.append(row["id"])
+            elif row["outcome"] == "cancelled":
+                cancelled.append(row["id"])
             else:
                 waiting.append(row["id"])
-        handled = {c.instance.id for c in claimed} | set(skipped) | set(waiting)
+        handled = {c.instance.id for c in claimed} | {*skipped, *waiting, *cancelled}
         return ClaimResult(
             claimed=claimed,
             skipped=skipped,
             waiting=waiting,
+            cancelled=cancelled,
             ignored=[i for i in dict.fromkeys(ids) if i not in handled],
         )
 
@@ -320,6 +353,7 @@ class PostgresStore(PostgresStatsStore, SqlStore):
             "results": [json.dumps(o.result) for o in outcomes],
             "errors": [json.dumps(o.error.to_json()) if o.error else None for o in outcomes],
             "reasons": [o.reason for o in outcomes],
+            "cancel_reason": CANCEL_WINS_REASON,
         }
         async with self._write() as conn:
             result = await conn.execute(COMPLETE, params)

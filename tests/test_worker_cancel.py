@@ -1,0 +1,169 @@
+"""Cancels through a running worker: queued, running (heartbeat alone), racing a timeout or a
+failure. A cancel requested for an instance always wins over a retry. Postgres and Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from jobplane import App, Cancellation, JobContext
+from jobplane.bus.abc import Bus
+from jobplane.context import CANCEL_REQUESTED
+from jobplane.dispatch import Dispatcher
+from jobplane.domain.states import InstanceState as S
+from jobplane.store.sql import SqlStore
+from tests.worker_helpers import running_worker, settled, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_cancel_after_a_timeout_is_still_recorded() -> None:
+    signal = Cancellation()
+    calls: list[str | None] = []
+    signal.on_set(lambda: calls.append(signal.reason))
+    signal.set("timeout")
+    assert not signal.cancel_requested
+    signal.set(CANCEL_REQUESTED)
+    assert signal.is_set() and signal.reason == "timeout" and signal.cancel_requested
+    assert calls == ["timeout"]  # the callbacks ran once, for the first reason
+
+
+async def _processing(store: SqlStore, instance_id: object) -> None:
+    async def running() -> bool:
+        return (await store.get_instance(instance_id)).state is S.PROCESSING  # type: ignore[arg-type]
+
+    await wait_for(running, what="the instance to run")
+
+
+async def test_a_cancel_during_the_timeout_grace_ends_it_cancelled_not_retried(
+    pg_store: SqlStore, redis_bus: Bus
+) -> None:
+    app = App("grace")
+
+    @app.triggered(timeout_s=0.3, retries=2, backoff={"kind": "none"})
+    async def stubborn() -> None:
+        await asyncio.sleep(30)  # ignores the timeout's signal: cancelled after the grace
+
+    async with running_worker(app, pg_store, redis_bus, timeout_grace_s=1.5) as worker:
+        instance = await Dispatcher(pg_store, redis_bus).trigger("stubborn")
+
+        async def timed_out() -> bool:
+            attempt = worker.running.get(instance.id)
+            return attempt is not None and attempt.ctx.cancellation.reason == "timeout"
+
+        await wait_for(timed_out, what="the timeout's signal")
+        await Dispatcher(pg_store, redis_bus).cancel(instance.id, "test")
+        [done] = await settled(pg_store, [instance.id])
+    assert done.state is S.CANCELLED and done.retries_used == 0 and done.attempt == 1
+    assert S.FAILED not in [t.to_state for t in await pg_store.transitions(done.id)]
+
+
+async def test_a_failure_after_a_cancel_request_ends_cancelled_not_retried(
+    pg_store: SqlStore, redis_bus: Bus
+) -> None:
+    app = App("failing")
+    go = asyncio.Event()
+    runs: list[int] = []
+
+    @app.triggered(retries=3, backoff={"kind": "none"})
+    async def fails(ctx: JobContext) -> None:
+        runs.append(ctx.attempt)
+        await go.wait()
+        raise ValueError("failed after the cancel was requested")
+
+    # Slow heartbeats and no bus event: the worker never hears of the cancel; the store decides.
+    async with running_worker(app, pg_store, redis_bus, heartbeat_s=30.0, lease_s=60.0):
+        instance = await Dispatcher(pg_store, redis_bus).trigger("fails")
+        await _processing(pg_store, instance.id)
+        await pg_store.request_cancel(instance.id, "test")
+        go.set()
+        [done] = await settled(pg_store, [instance.id])
+    assert done.state is S.CANCELLED and done.retries_used == 0 and runs == [1]
+    assert done.error is not None and done.error.type == "ValueError"
+    history = [(t.from_state, t.to_state) for t in await pg_store.transitions(done.id)]
+    assert history[-1] == (S.PROCESSING, S.CANCELLED)
+
+
+async def test_a_cancel_while_queued_ends_it_without_running(
+    pg_store: SqlStore, redis_bus: Bus
+) -> None:
+    app = App("queued")
+    release = asyncio.Event()
+    ran: list[str] = []
+
+    @app.triggered()
+    async def blocker() -> None:
+        await release.wait()
+
+    @app.triggered()
+    async def victim(ctx: JobContext) -> None:
+        ran.append(str(ctx.instance_id))
+
+    async with running_worker(app, pg_store, redis_bus, concurrency=1):
+        dispatcher = Dispatcher(pg_store, redis_bus)
+        first = await dispatcher.trigger("blocker")
+        await _processing(pg_store, first.id)
+        queued = await dispatcher.trigger("victim")  # the worker is full: it stays queued
+        cancelled = await dispatcher.cancel(queued.id, "test")
+        assert cancelled.state is S.CANCELLED
+        release.set()
+        await settled(pg_store, [first.id])
+
+        async def entry_dropped() -> bool:
+            return not any((await redis_bus.stream_lengths("default")).values())
+
+        # The worker reads the cancelled instance's entry, its claim drops it, it is acked.
+        await wait_for(entry_dropped, what="the entry to be dropped")
+    assert ran == []
+    done = await pg_store.get_instance(queued.id)
+    assert done.state is S.CANCELLED and done.attempt == 0
+    history = [(t.from_state, t.to_state) for t in await pg_store.transitions(done.id)]
+    assert history == [(None, S.ENQUEUED), (S.ENQUEUED, S.CANCELLED)]
+
+
+async def test_a_cancel_reaches_a_running_job_by_the_heartbeat_alone(
+    pg_store: SqlStore, redis_bus: Bus
+) -> None:
+    app = App("heartbeat")
+
+    @app.triggered(retries=2)
+    async def endless() -> None:
+        await asyncio.sleep(30)
+
+    heartbeat_s = 0.2
+    async with running_worker(app, pg_store, redis_bus, heartbeat_s=heartbeat_s):
+        instance = await Dispatcher(pg_store, redis_bus).trigger("endless")
+        await _processing(pg_store, instance.id)
+        requested = time.monotonic()
+        await pg_store.request_cancel(instance.id, "test")  # the flag only: no bus event
+        [done] = await settled(pg_store, [instance.id], timeout_s=10 * heartbeat_s)
+        took = time.monotonic() - requested
+    assert done.state is S.CANCELLED and done.retries_used == 0
+    assert took < 10 * heartbeat_s
+
+
+async def test_an_instance_released_with_a_cancel_pending_is_not_run_again(
+    pg_store: SqlStore, redis_bus: Bus
+) -> None:
+    app = App("released")
+    runs: list[int] = []
+
+    @app.triggered()
+    async def long(ctx: JobContext) -> None:
+        runs.append(ctx.attempt)
+        await asyncio.sleep(30)
+
+    # The first worker stops (releasing the instance) before a heartbeat tells it of the cancel.
+    async with running_worker(app, pg_store, redis_bus, heartbeat_s=30.0, grace_s=0.1):
+        instance = await Dispatcher(pg_store, redis_bus).trigger("long")
+        await _processing(pg_store, instance.id)
+        await pg_store.request_cancel(instance.id, "test")
+    released = await pg_store.get_instance(instance.id)
+    assert released.state is S.ENQUEUED and released.cancel_requested  # and republished
+    async with running_worker(app, pg_store, redis_bus) as second:
+        [done] = await settled(pg_store, [instance.id])
+    assert done.state is S.CANCELLED and runs == [1]
+    last = (await pg_store.transitions(done.id))[-1]
+    assert (last.from_state, last.to_state, last.actor) == (S.ENQUEUED, S.CANCELLED, second.id)
