@@ -499,7 +499,8 @@ class Worker:
             )
             if state is InstanceState.ENQUEUED:
                 requeued.append(replace(instance, state=state))
-            if attempt.claim.options.on_limit is OnLimit.WAIT:
+            if attempt.claim.options.on_limit is OnLimit.WAIT and not outcome.holds_slot:
+                # A slot freed (a runaway's goes back only when its thread returns).
                 wait_keys[instance.job_key] = wait_keys.get(instance.job_key, 0) + 1
         for key, freed in wait_keys.items():
             requeued.extend(await self.store.republish_waiting([key], freed))
