@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from sqlalchemy import select
+
 from jobplane.domain.models import Instance, NewInstance
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState
 from jobplane.store.sql import SqlStore
+from jobplane.store.tables import job_slots
 
 
 async def define(store: SqlStore, key: str = "job", **options: Any) -> JobOptions:
@@ -31,3 +34,10 @@ def max_running(transitions: list[tuple[int, InstanceState | None, InstanceState
             running -= 1
         peak = max(peak, running)
     return peak
+
+
+async def slots_used(store: SqlStore, key: str = "job") -> int:
+    """The job's concurrency slots in use (its ``job_slots`` counter)."""
+    async with store.engine.connect() as conn:
+        used = await conn.scalar(select(job_slots.c.used).where(job_slots.c.job_key == key))
+    return int(used)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -29,7 +30,7 @@ from jobplane.errors import (
 from jobplane.store.lifecycle import CANCEL_BEFORE_CLAIM_REASON, CANCEL_WINS_REASON
 from jobplane.store.sql import SqlStore
 from jobplane.store.tables import job_instances
-from tests.store_helpers import define, enqueue
+from tests.store_helpers import define, enqueue, slots_used
 
 
 async def test_first_registration_persists_then_stored_options_win(store: SqlStore) -> None:
@@ -589,3 +590,61 @@ async def test_checkpoint_is_fenced_and_survives_to_the_next_attempt(store: SqlS
     [c2] = (await store.claim([inst.id], "w2", 10, ["job"])).claimed
     assert c2.instance.checkpoint == {"page": 7} and c2.instance.attempt == 2
     assert not await store.save_checkpoint(inst.id, c1.token, {"page": 100})
+
+
+async def _fail_holding_the_slot(store: SqlStore, worker_id: str = "w1") -> tuple[Instance, int]:
+    """A job (max concurrency 1, one retry, waits for its slot) whose first attempt timed out
+    while its code still runs: recorded Failed with ``holds_slot``."""
+    await define(store, "job", retries=1, on_limit="wait", backoff={"kind": "none"})
+    [inst] = await enqueue(store)
+    [claim] = (await store.claim([inst.id], worker_id, 10, ["job"])).claimed
+    error = ErrorInfo("TimeoutError", "timed out after 1 s", "")
+    outcome = Outcome(
+        inst.id, claim.token, S.FAILED, error=error, reason="timeout", holds_slot=True
+    )
+    assert await store.complete([outcome]) == {inst.id: S.ENQUEUED}  # retried at once
+    return inst, claim.token
+
+
+async def test_a_runaway_outcome_is_recorded_but_keeps_the_slot_until_released(
+    store: SqlStore,
+) -> None:
+    inst, token = await _fail_holding_the_slot(store)
+    assert await slots_used(store) == 1
+    states = [t.to_state for t in await store.transitions(inst.id)]
+    assert states == [S.ENQUEUED, S.PROCESSING, S.FAILED, S.ENQUEUED]
+    # The retry finds the slot taken by the code still running: it waits (on_limit=wait).
+    assert (await store.claim([inst.id], "w2", 10, ["job"])).waiting == [inst.id]
+    # The thread returned: the slot goes back once, whoever asks again.
+    assert await store.release_runaway_slot(inst.id, token + 1) is False  # not that attempt
+    assert await store.release_runaway_slot(inst.id, token) is True
+    assert await store.release_runaway_slot(inst.id, token) is False
+    assert await slots_used(store) == 0
+    [retry] = (await store.claim([inst.id], "w2", 10, ["job"])).claimed
+    assert retry.instance.attempt == 2 and await slots_used(store) == 1
+    await store.complete([Outcome(inst.id, retry.token, S.SUCCEEDED)])
+    assert await slots_used(store) == 0
+
+
+async def test_the_dead_worker_sweep_releases_the_slots_of_its_runaways(store: SqlStore) -> None:
+    info = WorkerInfo(id="w1", host="h", pid=1, queues=("default",), capacity=1, version="x")
+    await store.register_worker(info)
+    inst, token = await _fail_holding_the_slot(store, "w1")
+    assert await store.mark_dead_workers(60) == []  # alive: its runaway keeps the slot
+    assert await slots_used(store) == 1
+    await asyncio.sleep(0.2)
+    assert await store.mark_dead_workers(0.1) == ["w1"]
+    assert await slots_used(store) == 0
+    assert await store.release_runaway_slot(inst.id, token) is False  # already given back
+    assert await store.mark_dead_workers(0.1) == [] and await slots_used(store) == 0
+
+
+async def test_a_restarted_worker_releases_the_slots_its_previous_process_held(
+    store: SqlStore,
+) -> None:
+    info = WorkerInfo(id="w1", host="h", pid=1, queues=("default",), capacity=1, version="x")
+    await store.register_worker(info)
+    inst, token = await _fail_holding_the_slot(store, "w1")
+    await store.register_worker(info)  # the same id again: the old process is gone
+    assert await slots_used(store) == 0
+    assert await store.release_runaway_slot(inst.id, token) is False

@@ -4,12 +4,16 @@ and Redis, through the same fenced writes as in-process jobs."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import signal
 from pathlib import Path
 
 import pytest
 
 from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
+from jobplane.domain.models import Instance
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.sql import SqlStore
 from jobplane_worker.worker import Worker
@@ -84,3 +88,62 @@ async def _refused(worker: Worker, write: str) -> bool:
         "jobplane_worker_lease_lost_writes_total", {"write": write}
     )
     return value == 1.0
+
+
+async def test_an_isolated_job_sees_its_timeout_and_returns_within_the_grace(
+    pg_store: SqlStore, redis_bus: Bus, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At the timeout the child gets the signal: ``ctx.cancelled`` becomes true inside it,
+    it returns within the grace and exits on its own; the attempt still timed out."""
+    caplog.set_level(logging.INFO, logger="jobplane_worker.isolation")
+    seen = tmp_path / "seen"
+    async with running_worker(app, pg_store, redis_bus, timeout_grace_s=3.0):
+        instance = await Dispatcher(pg_store, redis_bus).trigger(
+            "child_notices_timeout", {"path": str(seen)}
+        )
+        [done] = await settled(pg_store, [instance.id], timeout_s=60)
+    assert done.state is S.TERMINATED and done.error is not None
+    assert done.error.type == "TimeoutError"
+    assert await _failed_reason(pg_store, instance) == "timeout"
+    assert (await asyncio.to_thread(seen.read_text)) == "cancelled by the worker"
+    pid = int(await asyncio.to_thread(Path(f"{seen}.started").read_text))
+    assert _exit_codes(caplog, pid) == [0]  # it ended by itself: not killed
+    assert not [r for r in caplog.records if getattr(r, "action", None) == "worker.child_kill"]
+
+
+async def test_an_isolated_job_that_ignores_its_signal_is_killed_after_the_grace(
+    pg_store: SqlStore, redis_bus: Bus, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="jobplane_worker.isolation")
+    pid_file = tmp_path / "pid"
+    grace_s = 0.5
+    async with running_worker(app, pg_store, redis_bus, timeout_grace_s=grace_s):
+        instance = await Dispatcher(pg_store, redis_bus).trigger("runaway", {"path": str(pid_file)})
+        [done] = await settled(pg_store, [instance.id], timeout_s=60)
+    assert done.state is S.TERMINATED and done.error is not None
+    assert done.error.type == "TimeoutError"
+    assert await _failed_reason(pg_store, instance) == "timeout"
+    pid = int(await asyncio.to_thread(pid_file.read_text))
+    assert _exit_codes(caplog, pid) == [-signal.SIGKILL]  # SIGTERM alone did not stop it
+    history = await pg_store.transitions(instance.id)
+    started = next(t.at for t in history if t.to_state is S.PROCESSING)
+    failed = next(t.at for t in history if t.to_state is S.FAILED)
+    assert (failed - started).total_seconds() >= 2.0 + grace_s  # timeout, then the grace
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+async def _failed_reason(store: SqlStore, instance: Instance) -> str | None:
+    history = await store.transitions(instance.id)
+    return next(t.reason for t in history if t.to_state is S.FAILED)
+
+
+def _exit_codes(caplog: pytest.LogCaptureFixture, pid: int) -> list[object]:
+    """Exit codes of the job process ``pid``, as the worker logged them."""
+    return [
+        r.args[1]
+        for r in caplog.records
+        if getattr(r, "action", None) == "worker.child_exited"
+        and isinstance(r.args, tuple)
+        and r.args[0] == pid
+    ]

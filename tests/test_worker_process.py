@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from subprocess import Popen
+from uuid import UUID
 
 import httpx
 import pytest
@@ -18,7 +19,8 @@ from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.sql import SqlStore
-from tests.cli_helpers import free_port, spawn_cli, wait_http_ok
+from tests.cli_helpers import free_port, spawn_cli, stop_all, wait_http_ok
+from tests.store_helpers import slots_used
 from tests.worker_helpers import settled, wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -227,3 +229,110 @@ async def _has_definitions(store: SqlStore) -> bool:
 
 async def _exists(path: Path) -> bool:
     return await asyncio.to_thread(path.exists)
+
+
+async def test_sigterm_waits_for_a_sync_job_that_ignores_it_and_releases_it_after(
+    pg_store: SqlStore, redis_bus: Bus, spawn_worker: object, tmp_path: Path
+) -> None:
+    """A thread cannot be stopped: after --grace the attempt stays Processing on its worker
+    (lease renewed) while its code runs, so a second worker never starts it meanwhile; once
+    the code returns it is released, the second worker runs it, and the first exits 0."""
+    fast = {"JOBPLANE_LEASE_S": "1.5"}
+    first = spawn_worker("first", "--grace", "0.5", **fast)  # type: ignore[operator]
+    await wait_for(lambda: _has_definitions(pg_store), what="job registration", timeout_s=30)
+    gate = tmp_path / "gate"
+    log = tmp_path / "gate.log"
+    instance = await Dispatcher(pg_store, redis_bus).trigger(
+        "ignores_shutdown", {"path": str(gate)}
+    )
+    await wait_for(lambda: _exists(log), what="the job to start", timeout_s=30)
+    claimed = await pg_store.get_instance(instance.id)
+    spawn_worker("second", **fast)  # type: ignore[operator]
+    await wait_for(lambda: _workers(pg_store, 2), what="the second worker", timeout_s=30)
+    first.send_signal(signal.SIGTERM)
+
+    # Grace, then well past the lease: the first worker still holds it and keeps it alive.
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 4.0
+    while loop.time() < end:
+        now = await pg_store.get_instance(instance.id)
+        assert now.state is S.PROCESSING and now.worker_id == "first"
+        assert now.claim_token == claimed.claim_token
+        assert now.lease_expires_at is not None and now.lease_expires_at > await pg_store.now()
+        assert first.poll() is None  # waiting for the thread
+        await asyncio.sleep(0.1)
+
+    gate.touch()
+    assert await asyncio.to_thread(first.wait, 30) == 0
+    [done] = await settled(pg_store, [instance.id], timeout_s=60)
+    assert done.state is S.SUCCEEDED and done.worker_id == "second"
+    assert done.attempt == 2 and done.retries_used == 0
+    steps = [(t.from_state, t.to_state, t.reason) for t in await pg_store.transitions(done.id)]
+    assert steps == [
+        (None, S.ENQUEUED, None),
+        (S.ENQUEUED, S.PROCESSING, None),
+        (S.PROCESSING, S.ENQUEUED, "worker shutdown"),
+        (S.ENQUEUED, S.PROCESSING, None),
+        (S.PROCESSING, S.SUCCEEDED, None),
+    ]
+    lines = (await asyncio.to_thread(log.read_text)).splitlines()
+    assert [line.split()[:3] for line in lines] == [
+        ["start", "1", "first"],
+        ["end", "1", "first"],  # the first run ended before the second began
+        ["start", "2", "second"],
+        ["end", "2", "second"],
+    ]
+
+
+async def test_the_dead_worker_sweep_frees_the_slot_of_a_killed_workers_runaway(
+    pg_store: SqlStore,
+    redis_bus: Bus,
+    spawn_worker: object,
+    tmp_path: Path,
+    pg_database_url: str,
+    redis_url: str,
+    redis_prefix: str,
+) -> None:
+    first = spawn_worker("first", JOBPLANE_TIMEOUT_GRACE_S="0.5")  # type: ignore[operator]
+    await wait_for(lambda: _has_definitions(pg_store), what="job registration", timeout_s=30)
+    gate = tmp_path / "gate"  # never opened: only the kill stops the first attempt
+    instance = await Dispatcher(pg_store, redis_bus).trigger("runaway_retried", {"path": str(gate)})
+    await wait_for(lambda: _failed(pg_store, instance.id), what="the timeout", timeout_s=30)
+    assert await slots_used(pg_store, "runaway_retried") == 1  # held by the running code
+    first.kill()
+    await asyncio.to_thread(first.wait, 30)
+    assert await slots_used(pg_store, "runaway_retried") == 1  # nobody has given it back yet
+
+    # The leader finds the worker silent, marks it dead and gives the slot back; the parked
+    # retry is then republished and run by another worker.
+    scheduler = spawn_cli(
+        "scheduler",
+        JOBPLANE_DATABASE_URL=pg_database_url,
+        JOBPLANE_REDIS_URL=redis_url,
+        JOBPLANE_KEY_PREFIX=redis_prefix,
+        JOBPLANE_DEAD_WORKER_AFTER_S="1",
+        JOBPLANE_SWEEP_INTERVAL_S="0.2",
+        JOBPLANE_REPUBLISH_AFTER_S="1",
+    )
+    try:
+        spawn_worker("second")  # type: ignore[operator]
+        [done] = await settled(pg_store, [instance.id], timeout_s=60)
+    finally:
+        stop_all([scheduler], sig=signal.SIGTERM)
+    assert done.state is S.SUCCEEDED and done.worker_id == "second" and done.attempt == 2
+    assert await slots_used(pg_store, "runaway_retried") == 0
+    dead = {w.id: w for w in await pg_store.list_workers()}["first"]
+    assert dead.stopped_at is not None
+    lines = (await asyncio.to_thread((tmp_path / "gate.log").read_text)).splitlines()
+    assert [line.split()[:3] for line in lines] == [
+        ["start", "1", "first"],  # killed: it never ended
+        ["start", "2", "second"],
+    ]
+
+
+async def _workers(store: SqlStore, n: int) -> bool:
+    return len(await store.list_workers()) >= n
+
+
+async def _failed(store: SqlStore, instance_id: UUID) -> bool:
+    return any(t.to_state is S.FAILED for t in await store.transitions(instance_id))

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
 import functools
 import json
 import logging
 import random
 import traceback
-from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,9 +25,6 @@ logger = logging.getLogger(__name__)
 
 TIMEOUT = "timeout"
 
-#: Called with True when a sync job turns runaway, with False once its thread returns.
-RunawayHook = Callable[[bool], None]
-
 
 @dataclass
 class Attempt:
@@ -41,11 +35,22 @@ class Attempt:
     task: asyncio.Task[Outcome | None] | None = None
     lease_lost: bool = False
     released: bool = False
+    #: Set by the outcome recorder once this attempt's outcome was written (or refused).
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    #: A sync job's code, running in a pool thread (``None`` for async and isolated jobs).
+    code: asyncio.Future[Any] | None = None
+    #: The worker is stopping: once the code stops, the instance is released, not recorded
+    #: (unless it timed out meanwhile).
+    shutdown: bool = False
 
     @property
     def lease(self) -> tuple[Any, int]:
         return (self.claim.instance.id, self.claim.token)
+
+    @property
+    def code_running(self) -> bool:
+        """A pool thread still runs this attempt's code (it cannot be stopped from outside)."""
+        return self.code is not None and not self.code.done()
 
 
 async def run_attempt(
@@ -54,27 +59,27 @@ async def run_attempt(
     resources: Resources,
     pool: Executor,
     grace_s: float,
-    on_runaway: RunawayHook | None = None,
 ) -> Outcome:
     """Run the job function once and describe the end of the attempt.
 
-    Async jobs run on the event loop under the job's timeout; sync jobs run in ``pool``. On
-    timeout the job's cancellation is signalled; a sync job still running ``grace_s`` later
-    ignores it: it keeps its thread (and so its slot) until its code returns, and is reported
-    as a runaway (a log line, and ``on_runaway(True)`` then ``on_runaway(False)`` once its
-    thread is free again).
+    Async jobs run on the event loop under the job's timeout; sync jobs run in ``pool``;
+    isolated jobs in a child process. On timeout the job's cancellation is signalled, and
+    ``grace_s`` later the attempt ends Failed (reason "timeout") whatever the code does. A sync
+    job still running then ignores the signal: its thread cannot be stopped, so the outcome is
+    returned while ``attempt.code_running`` — the caller keeps the thread's slots until it
+    returns (a runaway).
     """
     claim, ctx = attempt.claim, attempt.ctx
     timeout = claim.options.timeout_s
     try:
         if claim.options.isolation is Isolation.PROCESS:
-            result = await run_in_child(spec, ctx, claim.instance.args, timeout)
+            result = await run_in_child(spec, ctx, claim.instance.args, timeout, grace_s)
         elif spec.is_async:
             kwargs = spec.bind(ctx, claim.instance.args, resources)
             result = await _run_async(spec, kwargs, timeout, grace_s, ctx)
         else:
             kwargs = spec.bind(ctx, claim.instance.args, resources)
-            result = await _run_sync(spec, kwargs, timeout, ctx, pool, grace_s, on_runaway)
+            result = await _run_sync(spec, kwargs, timeout, attempt, pool, grace_s)
         if ctx.cancellation.cancel_requested:
             return _cancelled(claim)  # the job noticed the cancel and returned early
         return _succeeded(claim, result)
@@ -131,54 +136,39 @@ async def _run_sync(
     spec: JobSpec,
     kwargs: dict[str, Any],
     timeout_s: float,
-    ctx: JobContext,
+    attempt: Attempt,
     pool: Executor,
     grace_s: float,
-    on_runaway: RunawayHook | None,
 ) -> Any:
+    """Run the job in a pool thread. Timeout, two phases: the cancellation signal is set, and
+    ``grace_s`` later TimeoutError is raised whether or not the thread returned. The thread is
+    never waited for beyond that: ``attempt.code`` tells the caller it still runs."""
     loop = asyncio.get_running_loop()
     thread = pool.submit(functools.partial(spec.func, **kwargs))
-    future = asyncio.wrap_future(thread, loop=loop)
+    attempt.code = future = asyncio.wrap_future(thread, loop=loop)
     try:
         return await asyncio.wait_for(asyncio.shield(future), timeout_s)
     except TimeoutError:
-        ctx.cancellation.set(TIMEOUT)
+        attempt.ctx.cancellation.set(TIMEOUT)
         await asyncio.wait({future}, timeout=grace_s)  # a cooperative job returns by now
         if not future.done():
-            _report_runaway(ctx, thread, loop, on_runaway)
-        # The thread cannot be killed: wait for it so the concurrency slot is never freed
-        # while the code still runs.
-        await asyncio.gather(future, return_exceptions=True)
+            _report_runaway(attempt.ctx, timeout_s + grace_s)
         raise
 
 
-def _report_runaway(
-    ctx: JobContext,
-    thread: concurrent.futures.Future[Any],
-    loop: asyncio.AbstractEventLoop,
-    on_runaway: RunawayHook | None,
-) -> None:
+def _report_runaway(ctx: JobContext, after_s: float) -> None:
     logger.warning(
-        "sync job %s (%s) ignores its timeout; it keeps its slot until it returns",
+        "sync job %s (%s) ignores its timeout: recorded failed after %g s; it keeps its "
+        "concurrency slot and its thread until its code returns",
         ctx.job_key,
         ctx.instance_id,
+        after_s,
         extra={
             "action": "worker.runaway",
             "instance_id": str(ctx.instance_id),
             "job_key": ctx.job_key,
         },
     )
-    if on_runaway is None:
-        return
-    on_runaway(True)
-
-    def returned(_: concurrent.futures.Future[Any]) -> None:
-        # Counted down when the thread itself is free, even if the attempt was given up
-        # meanwhile (a shutdown releases it while the code still runs).
-        with contextlib.suppress(RuntimeError):  # the loop is closed: the worker has gone
-            loop.call_soon_threadsafe(on_runaway, False)
-
-    thread.add_done_callback(returned)
 
 
 def _cancelled(claim: Claim) -> Outcome:

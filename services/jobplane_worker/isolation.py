@@ -1,10 +1,13 @@
 """``isolation="process"``: run an attempt in a child process that can really be killed.
 
 A thread cannot be stopped, so a sync job that ignores its timeout keeps its slot until its code
-returns. In a child process the worker can enforce the timeout and a cancel: SIGTERM, then
-SIGKILL after a short grace, and only then is the outcome recorded and the slot given back.
-Inside the child ``ctx.cancelled`` never becomes true: a cancel, a timeout or a shutdown kills
-the child instead.
+returns. In a child process the worker can enforce the timeout and a cancel, in two phases: at
+the timeout (or on a cancel request, a shutdown, a lost lease) the child gets SIGTERM, which sets
+``ctx.cancellation`` inside it (``ctx.cancelled`` becomes true; reason "cancelled by the
+worker"); if it has not ended ``timeout_grace_s`` later it gets SIGKILL. Only once the child is
+gone is the outcome recorded and the slot given back. A timed-out child that returns within the
+grace still ends Failed (reason "timeout"), as an async job does. In the child a sync job runs in
+a thread, so that the child's event loop is free to handle the signal.
 
 The child is started with the ``spawn`` method: it imports the job's module, finds the App that
 declares the job, runs the app's startup hooks for resources and runs the job once. It talks to
@@ -29,6 +32,7 @@ import importlib
 import json
 import logging
 import multiprocessing
+import signal
 import threading
 import traceback
 from datetime import datetime
@@ -45,6 +49,10 @@ from jobplane.errors import JobplaneError, StoreUnavailableError
 logger = logging.getLogger(__name__)
 
 KILL_GRACE_S = 1.0
+#: The outcome reason of a timed-out attempt (as in :mod:`jobplane_worker.attempt`).
+TIMEOUT = "timeout"
+#: ``ctx.cancellation.reason`` in the child once the worker signalled it (SIGTERM).
+SIGNALLED = "cancelled by the worker"
 Message = dict[str, Any]
 
 
@@ -60,10 +68,17 @@ class ChildFailedError(Exception):
 # -- the worker's side ---------------------------------------------------------------------
 
 
-async def run_in_child(spec: JobSpec, ctx: JobContext, args: Any, timeout_s: float) -> Any:
-    """Run one attempt in a child process. Raises TimeoutError after ``timeout_s`` and
-    ``asyncio.CancelledError`` when the attempt's cancellation is signalled — in both cases
-    only once the child is dead."""
+async def run_in_child(
+    spec: JobSpec, ctx: JobContext, args: Any, timeout_s: float, grace_s: float
+) -> Any:
+    """Run one attempt in a child process.
+
+    Stopping it has two phases, as for in-process jobs: at the timeout, or when the attempt's
+    cancellation is signalled (cancel request, shutdown, lost lease), the child gets SIGTERM,
+    which sets ``ctx.cancellation`` inside it; if it has not ended ``grace_s`` later it gets
+    SIGKILL. Raises TimeoutError after a timeout (even if the child returned within the grace)
+    and ``asyncio.CancelledError`` after a cancellation — in both cases only once the child is
+    gone."""
     mp = multiprocessing.get_context("spawn")
     events, child_events = mp.Pipe(duplex=False)  # child → worker
     child_replies, replies = mp.Pipe(duplex=False)  # worker → child
@@ -93,20 +108,59 @@ async def run_in_child(spec: JobSpec, ctx: JobContext, args: Any, timeout_s: flo
         )
         if final in done:
             return _unpack(final.result(), process)
-        await _kill(process)
-        if cancelled in done:
-            raise asyncio.CancelledError
-        ctx.cancellation.set("timeout")
-        raise TimeoutError
+        if cancelled not in done:
+            ctx.cancellation.set(TIMEOUT)
+        await _stop(process, final, grace_s, ctx)
+        if ctx.cancellation.reason == TIMEOUT:
+            raise TimeoutError  # whether or not it returned within the grace
+        raise asyncio.CancelledError
     finally:
         cancelled.cancel()
         if process.is_alive():
-            await _kill(process)
+            await _kill(process)  # this task itself was cancelled
         # The child is gone, so the reader sees the end of the pipe and stops. (Bounded: a
         # grandchild that inherited the pipe could keep it open.)
         await asyncio.wait({final}, timeout=KILL_GRACE_S)
         await link.close()
         events.close()
+        logger.info(
+            "job process %s exited with code %s",
+            process.pid,
+            process.exitcode,
+            extra={
+                "action": "worker.child_exited",
+                "instance_id": str(ctx.instance_id),
+                "job_key": ctx.job_key,
+            },
+        )
+
+
+async def _stop(
+    process: Any, final: asyncio.Future[Message | None], grace_s: float, ctx: JobContext
+) -> None:
+    """Signal the child (SIGTERM sets its ``ctx.cancellation``), give it ``grace_s`` to end,
+    then SIGKILL it; returns once it is gone."""
+    process.terminate()
+    await asyncio.wait({final}, timeout=grace_s)  # a cooperative job ends by now
+    loop = asyncio.get_running_loop()
+    if final.done():
+        # It answered: let it exit on its own (it only closes its pipes now).
+        await loop.run_in_executor(None, process.join, KILL_GRACE_S)
+    if process.is_alive():
+        logger.warning(
+            "isolated job %s (%s) ignored its cancellation (%s) for %g s; killing it",
+            ctx.job_key,
+            ctx.instance_id,
+            ctx.cancellation.reason,
+            grace_s,
+            extra={
+                "action": "worker.child_kill",
+                "instance_id": str(ctx.instance_id),
+                "job_key": ctx.job_key,
+            },
+        )
+        process.kill()
+        await loop.run_in_executor(None, process.join)
 
 
 class _WorkerLink:
@@ -190,7 +244,8 @@ def _unpack(message: Message | None, process: Any) -> Any:
 
 
 async def _kill(process: Any) -> None:
-    """SIGTERM, a short grace, then SIGKILL; returns once the process is gone."""
+    """SIGTERM, a short grace, then SIGKILL; returns once the process is gone. For a task
+    cancelled from outside (the two phases of :func:`_stop` are the normal path)."""
     process.terminate()
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, process.join, KILL_GRACE_S)
@@ -242,6 +297,10 @@ class _ChildLink:
         return await asyncio.to_thread(self.checkpoint, data)
 
 
+#: A SIGTERM received before the job's context existed (in the child process only).
+_early_signal = threading.Event()
+
+
 def _child_main(
     module_name: str,
     key: str,
@@ -250,6 +309,9 @@ def _child_main(
     events: Connection,
     replies: Connection,
 ) -> None:
+    # Until the job's context exists, a SIGTERM is only noted (the default would kill the
+    # child before it can answer); _child_run turns it into the job's cancellation.
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: _early_signal.set())
     link = _ChildLink(events, replies)
     try:
         result = asyncio.run(_child_run(module_name, key, args, info, link))
@@ -299,11 +361,18 @@ async def _child_run(
         sync_saver=link.checkpoint,
         on_progress=link.progress,
     )
+    # The worker's SIGTERM (timeout, cancel request, shutdown) sets the job's cancellation, on
+    # this loop; the worker sends SIGKILL if the job has not ended within its grace.
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, ctx.cancellation.set, SIGNALLED)
+    if _early_signal.is_set():
+        ctx.cancellation.set(SIGNALLED)
     async with app.lifespan() as resources:
         kwargs = spec.bind(ctx, args, resources)
         if spec.is_async:
             return await spec.func(**kwargs)
-        return spec.func(**kwargs)
+        # In a thread of its own, so that this loop stays free to handle the signal.
+        return await asyncio.to_thread(spec.func, **kwargs)
 
 
 def _find_app(module: Any, key: str) -> App:

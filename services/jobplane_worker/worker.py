@@ -38,12 +38,12 @@ from jobplane.bus.envelope import EventKind
 from jobplane.context import CANCEL_REQUESTED, CheckpointNotSavedError, JobContext
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import Claim, Instance, Outcome, WorkerInfo
-from jobplane.domain.options import OnLimit
+from jobplane.domain.options import Isolation, OnLimit
 from jobplane.domain.states import InstanceState
 from jobplane.errors import BusUnavailableError, StoreUnavailableError, UnavailableError
 from jobplane.settings import WorkerSettings
 from jobplane.store.abc import Store
-from jobplane_worker.attempt import Attempt, run_attempt
+from jobplane_worker.attempt import TIMEOUT, Attempt, run_attempt
 from jobplane_worker.health import serving
 from jobplane_worker.metrics import LEASE_LOST, RELEASED, WorkerMetrics
 from jobplane_worker.retrying import SIDE_WRITE_RETRY_S, retrying
@@ -51,6 +51,8 @@ from jobplane_worker.retrying import SIDE_WRITE_RETRY_S, retrying
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_REASON = "worker shutdown"
+#: How often a shutdown held up by job threads that ignore their cancellation says so.
+SHUTDOWN_NAG_S = 30.0
 #: Claims in flight at once: the next batch is read while the previous one is being claimed.
 MAX_CLAIMS_IN_FLIGHT = 1
 
@@ -76,13 +78,22 @@ class Worker:
         self._failure: Exception | None = None
         self.registered = False  # read by the readiness probe
         self.stopping = False
-        self.runaway_count = 0  # sync jobs past their timeout that still hold a pool thread
+        # Attempts recorded (or given up) while their sync code still runs in a pool thread,
+        # by lease: each holds a worker slot until its thread returns (see _hold_runaway).
+        self._runaways: dict[tuple[UUID, int], asyncio.Task[None]] = {}
         self.metrics = WorkerMetrics(
-            settings.concurrency, lambda: len(self.running), lambda: self.runaway_count
+            settings.concurrency,
+            lambda: len(self.running) + len(self._runaways),
+            lambda: self.runaway_count,
         )
         #: Per running instance, a ``time.monotonic()`` until which its lease surely holds:
         #: ``lease_s`` after the claim or last renewal was sent.
         self._lease_until: dict[UUID, float] = {}
+
+    @property
+    def runaway_count(self) -> int:
+        """Sync jobs whose attempt ended (timeout) while their code still holds a pool thread."""
+        return len(self._runaways)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -114,9 +125,12 @@ class Worker:
                 await self._outcomes.join()
             finally:
                 self.stopping = True
-                for task in [*side, *self._side_tasks]:
+                # Runaway watchers are left only when the worker fails (a drain waits for
+                # them); their slots go back through the dead-worker sweep.
+                leftovers = [*side, *self._side_tasks, *self._runaways.values()]
+                for task in leftovers:
                     task.cancel()
-                await asyncio.gather(*side, *self._side_tasks, return_exceptions=True)
+                await asyncio.gather(*leftovers, return_exceptions=True)
                 self._pool.shutdown(wait=False, cancel_futures=True)
                 await self._quietly(self.store.worker_stopped(self.id))
 
@@ -174,7 +188,8 @@ class Worker:
                 _raise_if_dead(side)
                 if self._failure is not None:
                     raise RuntimeError("claiming a batch failed") from self._failure
-                free = self.settings.concurrency - len(self.running) - self._reserved
+                busy = len(self.running) + len(self._runaways) + self._reserved
+                free = self.settings.concurrency - busy
                 if free <= 0 or len(inflight) >= MAX_CLAIMS_IN_FLIGHT:
                     # The worker-wide limit holds back consumption; it never Skips.
                     await self._wait_for_room(stopping, inflight)
@@ -390,6 +405,7 @@ class Worker:
 
     async def _run(self, attempt: Attempt) -> None:
         key = attempt.claim.instance.job_key
+        outcome: Outcome | None = None
         try:
             outcome = await run_attempt(
                 attempt,
@@ -397,29 +413,121 @@ class Worker:
                 self._resources,
                 self._pool,
                 self.settings.timeout_grace_s,
-                functools.partial(self._on_runaway, key),
             )
         except asyncio.CancelledError:
-            self.metrics.finished.labels(job=key, outcome=RELEASED).inc()
-            return  # stopped by _drain, which releases the instance
+            pass  # stopped by _drain: released below
         finally:
+            runaway = attempt.code_running
+            if runaway:
+                # Hold the worker slot before giving the running one up: never a moment
+                # where the pool thread looks free.
+                self._hold_runaway(attempt, holds_slot=outcome is not None)
             self.running.pop(attempt.claim.instance.id, None)
             self._slot_freed.set()
-            self._lease_until.pop(attempt.claim.instance.id, None)
+            lease_until = self._lease_until.pop(attempt.claim.instance.id, 0.0)
         if attempt.lease_lost:
             self.metrics.finished.labels(job=key, outcome=LEASE_LOST).inc()
             return
+        if outcome is None or (attempt.shutdown and outcome.reason != TIMEOUT):
+            # The worker is stopping and the code has stopped (it was cancelled, or noticed
+            # the signal and returned): another worker runs it again.
+            if not runaway:
+                self.metrics.finished.labels(job=key, outcome=RELEASED).inc()
+                await self._release(attempt, lease_until)
+            return
+        if runaway:
+            # Recorded now (Failed, timeout) without giving the job's slot back: its code still
+            # runs, and max concurrency counts it until the thread returns.
+            outcome = replace(outcome, holds_slot=True)
         await self._flush_progress(attempt)
         self.metrics.finished.labels(job=key, outcome=outcome.state.value).inc()
         self._outcomes.put_nowait((attempt, outcome))
 
-    def _on_runaway(self, key: str, running: bool) -> None:
-        """A sync job ignores its timeout (``running``), or its thread finally returned."""
-        if running:
-            self.runaway_count += 1
-            self.metrics.runaways.labels(job=key).inc()
-        else:
-            self.runaway_count -= 1
+    def _hold_runaway(self, attempt: Attempt, *, holds_slot: bool) -> None:
+        """Keep a worker slot (and the heartbeat off the lease) for an attempt whose sync code
+        still runs after its end, until the thread returns."""
+        self.metrics.runaways.labels(job=attempt.claim.instance.job_key).inc()
+        task = asyncio.create_task(
+            self._await_runaway(attempt, holds_slot), name=f"runaway-{attempt.lease[0]}"
+        )
+        self._runaways[attempt.lease] = task
+
+    async def _await_runaway(self, attempt: Attempt, holds_slot: bool) -> None:
+        """Wait for a runaway's thread; discard what it returns or raises (its attempt has
+        ended and every write of its token is refused); then give its job's slot back."""
+        instance = attempt.claim.instance
+        extra = {"instance_id": str(instance.id), "job_key": instance.job_key}
+        assert attempt.code is not None
+        try:
+            try:
+                await asyncio.shield(attempt.code)
+                ended = "returned"
+            except Exception as exc:
+                ended = f"raised {type(exc).__name__}: {exc}"
+            logger.warning(
+                "runaway job %s (%s) %s at last; discarded",
+                instance.job_key,
+                instance.id,
+                ended,
+                extra={**extra, "action": "worker.runaway_returned"},
+            )
+            if holds_slot:
+                await attempt.done.wait()  # the Failed outcome was written (or refused)
+                await self._release_runaway_slot(attempt)
+        finally:
+            self._runaways.pop(attempt.lease, None)
+            self._slot_freed.set()
+
+    async def _release_runaway_slot(self, attempt: Attempt) -> None:
+        instance = attempt.claim.instance
+        # Fenced by (instance, claim token): a later attempt's slot is never touched, and if
+        # the dead-worker sweep released it first this matches nothing. Retried until the store
+        # answers: until then the slot stays held, which errs on the side of the limit.
+        released: bool = await retrying(f"giving back the slot of runaway {instance.id}")(
+            self.store.release_runaway_slot, instance.id, attempt.claim.token
+        )
+        if released and attempt.claim.options.on_limit is OnLimit.WAIT:
+            # An instance parked for this slot (the retry, perhaps) can run now.
+            waiting = await self.store.republish_waiting([instance.job_key], 1)
+            await self.dispatcher.publish(waiting, force=True)
+
+    async def _release(self, attempt: Attempt, lease_until: float) -> None:
+        """Processing → Enqueued (no retry used) on shutdown, once the code has stopped;
+        retried while the store is unreachable and the lease may still hold (after that the
+        reaper releases it, counting an unexpected retry). A refusal is logged, not retried."""
+        instance = attempt.claim.instance
+        try:
+            # Fenced by the claim token and the Processing state: after a lost lease (the
+            # reaper released it, another worker may run it) this changes nothing.
+            released: Instance | None = await retrying(
+                f"releasing instance {instance.id} ({instance.job_key})", lambda: lease_until
+            )(
+                self.store.transition,
+                instance.id,
+                InstanceState.ENQUEUED,
+                expect=[InstanceState.PROCESSING],
+                claim_token=attempt.claim.token,
+                actor=self.id,
+                reason=SHUTDOWN_REASON,
+            )
+        except StoreUnavailableError as exc:
+            logger.warning(
+                "could not release instance %s of %s: %s; the reaper will once its lease expires",
+                instance.id,
+                instance.job_key,
+                exc,
+                extra=_about(instance, "worker.release_failed"),
+            )
+            return
+        if released is None:
+            logger.warning(
+                "instance %s of %s not released: this worker no longer holds it",
+                instance.id,
+                instance.job_key,
+                extra=_about(instance, "worker.release_refused"),
+            )
+            return
+        await self._quietly(self.dispatcher.publish([released]))
 
     async def _flush_progress(self, attempt: Attempt) -> None:
         """Write progress reported since the last heartbeat before the outcome is recorded,
@@ -456,7 +564,8 @@ class Worker:
             try:
                 await self._record(batch)
             finally:
-                for _ in batch:
+                for attempt, _ in batch:
+                    attempt.done.set()
                     self._outcomes.task_done()
 
     async def _record(self, batch: list[tuple[Attempt, Outcome]]) -> None:
@@ -486,7 +595,8 @@ class Worker:
             )
             if state is InstanceState.ENQUEUED:
                 requeued.append(replace(instance, state=state))
-            if attempt.claim.options.on_limit is OnLimit.WAIT:
+            if attempt.claim.options.on_limit is OnLimit.WAIT and not outcome.holds_slot:
+                # A slot freed (a runaway's goes back only when its thread returns).
                 wait_keys[instance.job_key] = wait_keys.get(instance.job_key, 0) + 1
         try:
             await self._republish(requeued, wait_keys)
@@ -579,7 +689,12 @@ class Worker:
 
     async def _drain(self) -> None:
         """Let running jobs finish within the grace period; then signal cancellation and
-        release what still runs (Processing → Enqueued, no retry used) for another worker."""
+        release what stops (Processing → Enqueued, no retry used) for another worker.
+
+        Never released while its code runs: a sync job's thread cannot be stopped, so an
+        attempt whose thread ignores the signal stays Processing (its lease renewed) until the
+        thread returns and is released then — or, if its timeout passes meanwhile, ends Failed
+        as a runaway. The worker exits once every thread has returned."""
         tasks = [a.task for a in self.running.values() if a.task is not None]
         if tasks:
             logger.info(
@@ -589,53 +704,33 @@ class Worker:
                 extra={"action": "worker.draining"},
             )
             await asyncio.wait(tasks, timeout=self.settings.grace_s)
-        left = list(self.running.values())
-        deadlines = {
-            a.claim.instance.id: self._lease_until.get(a.claim.instance.id, 0.0) for a in left
-        }
-        for attempt in left:
+        for attempt in list(self.running.values()):
+            attempt.shutdown = True
+            # Async jobs are cancelled by the signal itself; isolated ones get SIGTERM, then
+            # SIGKILL after the grace (run_in_child); a sync job's thread can only be asked.
             attempt.ctx.cancellation.set(SHUTDOWN_REASON)
-            if attempt.task is not None:
-                attempt.task.cancel()
-        found = await asyncio.gather(
-            *(self._release(a, deadlines[a.claim.instance.id]) for a in left)
-        )
-        await self._quietly(self.dispatcher.publish([i for i in found if i is not None]))
+            isolated = attempt.claim.options.isolation is Isolation.PROCESS
+            if attempt.code is None and not isolated and attempt.task is not None:
+                attempt.task.cancel()  # not started yet, or async
+        await self._wait_for_code()
 
-    async def _release(self, attempt: Attempt, lease_until: float) -> Instance | None:
-        """Processing → Enqueued, fenced by the claim token; retried while the store is
-        unreachable and the lease may still hold (after that the reaper releases it, counting
-        an unexpected retry). A refusal (lease lost) is logged, not retried."""
-        instance = attempt.claim.instance
-        try:
-            released: Instance | None = await retrying(
-                f"releasing instance {instance.id} ({instance.job_key})", lambda: lease_until
-            )(
-                self.store.transition,
-                instance.id,
-                InstanceState.ENQUEUED,
-                expect=[InstanceState.PROCESSING],
-                claim_token=attempt.claim.token,
-                actor=self.id,
-                reason=SHUTDOWN_REASON,
-            )
-        except StoreUnavailableError as exc:
-            logger.warning(
-                "could not release instance %s of %s: %s; the reaper will once its lease expires",
-                instance.id,
-                instance.job_key,
-                exc,
-                extra=_about(instance, "worker.release_failed"),
-            )
-            return None
-        if released is None:
-            logger.warning(
-                "instance %s of %s not released: this worker no longer holds it",
-                instance.id,
-                instance.job_key,
-                extra=_about(instance, "worker.release_refused"),
-            )
-        return released
+    async def _wait_for_code(self) -> None:
+        """Wait until no attempt runs (each releases or records itself) and every runaway
+        thread has returned; say so while threads hold the shutdown up."""
+        while True:
+            pending = [a.task for a in self.running.values() if a.task is not None]
+            pending += list(self._runaways.values())
+            if not pending:
+                return
+            threads = sum(a.code_running for a in self.running.values()) + len(self._runaways)
+            if threads:
+                logger.warning(
+                    "shutdown waits on %d job thread(s) still running code that ignores its "
+                    "cancellation; the worker exits once they return",
+                    threads,
+                    extra={"action": "worker.shutdown_waits_on_runaways"},
+                )
+            await asyncio.wait(pending, timeout=SHUTDOWN_NAG_S)
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -149,3 +149,45 @@ def child_checkpoints_late(ctx: JobContext, args: Gate) -> None:
         _note(Path(args.path + ".result"), "refused")
         raise
     _note(Path(args.path + ".result"), "saved")
+
+
+def _hold_until_gate(ctx: JobContext, args: Gate) -> str:
+    """Note the start in ``path.log``, ignore every cancellation until the file ``path`` exists
+    (at most 60 s, so a failed test leaves no thread behind for long), note the end."""
+    log = Path(args.path + ".log")
+    _note(log, f"start {ctx.attempt} {ctx.worker_id}")
+    deadline = time.monotonic() + 60
+    while not Path(args.path).exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    _note(log, f"end {ctx.attempt} {ctx.worker_id} cancelled={ctx.cancelled}")
+    return ctx.worker_id
+
+
+@app.triggered(
+    timeout_s=1.0, max_concurrency=1, retries=1, backoff={"kind": "none"}, on_limit="wait"
+)
+def runaway_retried(ctx: JobContext, args: Gate) -> str:
+    """The first attempt ignores its 1 s timeout until ``path`` exists; the retry returns."""
+    if ctx.attempt > 1:
+        _note(Path(args.path + ".log"), f"start {ctx.attempt} {ctx.worker_id}")
+        return ctx.worker_id
+    return _hold_until_gate(ctx, args)
+
+
+@app.triggered(max_concurrency=1)
+def ignores_shutdown(ctx: JobContext, args: Gate) -> str:
+    """Ignores the shutdown's cancellation (its timeout is an hour away) until ``path``
+    exists."""
+    return _hold_until_gate(ctx, args)
+
+
+@app.triggered(isolation="process", timeout_s=2.0)
+def child_notices_timeout(ctx: JobContext, args: Gate) -> str:
+    """Polls ``ctx.cancelled`` (set in the child by the worker's signal), notes the reason in
+    ``path`` and returns. (2 s: the child's start takes about 0.7 s.)"""
+    Path(args.path + ".started").write_text(str(os.getpid()))
+    deadline = time.monotonic() + 30
+    while not ctx.cancelled and time.monotonic() < deadline:
+        time.sleep(0.02)
+    Path(args.path).write_text(str(ctx.cancellation.reason))
+    return "stopped"

@@ -221,6 +221,8 @@ class Outcome:
 
     ``state`` is Succeeded, Failed or Cancelled. For Failed, ``retry_delay_s`` is the backoff
     the worker computed; the store retries only while the job has attempts left.
+    ``holds_slot``: the attempt's code still runs (a sync job past its timeout): the outcome is
+    recorded but the job's concurrency slot stays held until the worker releases it.
     """
 
     instance_id: UUID
@@ -230,6 +232,7 @@ class Outcome:
     error: ErrorInfo | None = None
     reason: str | None = None
     retry_delay_s: float = 0.0
+    holds_slot: bool = False
 
 
 @dataclass(frozen=True, slots=True)

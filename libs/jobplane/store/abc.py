@@ -174,7 +174,16 @@ class Store(Protocol):
         instead, the error kept, decided by the same conditional update. Returns the state
         each recorded instance ended in; an outcome whose token no longer matches was fenced
         off, changed nothing, and is absent from the answer.
+
+        An outcome with ``holds_slot`` (its code still runs) keeps its job's slot, recorded as
+        held by (instance id, claim token) until :meth:`release_runaway_slot`, or until the
+        dead-worker sweep finds its worker stopped.
         """
+
+    async def release_runaway_slot(self, instance_id: UUID, claim_token: int) -> bool:
+        """Give back the slot an attempt kept when its outcome was recorded with
+        ``holds_slot`` (its code has now returned). ``False`` if it holds none (never held,
+        already released, or released by the sweep)."""
 
     async def transition(
         self,
@@ -209,7 +218,8 @@ class Store(Protocol):
     # -- workers and leadership ----------------------------------------------------------
 
     async def register_worker(self, info: WorkerInfo) -> None:
-        """Insert or refresh a worker row; sets its heartbeat to now."""
+        """Insert or refresh a worker row; sets its heartbeat to now. Slots still held by
+        runaway code under this worker id (a previous process's) are given back."""
 
     async def worker_heartbeat(self, worker_id: str) -> None: ...
 
@@ -257,7 +267,8 @@ class Store(Protocol):
         """Every Enqueued instance in id order, a page at a time."""
 
     async def mark_dead_workers(self, silent_for_s: float) -> list[str]:
-        """Mark workers silent for ``silent_for_s`` as stopped; return their ids."""
+        """Mark workers silent for ``silent_for_s`` as stopped; return their ids. Slots held
+        by runaway code of stopped workers are given back in the same transaction."""
 
     async def delete_finished_before(self, before: datetime, limit: int = 1000) -> int:
         """Retention: delete a batch of terminal instances (and history) finished before."""

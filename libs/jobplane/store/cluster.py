@@ -20,7 +20,9 @@ from jobplane.domain.models import (
 )
 from jobplane.store import rows
 from jobplane.store.base import SqlBase
+from jobplane.store.lifecycle import release_runaway_rows
 from jobplane.store.tables import (
+    runaway_slots,
     scheduler_leases,
     workers,
 )
@@ -51,6 +53,9 @@ class ClusterStore(SqlBase):
                     set_={k: v for k, v in values.items() if k != "id"},
                 )
             )
+            # A worker that registers runs no job yet: slots still held under its id by
+            # runaway code are a previous process's (killed before the sweep saw it silent).
+            await release_runaway_rows(conn, runaway_slots.c.worker_id == info.id)
 
     async def worker_heartbeat(self, worker_id: str) -> None:
         async with self._write() as conn:

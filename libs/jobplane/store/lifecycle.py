@@ -13,9 +13,12 @@ from typing import Any
 from uuid import UUID
 
 from sqlalchemy import (
+    ColumnElement,
     Row,
     and_,
     case,
+    delete,
+    insert,
     or_,
     select,
     tuple_,
@@ -41,6 +44,7 @@ from jobplane.store.tables import (
     job_definitions,
     job_instances,
     job_slots,
+    runaway_slots,
 )
 
 LIMIT_REASON = "max concurrency reached"
@@ -274,6 +278,7 @@ class LifecycleStore(SqlBase):
                         "error": outcome.error.to_json() if outcome.error else None,
                     },
                     cancel_wins=outcome.state is S.FAILED,
+                    hold_slot=outcome.holds_slot,
                 )
                 if moved is None:
                     log_fenced(outcome)
@@ -362,10 +367,13 @@ class LifecycleStore(SqlBase):
         reason: str | None,
         values: dict[str, Any] | None = None,
         cancel_wins: bool = False,
+        hold_slot: bool = False,
     ) -> Instance | None:
         """One compare-and-set transition with its history and slot release, inside ``conn``'s
         transaction. ``actor=None`` means the worker holding the claim. With ``cancel_wins``
-        a row with ``cancel_requested`` ends Cancelled instead of ``to_state``."""
+        a row with ``cancel_requested`` ends Cancelled instead of ``to_state``. ``hold_slot``:
+        leaving Processing keeps the slot, held by the attempt's runaway code (see
+        :meth:`release_runaway_slot`)."""
         where = [I.id == instance_id, I.state.in_([s.value for s in expect])]
         if claim_token is not None:
             # Fencing: a stale attempt (lease lost, instance re-claimed) matches nothing.
@@ -401,14 +409,26 @@ class LifecycleStore(SqlBase):
                 .returning(*job_instances.c)
             )
         ).one()
-        if old.state == S.PROCESSING.value:
+        instance = rows.instance_from_row(row._mapping)
+        if old.state == S.PROCESSING.value and hold_slot:
+            # The outcome is recorded but the code still runs: the slot stays taken, on record
+            # as this attempt's until its worker (or the dead-worker sweep) releases it.
+            await conn.execute(
+                insert(runaway_slots).values(
+                    instance_id=instance_id,
+                    claim_token=instance.claim_token,
+                    job_key=old.job_key,
+                    worker_id=old.worker_id,
+                    held_since=self._clock(),
+                )
+            )
+        elif old.state == S.PROCESSING.value:
             # Leaving Processing gives the slot back in the same transaction.
             await conn.execute(
                 update(job_slots)
                 .where(job_slots.c.job_key == old.job_key)
                 .values(used=job_slots.c.used - 1)
             )
-        instance = rows.instance_from_row(row._mapping)
         await self._history(
             conn,
             [
@@ -423,6 +443,17 @@ class LifecycleStore(SqlBase):
             ],
         )
         return instance
+
+    async def release_runaway_slot(self, instance_id: UUID, claim_token: int) -> bool:
+        async with self._write() as conn:
+            released = await release_runaway_rows(
+                conn,
+                and_(
+                    runaway_slots.c.instance_id == instance_id,
+                    runaway_slots.c.claim_token == claim_token,
+                ),
+            )
+        return bool(released)
 
     async def request_cancel(self, instance_id: UUID, actor: str) -> Instance:
         async with self._write() as conn:
@@ -503,6 +534,25 @@ def _allot(
         else:
             wait.append(c.id)
     return claim, skip, wait
+
+
+async def release_runaway_rows(conn: AsyncConnection, which: ColumnElement[bool]) -> dict[str, int]:
+    """Give back the slots held by the runaway rows ``which`` selects, inside ``conn``'s
+    transaction; returns the slots freed per job key. The DELETE is the compare-and-set: the
+    worker whose thread returned and the dead-worker sweep may race for one row, and only the
+    one whose DELETE removed it gives the slot back (the other waits on the row lock, then
+    matches nothing), so a slot is never given back twice."""
+    gone = (
+        await conn.execute(delete(runaway_slots).where(which).returning(runaway_slots.c.job_key))
+    ).scalars()
+    per_key: dict[str, int] = {}
+    for key in gone:
+        per_key[key] = per_key.get(key, 0) + 1
+    for key, n in sorted(per_key.items()):  # key order, as claims lock them: no deadlock
+        await conn.execute(
+            update(job_slots).where(job_slots.c.job_key == key).values(used=job_slots.c.used - n)
+        )
+    return per_key
 
 
 def log_fenced(outcome: Outcome) -> None:

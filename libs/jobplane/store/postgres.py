@@ -136,7 +136,10 @@ SELECT 'cancelled', {_cols("i")}, NULL FROM job_instances i WHERE i.id IN (SELEC
 
 # One statement records a batch of outcomes. Each row matches only while the attempt still holds
 # its claim token and is Processing: a stale worker (lease lost, instance re-claimed) writes
-# nothing and leaves no history. The slot goes back in the same statement.
+# nothing and leaves no history. The slot goes back in the same statement — except for an
+# attempt whose code still runs (``hold``: a sync job past its timeout): its slot is recorded as
+# held by that attempt in ``runaway_slots``, in the same statement, and given back later by
+# ``release_runaway_rows``, so the limit counts the running code until it really stops.
 # A cancel beats a retry: a Failed outcome of a row with ``cancel_requested`` ends Cancelled
 # (the error kept). The flag is read from the row this UPDATE locks, so a cancel request
 # committed first is seen here, and one that waited on the lock finds the retry (Scheduled,
@@ -145,8 +148,9 @@ COMPLETE_SQL = """
 WITH o AS (
     SELECT * FROM unnest(
         CAST(:ids AS uuid[]), CAST(:tokens AS bigint[]), CAST(:states AS text[]),
-        CAST(:results AS text[]), CAST(:errors AS text[]), CAST(:reasons AS text[])
-    ) AS o(id, token, state, result, error, reason)
+        CAST(:results AS text[]), CAST(:errors AS text[]), CAST(:reasons AS text[]),
+        CAST(:holds AS boolean[])
+    ) AS o(id, token, state, result, error, reason, hold)
 ),
 done AS (
     UPDATE job_instances i
@@ -160,13 +164,18 @@ done AS (
                            THEN NULL ELSE clock_timestamp() END
     FROM o
     WHERE i.id = o.id AND i.claim_token = o.token AND i.state = 'processing'
-    RETURNING i.id, i.job_key, i.state, i.claim_token, i.worker_id, i.reason
+    RETURNING i.id, i.job_key, i.state, i.claim_token, i.worker_id, i.reason, o.hold
 ),
 released AS (
     UPDATE job_slots s SET used = s.used - d.n
-    FROM (SELECT job_key, count(*) AS n FROM done GROUP BY job_key) d
+    FROM (SELECT job_key, count(*) AS n FROM done WHERE NOT hold GROUP BY job_key) d
     WHERE s.job_key = d.job_key
     RETURNING s.job_key
+),
+held AS (
+    INSERT INTO runaway_slots (instance_id, claim_token, job_key, worker_id, held_since)
+    SELECT id, claim_token, job_key, worker_id, clock_timestamp() FROM done WHERE hold
+    RETURNING 1
 ),
 history AS (
     INSERT INTO instance_transitions (instance_id, from_state, to_state, actor, reason, claim_token)
@@ -354,6 +363,7 @@ class PostgresStore(PostgresStatsStore, SqlStore):
             "errors": [json.dumps(o.error.to_json()) if o.error else None for o in outcomes],
             "reasons": [o.reason for o in outcomes],
             "cancel_reason": CANCEL_WINS_REASON,
+            "holds": [o.holds_slot for o in outcomes],
         }
         async with self._write() as conn:
             result = await conn.execute(COMPLETE, params)

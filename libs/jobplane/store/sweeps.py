@@ -20,12 +20,14 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from jobplane.domain.models import Instance, InstanceSource, LeaderLease, NewInstance
 from jobplane.domain.options import JobOptions, PinFallback
 from jobplane.store import rows
-from jobplane.store.base import I, NotLeaderError, S, SqlBase
+from jobplane.store.base import I, NotLeaderError, S, SqlBase, logger
+from jobplane.store.lifecycle import release_runaway_rows
 from jobplane.store.tables import (
     instance_transitions,
     job_definitions,
     job_instances,
     job_slots,
+    runaway_slots,
     workers,
 )
 
@@ -277,7 +279,9 @@ class SweepStore(SqlBase):
             return [rows.instance_from_row(r._mapping) for r in result]
 
     async def mark_dead_workers(self, silent_for_s: float) -> list[str]:
-        """Workers with no heartbeat for ``silent_for_s`` are marked stopped."""
+        """Workers with no heartbeat for ``silent_for_s`` are marked stopped, and the slots
+        still held by runaway code of any stopped worker are given back (its process is gone,
+        and its threads with it), in the same transaction."""
         async with self._write() as conn:
             cutoff = await self._now(conn) - timedelta(seconds=silent_for_s)
             result = await conn.execute(
@@ -286,7 +290,20 @@ class SweepStore(SqlBase):
                 .values(stopped_at=self._clock())
                 .returning(workers.c.id)
             )
-            return list(result.scalars())
+            dead = list(result.scalars())
+            # Read after the update above, in its transaction: the workers just marked are
+            # among the stopped ones. A worker stops (``worker_stopped``) only once its job
+            # threads have returned, so what a stopped worker still holds is a leftover.
+            stopped = select(workers.c.id).where(workers.c.stopped_at.is_not(None))
+            freed = await release_runaway_rows(conn, runaway_slots.c.worker_id.in_(stopped))
+            if freed:
+                logger.warning(
+                    "released %d slot(s) held by runaway jobs of stopped workers (%s)",
+                    sum(freed.values()),
+                    ", ".join(sorted(freed)),
+                    extra={"action": "store.runaway_slots_released"},
+                )
+            return dead
 
     async def delete_finished_before(self, before: datetime, limit: int = 1000) -> int:
         """Retention: delete up to ``limit`` terminal instances finished before ``before``,

@@ -97,6 +97,26 @@ job_slots = Table(
     CheckConstraint("used >= 0", name="used_not_negative"),
 )
 
+# A slot of ``job_slots`` still held by an attempt whose outcome is recorded (Failed on timeout)
+# while its sync code keeps running in a thread that cannot be stopped: one row per such attempt,
+# keyed by its instance and claim token. Its worker deletes it (and gives the slot back) once the
+# thread returns; the dead-worker sweep does so if that worker goes away first.
+runaway_slots = Table(
+    "runaway_slots",
+    metadata,
+    Column("instance_id", Uuid, primary_key=True),
+    Column("claim_token", BigInteger, primary_key=True),
+    Column(
+        "job_key",
+        String(200),
+        ForeignKey("job_definitions.key", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    Column("worker_id", String(200), nullable=False),
+    Column("held_since", UtcDateTime, nullable=False),
+    Index("ix_runaway_slots_worker_id", "worker_id"),
+)
+
 job_instances = Table(
     "job_instances",
     metadata,
