@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
 from itertools import pairwise
@@ -21,6 +22,7 @@ from jobplane_api.main import create_app
 from jobplane_api.settings import ApiSettings
 from tests.apps.basic import app as jobs_app
 from tests.cli_helpers import free_port
+from tests.scheduler_helpers import running_scheduler
 from tests.worker_helpers import running_worker, wait_for
 
 PROBLEM = "application/problem+json"
@@ -573,3 +575,56 @@ async def test_workers_list_what_a_running_worker_runs(
         assert listed["id"] == worker.id and listed["stopped_at"] is None
         assert made["id"] in listed["running"] and idle["id"] not in listed["running"]
         await api.post(f"/api/v1/instances/{made['id']}/cancel")
+
+
+async def test_hold_debug_mode_runs_triggered_jobs_only_by_hand(store: SqlStore, bus: Bus) -> None:
+    for spec in jobs_app.jobs.values():
+        await store.register_definition(spec.options, spec.args_schema(), "test")
+    await store.register_definition(
+        JobOptions.parse(key="tick", kind="recurring", cron="0 12 * * *"), None, "test"
+    )
+    settings = ApiSettings(auth_enabled=False, debug_hold_triggered=True)
+    app = create_app(settings, store=store, bus=bus)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as api,
+        running_worker(jobs_app, store, bus),
+        running_scheduler(store, bus),
+    ):
+        held = (await api.post("/api/v1/jobs/echo/instances", json={"args": {"value": 3}})).json()
+        assert held["state"] == "scheduled" and held["run_at"] is None
+        batch = {"items": [{"job_key": "echo", "args": {"value": 4}}]}
+        [batched] = (await api.post("/api/v1/instances/batch", json=batch)).json()
+        assert batched["state"] == "scheduled"
+        # A hand trigger of a recurring job is already a run by hand: not held.
+        tick = (await api.post("/api/v1/jobs/tick/instances", json={})).json()
+        assert tick["state"] == "enqueued"
+        await asyncio.sleep(2.5)  # a worker and the leader's sweeps are running
+        assert (await store.get_instance(UUID(held["id"]))).state is S.SCHEDULED
+
+        ran = await api.post(f"/api/v1/instances/{held['id']}/run")
+        assert ran.status_code == 200 and ran.json()["state"] == "enqueued"
+
+        async def succeeded() -> bool:
+            return (await store.get_instance(UUID(held["id"]))).state is S.SUCCEEDED
+
+        await wait_for(succeeded, what="the instance run by hand")
+        assert (await store.get_instance(UUID(held["id"]))).result["value"] == 3
+        transitions = (await api.get(f"/api/v1/instances/{held['id']}")).json()["transitions"]
+        assert [t["to_state"] for t in transitions][:2] == ["scheduled", "enqueued"]
+        assert transitions[1]["reason"] == "run by hand"
+        assert (await store.get_instance(UUID(batched["id"]))).state is S.SCHEDULED
+        _problem(await api.post(f"/api/v1/instances/{held['id']}/run"), 409)  # not Scheduled
+        _problem(await api.post(f"/api/v1/instances/{uuid4()}/run"), 404)
+
+
+async def test_run_now_starts_a_delayed_instance(api: httpx.AsyncClient) -> None:
+    later = {"args": {"value": 1}, "delay_s": 3600}
+    delayed = (await api.post("/api/v1/jobs/echo/instances", json=later)).json()
+    assert delayed["state"] == "scheduled"
+    ran = (await api.post(f"/api/v1/instances/{delayed['id']}/run")).json()
+    assert ran["state"] == "enqueued"
+    assert datetime.fromisoformat(ran["run_at"]) < datetime.fromisoformat(delayed["run_at"])
+    cancelled = (await api.post(f"/api/v1/instances/{delayed['id']}/cancel")).json()
+    assert cancelled["state"] == "cancelled"
+    _problem(await api.post(f"/api/v1/instances/{delayed['id']}/run"), 409)

@@ -44,6 +44,7 @@ NEEDS = {
     ("GET", "/api/v1/instances/{instance_id}"): Role.VIEWER,
     ("POST", "/api/v1/instances/{instance_id}/cancel"): Role.OPERATOR,
     ("POST", "/api/v1/instances/{instance_id}/retry"): Role.OPERATOR,
+    ("POST", "/api/v1/instances/{instance_id}/run"): Role.OPERATOR,
     ("GET", "/api/v1/workers"): Role.VIEWER,
     ("GET", "/api/v1/scheduler"): Role.VIEWER,
     ("GET", "/api/v1/stats"): Role.VIEWER,

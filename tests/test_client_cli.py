@@ -190,3 +190,11 @@ def test_client_trigger_at_pinned_batch_stats_scheduler(stack: dict[str, str]) -
         while (leader := jp.scheduler())["leader"] is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert leader["leader"] and leader["term"] >= 1
+        # A waiting instance is run by hand (as one held by the debug mode would be).
+        ran = _cli(stack, "instances", "run", made["id"], "-o", "json")
+        assert ran.returncode == 0, ran.stderr
+        assert json.loads(ran.stdout)["state"] in {"enqueued", "processing", "succeeded"}
+        assert jp.wait(made["id"], timeout_s=30)["state"] == "succeeded"
+        with pytest.raises(ApiError) as refused:
+            jp.run(made["id"])
+        assert refused.value.status == 409

@@ -190,3 +190,28 @@ async def test_idempotency_key_replays_and_conflicts(
     assert same.id == first
     assert await _count(store) == 1
     assert len(await store.transitions(first)) == 1
+
+
+@pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
+async def test_hold_debug_mode_holds_enqueued_triggered_jobs(
+    store: SqlStore, redis_bus: Bus, sync_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with running_worker(app, store, redis_bus):
+        pass
+    monkeypatch.setenv("JOBPLANE_DEBUG_HOLD_TRIGGERED", "true")
+    engine = create_engine(sync_url)
+    try:
+        with engine.begin() as conn:
+            held = enqueue(conn, "echo", {"value": 1}, delay=timedelta(seconds=1))
+            given = enqueue(conn, "echo", {"value": 2}, hold=False)  # the caller decides
+    finally:
+        engine.dispose()
+    async with running_worker(app, store, redis_bus), running_scheduler(store, redis_bus):
+        [done] = await settled(store, [given], timeout_s=30)
+        assert done.state is S.SUCCEEDED
+        await asyncio.sleep(1.5)  # past the delay: a held instance has no due time
+        waiting = await store.get_instance(held)
+        assert waiting.state is S.SCHEDULED and waiting.run_at is None
+        await Dispatcher(store, redis_bus).run_now(held, "test")
+        [ran] = await settled(store, [held], timeout_s=30)
+    assert ran.state is S.SUCCEEDED and ran.result["value"] == 1

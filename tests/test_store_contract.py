@@ -27,6 +27,7 @@ from jobplane.errors import (
     InstanceNotFoundError,
     JobNotFoundError,
 )
+from jobplane.ids import new_id
 from jobplane.store.lifecycle import CANCEL_BEFORE_CLAIM_REASON, CANCEL_WINS_REASON
 from jobplane.store.sql import SqlStore
 from jobplane.store.tables import job_instances
@@ -132,6 +133,32 @@ async def test_create_instances_initial_states_and_history(store: SqlStore) -> N
     [creation] = await store.transitions(skipped.id)
     assert creation.from_state is None and creation.to_state is S.SKIPPED
     assert creation.reason == "misfire"
+
+
+async def test_run_now_moves_a_waiting_instance_once(store: SqlStore) -> None:
+    await define(store, "job")
+    now = await store.now()
+    held, delayed, queued = await store.create_instances(
+        [
+            NewInstance(job_key="job", held=True),
+            NewInstance(job_key="job", run_at=now + timedelta(hours=1)),
+            NewInstance(job_key="job"),
+        ]
+    )
+    ran = await store.run_now(held.id, "ops")
+    assert ran.state is S.ENQUEUED and ran.run_at is not None and ran.published_at is None
+    moved = (await store.transitions(held.id))[-1]
+    assert (moved.from_state, moved.to_state, moved.actor) == (S.SCHEDULED, S.ENQUEUED, "ops")
+    assert moved.reason == "run by hand"
+    started = await store.run_now(delayed.id, "ops")
+    assert started.run_at is not None and started.run_at < now + timedelta(minutes=1)
+    # Compare-and-set on Scheduled: a second run (or a run of a queued instance) changes nothing.
+    for already in (held, queued):
+        with pytest.raises(IllegalTransitionError):
+            await store.run_now(already.id, "ops")
+    assert len(await store.transitions(held.id)) == 2
+    with pytest.raises(InstanceNotFoundError):
+        await store.run_now(new_id(), "ops")
 
 
 async def test_unknown_job_inserts_nothing(store: SqlStore) -> None:

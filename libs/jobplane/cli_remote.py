@@ -266,6 +266,15 @@ def instances_retry(
         show(c.retry(instance_id), output, [*INSTANCE_COLUMNS, "retry_of"])
 
 
+@instances_cli.command("run")
+def instances_run(
+    instance_id: str, url: Url = DEFAULT_URL, token: Token = None, output: Fmt = Output.TABLE
+) -> None:
+    """Run a waiting instance now: one held by the debug mode, or a delayed one."""
+    with client(url, token) as c:
+        show(c.run(instance_id), output, INSTANCE_COLUMNS)
+
+
 @workers_cli.command("ls")
 def workers_ls(url: Url = DEFAULT_URL, token: Token = None, output: Fmt = Output.TABLE) -> None:
     """Registered workers and what each runs now."""

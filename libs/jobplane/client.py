@@ -190,6 +190,10 @@ class AsyncClient:
     async def retry(self, instance_id: str) -> JSONDict:
         return await self._call("POST", f"/api/v1/instances/{instance_id}/retry")  # type: ignore[no-any-return]
 
+    async def run(self, instance_id: str) -> JSONDict:
+        """Run a Scheduled instance (held by the debug mode, or delayed) now."""
+        return await self._call("POST", f"/api/v1/instances/{instance_id}/run")  # type: ignore[no-any-return]
+
     async def workers(self) -> list[JSONDict]:
         return await self._call("GET", "/api/v1/workers")  # type: ignore[no-any-return]
 
@@ -292,6 +296,9 @@ class Client:
 
     def retry(self, instance_id: str) -> JSONDict:
         return self._run(self._async.retry(instance_id))
+
+    def run(self, instance_id: str) -> JSONDict:
+        return self._run(self._async.run(instance_id))
 
     def workers(self) -> list[JSONDict]:
         return self._run(self._async.workers())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
@@ -23,8 +24,10 @@ from jobplane.domain.models import (
     Instance,
     InstanceFilter,
     InstanceSource,
+    JobDefinition,
     NewInstance,
 )
+from jobplane.domain.options import JobKind
 from jobplane.domain.states import InstanceState
 from jobplane.errors import BusUnavailableError, InvalidOptionsError, JobplaneError
 from jobplane.idempotency import fingerprint
@@ -51,9 +54,12 @@ class InvalidArgumentsError(InvalidOptionsError):
 class Dispatcher:
     """Creates and publishes instances. Does not own the store or the bus."""
 
-    def __init__(self, store: Store, bus: Bus) -> None:
+    def __init__(self, store: Store, bus: Bus, *, hold_triggered: bool = False) -> None:
         self.store = store
         self.bus = bus
+        #: Debug mode: instances triggered for triggered jobs are held (Scheduled with no due
+        #: time) until someone runs them (:meth:`run_now`).
+        self.hold_triggered = hold_triggered
 
     async def trigger(
         self,
@@ -86,7 +92,8 @@ class Dispatcher:
 
     async def trigger_many(self, requests: Sequence[NewInstance]) -> list[Instance]:
         """Validate, create in one batch, publish what is Enqueued. Raises JobNotFoundError,
-        JobDisabledError or InvalidArgumentsError before anything is created."""
+        JobDisabledError or InvalidArgumentsError before anything is created. In the hold
+        debug mode, triggers of triggered jobs are created held."""
         definitions = {
             d.key: d for d in await self.store.list_definitions({r.job_key for r in requests})
         }
@@ -98,9 +105,21 @@ class Dispatcher:
                 raise JobDisabledError(request.job_key)
             if definition.args_schema is not None:
                 validate_args(definition.args_schema, request.args)
+        if self.hold_triggered:
+            requests = [
+                replace(r, held=True) if held_in_debug(r, definitions.get(r.job_key)) else r
+                for r in requests
+            ]
         instances = await self.store.create_instances(requests)
         await self.publish(instances)
         return instances
+
+    async def run_now(self, instance_id: UUID, actor: str = "client") -> Instance:
+        """Run a Scheduled instance (held or delayed) now: Enqueued and published. Raises
+        IllegalTransitionError when it is not Scheduled, InstanceNotFoundError if unknown."""
+        instance = await self.store.run_now(instance_id, actor)
+        await self.publish([instance])
+        return instance
 
     async def cancel(self, instance_id: UUID, actor: str = "client") -> Instance:
         """Cancel an instance: a Scheduled or Enqueued one ends Cancelled at once; a running one
@@ -238,6 +257,17 @@ def trigger_request(
         idempotency_key=idempotency_key,
         fingerprint=print_ if idempotency_key is not None else None,
         actor=actor,
+    )
+
+
+def held_in_debug(request: NewInstance, definition: JobDefinition | None) -> bool:
+    """Whether the hold debug mode holds ``request``: a trigger of a triggered job. Cron
+    occurrences have their own debug mode; a hand trigger of a recurring job, and retries,
+    are already runs by hand."""
+    return (
+        request.source is InstanceSource.TRIGGER
+        and definition is not None
+        and definition.options.kind is JobKind.TRIGGERED
     )
 
 

@@ -35,11 +35,12 @@ from sqlalchemy.orm import Session
 
 from jobplane.dispatch import JobDisabledError, validate_args
 from jobplane.domain.models import InstanceSource
-from jobplane.domain.options import JobOptions
+from jobplane.domain.options import JobKind, JobOptions
 from jobplane.domain.states import InstanceState
 from jobplane.errors import InvalidOptionsError, JobNotFoundError
 from jobplane.idempotency import fingerprint, replay_candidates, replayed
 from jobplane.ids import new_id
+from jobplane.settings import CommonSettings
 from jobplane.store import rows
 from jobplane.store.tables import instance_transitions, job_definitions, job_instances
 from jobplane.store.types import UtcDateTime
@@ -54,13 +55,18 @@ def enqueue(
     delay: timedelta | None = None,
     priority: int | None = None,
     idempotency_key: str | None = None,
+    hold: bool | None = None,
     actor: str = "app",
 ) -> UUID:
     """Add an instance of ``key`` to the caller's transaction; returns its id (with an
-    ``idempotency_key`` seen before for the same request: the first instance's id)."""
+    ``idempotency_key`` seen before for the same request: the first instance's id).
+    ``hold``: create it held, to be run by hand, if ``key`` is a triggered job (default: the
+    ``JOBPLANE_DEBUG_HOLD_TRIGGERED`` debug mode)."""
     target = session_or_connection
     definition = target.execute(_definition(key)).first()
-    plan = _plan(definition, key, args, run_at, delay, priority, idempotency_key, _dialect(target))
+    plan = _plan(
+        definition, key, args, run_at, delay, priority, idempotency_key, hold, _dialect(target)
+    )
     if target.execute(plan.insert).first() is None:
         return plan.replayed(target.execute(plan.candidates()).all())
     target.execute(plan.history(actor))
@@ -78,12 +84,15 @@ async def enqueue_async(
     delay: timedelta | None = None,
     priority: int | None = None,
     idempotency_key: str | None = None,
+    hold: bool | None = None,
     actor: str = "app",
 ) -> UUID:
     """:func:`enqueue` for an ``AsyncSession`` or ``AsyncConnection``."""
     target = session_or_connection
     definition = (await target.execute(_definition(key))).first()
-    plan = _plan(definition, key, args, run_at, delay, priority, idempotency_key, _dialect(target))
+    plan = _plan(
+        definition, key, args, run_at, delay, priority, idempotency_key, hold, _dialect(target)
+    )
     if (await target.execute(plan.insert)).first() is None:
         return plan.replayed((await target.execute(plan.candidates())).all())
     await target.execute(plan.history(actor))
@@ -135,6 +144,7 @@ def _plan(
     delay: timedelta | None,
     priority: int | None,
     idempotency_key: str | None,
+    hold: bool | None,
     dialect: str,
 ) -> _Plan:
     if definition is None:
@@ -153,8 +163,14 @@ def _plan(
     due: datetime | ColumnElement[datetime] | None = run_at
     if delay is not None:
         due = now + delay
-    # A delayed instance is Scheduled; the leader promotes it when due (database clock).
-    state = InstanceState.SCHEDULED if due is not None else InstanceState.ENQUEUED
+    if hold is None:
+        hold = CommonSettings().debug_hold_triggered
+    if hold and options.kind is JobKind.TRIGGERED:
+        due = None  # held: Scheduled with no due time, until it is run by hand
+        state = InstanceState.SCHEDULED
+    else:
+        # A delayed instance is Scheduled; the leader promotes it when due (database clock).
+        state = InstanceState.SCHEDULED if due is not None else InstanceState.ENQUEUED
     print_ = fingerprint(key, args, run_at=run_at, delay=delay, priority=priority)
     insert = _insert(dialect).values(
         id=instance_id,

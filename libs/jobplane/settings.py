@@ -28,6 +28,9 @@ class CommonSettings(BaseSettings):
     log_level: str = "INFO"
     #: Postgres connections each process keeps open (as many again are opened in bursts).
     db_pool_size: int = Field(default=10, ge=1, le=1000)
+    #: Debug: instances triggered for triggered jobs are held (Scheduled with no due time)
+    #: until someone runs them by hand (``POST /api/v1/instances/{id}/run``).
+    debug_hold_triggered: bool = False
 
     @field_validator("database_url")
     @classmethod

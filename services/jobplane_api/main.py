@@ -44,7 +44,9 @@ def create_app(
                 opened_store, opened_bus = await stack.enter_async_context(backends(settings))
             app.state.store = store or opened_store
             app.state.bus = bus or opened_bus
-            app.state.dispatcher = Dispatcher(app.state.store, app.state.bus)
+            app.state.dispatcher = Dispatcher(
+                app.state.store, app.state.bus, hold_triggered=settings.debug_hold_triggered
+            )
             app.state.settings = settings
             yield
 

@@ -488,6 +488,27 @@ class LifecycleStore(SqlBase):
                 return rows.instance_from_row(updated._mapping)
             raise IllegalTransitionError(state, S.CANCELLED)
 
+    async def run_now(self, instance_id: UUID, actor: str) -> Instance:
+        async with self._write() as conn:
+            # Compare-and-set on Scheduled: a run racing the due-time sweep (or a cancel, or a
+            # second run) moves the instance once; the loser sees the state it found.
+            moved = await self._move(
+                conn,
+                instance_id,
+                S.ENQUEUED,
+                expect=(S.SCHEDULED,),
+                claim_token=None,
+                actor=actor,
+                reason="run by hand",
+                values={"run_at": self._clock()},
+            )
+            if moved is not None:
+                return moved
+            row = (await conn.execute(select(I.state).where(I.id == instance_id))).first()
+        if row is None:
+            raise InstanceNotFoundError(instance_id)
+        raise IllegalTransitionError(S(row.state), "run now (only Scheduled instances)")
+
     async def republish_waiting(self, job_keys: Collection[str], limit: int) -> list[Instance]:
         if not job_keys or limit <= 0:
             return []

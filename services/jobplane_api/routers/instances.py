@@ -1,4 +1,4 @@
-"""Instances: list, read with history, cancel, retry, batch trigger."""
+"""Instances: list, read with history, cancel, retry, run now, batch trigger."""
 
 from __future__ import annotations
 
@@ -189,6 +189,15 @@ async def get_instance(store: StoreDep, instance_id: UUID) -> InstanceOut:
 async def cancel_instance(dispatcher: DispatcherDep, instance_id: UUID) -> InstanceOut:
     """Queued instances end Cancelled; a running one is told to stop. 409 when terminal."""
     return InstanceOut.of(await dispatcher.cancel(instance_id, "api"))
+
+
+@router.post("/{instance_id}/run", summary="Run a waiting instance now", response_model=InstanceOut)
+async def run_instance(
+    dispatcher: DispatcherDep, instance_id: UUID, principal: Annotated[Principal, Operator]
+) -> InstanceOut:
+    """A Scheduled instance (held by the debug mode ``JOBPLANE_DEBUG_HOLD_TRIGGERED``, or
+    delayed) becomes Enqueued and is published at once. 409 when it is not Scheduled."""
+    return InstanceOut.of(await dispatcher.run_now(instance_id, actor_of(principal)))
 
 
 @router.post(
