@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -66,6 +67,26 @@ def stop_all(procs: list[subprocess.Popen[str]], *, sig: int = signal.SIGKILL) -
             log.close()
             command = " ".join(map(str, proc.args))
             sys.stderr.write(f"--- {command} (exit {proc.returncode}) ---\n{tail}\n")
+
+
+def output_of(proc: subprocess.Popen[str]) -> str:
+    """What ``proc`` (started by :func:`spawn_cli`) printed so far. Read at an offset, never
+    moving the file position the process writes at."""
+    log = _logs.get(proc.pid)
+    if log is None:
+        return ""
+    return os.pread(log.fileno(), 1 << 22, 0).decode(errors="replace")
+
+
+async def wait_for_output(proc: subprocess.Popen[str], text: str, timeout_s: float = 60) -> None:
+    """Wait until ``proc`` has printed ``text`` (e.g. it has started and handles signals)."""
+    deadline = time.monotonic() + timeout_s
+    while text not in output_of(proc):
+        if proc.poll() is not None:
+            raise AssertionError(f"{proc.args} exited ({proc.returncode}) before {text!r}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{proc.args} did not print {text!r} in {timeout_s} s")
+        await asyncio.sleep(0.05)
 
 
 def free_port() -> int:

@@ -10,6 +10,7 @@ import json
 import logging
 import signal
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
@@ -84,12 +85,27 @@ async def _main(coro_factory: Callable[[], Awaitable[Any]]) -> Any:
     return await coro_factory()
 
 
+#: A SIGTERM received while a role was still starting (see :func:`remember_early_sigterm`).
+_early_sigterm = threading.Event()
+
+
+def remember_early_sigterm() -> None:
+    """The first step of a long-running role: until its event loop takes the signals over, a
+    SIGTERM (a rolling restart, a test) is remembered and becomes the graceful stop, instead of
+    killing the process halfway through its imports or its first connections."""
+    _early_sigterm.clear()
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: _early_sigterm.set())
+
+
 def stop_on_signals() -> asyncio.Event:
-    """An event set by SIGTERM or SIGINT (the graceful stop)."""
+    """An event set by SIGTERM or SIGINT (the graceful stop), already set if a SIGTERM came
+    while the role was starting."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if _early_sigterm.is_set():
+        stop.set()
     return stop
 
 
@@ -127,6 +143,7 @@ def worker(
     ] = None,
 ) -> None:
     """Run a worker: consume queues from Redis, run jobs, record outcomes in Postgres."""
+    remember_early_sigterm()
     given = _given(queues, concurrency, grace, worker_id)
     if health_port is not None:
         given["health_port"] = health_port
@@ -144,6 +161,7 @@ def worker(
 def scheduler() -> None:
     """Run a scheduler replica: one leader fires cron ticks, promotes delayed instances,
     releases expired leases and republishes lost messages; the others stand by."""
+    remember_early_sigterm()
     from jobplane_scheduler.settings import SchedulerSettings
 
     settings = SchedulerSettings()
@@ -162,6 +180,7 @@ def api(
     port: Annotated[int | None, typer.Option("--port", help="Port to listen on.")] = None,
 ) -> None:
     """Serve the REST API (/api/v1), health, readiness and metrics."""
+    remember_early_sigterm()
     from jobplane_api.settings import ApiSettings
 
     overrides: dict[str, Any] = {}
@@ -200,6 +219,7 @@ def dev(
     ] = None,
 ) -> None:
     """Run every role in one process on the embedded default (SQLite file, in-process bus)."""
+    remember_early_sigterm()
     settings = DevSettings(**_given(None, concurrency, None, None))
     requests = [_parse_trigger(t) for t in trigger or []]
     port = api_port if api_port is not None else (0 if exit_when_done else 8000)

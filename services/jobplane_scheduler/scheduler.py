@@ -43,6 +43,12 @@ class Scheduler:
     async def run(self, stop: asyncio.Event) -> None:
         """Campaign until ``stop``; then hand leadership over at once (release the lease)."""
         renew_every = self.settings.lease_ttl_s / 3
+        logger.info(
+            "scheduler %s campaigning for shard %d",
+            self.settings.scheduler_id,
+            self.settings.shard,
+            extra={"action": "scheduler.started"},
+        )
         resigned = asyncio.Event()
         listener = asyncio.create_task(self._listen_for_resignations(resigned))
         try:
