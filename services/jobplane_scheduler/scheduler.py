@@ -24,6 +24,7 @@ from jobplane.enqueue import CHANNEL as ENQUEUED_CHANNEL
 from jobplane.errors import UnavailableError
 from jobplane.store.base import NotLeaderError
 from jobplane.store.sql import SqlStore
+from jobplane.tasks import cancel_and_wait
 from jobplane_scheduler.cron_timers import CronTimers, catch_up, is_active, occurrence
 from jobplane_scheduler.settings import SchedulerSettings
 
@@ -62,8 +63,7 @@ class Scheduler:
                 for task in pending:
                     task.cancel()
         finally:
-            listener.cancel()
-            await asyncio.gather(listener, return_exceptions=True)
+            await cancel_and_wait([listener])
             await self._resign()
 
     async def _listen_for_resignations(self, resigned: asyncio.Event) -> None:
@@ -104,8 +104,7 @@ class Scheduler:
     async def _stop_duties(self) -> None:
         if self._duties is None:
             return
-        self._duties.cancel()
-        await asyncio.gather(self._duties, return_exceptions=True)
+        await cancel_and_wait([self._duties])
         self._duties = None
         logger.info("no longer leading", extra={"action": "scheduler.following"})
 

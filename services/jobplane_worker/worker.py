@@ -43,6 +43,7 @@ from jobplane.domain.states import InstanceState
 from jobplane.errors import BusUnavailableError, StoreUnavailableError, UnavailableError
 from jobplane.settings import WorkerSettings
 from jobplane.store.abc import Store
+from jobplane.tasks import cancel_and_wait
 from jobplane_worker.attempt import TIMEOUT, Attempt, run_attempt
 from jobplane_worker.health import serving
 from jobplane_worker.metrics import LEASE_LOST, RELEASED, WorkerMetrics
@@ -127,10 +128,7 @@ class Worker:
                 self.stopping = True
                 # Runaway watchers are left only when the worker fails (a drain waits for
                 # them); their slots go back through the dead-worker sweep.
-                leftovers = [*side, *self._side_tasks, *self._runaways.values()]
-                for task in leftovers:
-                    task.cancel()
-                await asyncio.gather(*leftovers, return_exceptions=True)
+                await cancel_and_wait([*side, *self._side_tasks, *self._runaways.values()])
                 self._pool.shutdown(wait=False, cancel_futures=True)
                 await self._quietly(self.store.worker_stopped(self.id))
 
