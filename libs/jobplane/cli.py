@@ -10,7 +10,6 @@ import json
 import logging
 import signal
 import sys
-import threading
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
@@ -85,16 +84,24 @@ async def _main(coro_factory: Callable[[], Awaitable[Any]]) -> Any:
     return await coro_factory()
 
 
-#: A SIGTERM received while a role was still starting (see :func:`remember_early_sigterm`).
-_early_sigterm = threading.Event()
+class _EarlySigterm:
+    """A SIGTERM received while a role was still starting (see :func:`remember_early_sigterm`)."""
+
+    seen = False
+
+    @classmethod
+    def note(cls, _signum: int, _frame: object) -> None:
+        cls.seen = True
 
 
 def remember_early_sigterm() -> None:
-    """The first step of a long-running role: until its event loop takes the signals over, a
-    SIGTERM (a rolling restart, a test) is remembered and becomes the graceful stop, instead of
-    killing the process halfway through its imports or its first connections."""
-    _early_sigterm.clear()
-    signal.signal(signal.SIGTERM, lambda _signum, _frame: _early_sigterm.set())
+    """The first step of a long-running role: from here until its event loop takes the
+    signals over (the role's own imports, settings, first connections) a SIGTERM is remembered
+    and becomes the graceful stop instead of killing the process. Before this point (the
+    interpreter and ``jobplane.cli`` loading, about a second) SIGTERM still kills it; nothing
+    is held yet then."""
+    _EarlySigterm.seen = False
+    signal.signal(signal.SIGTERM, _EarlySigterm.note)
 
 
 def stop_on_signals() -> asyncio.Event:
@@ -104,7 +111,7 @@ def stop_on_signals() -> asyncio.Event:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    if _early_sigterm.is_set():
+    if _EarlySigterm.seen:
         stop.set()
     return stop
 

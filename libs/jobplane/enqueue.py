@@ -22,12 +22,14 @@ in any case, on SQLite and if the notification is lost.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import UUID
 
+from pydantic import TypeAdapter
 from sqlalchemy import ColumnElement, Connection, Insert, Row, func, literal, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
@@ -40,7 +42,6 @@ from jobplane.domain.states import InstanceState
 from jobplane.errors import InvalidOptionsError, JobNotFoundError
 from jobplane.idempotency import fingerprint, replay_candidates, replayed
 from jobplane.ids import new_id
-from jobplane.settings import CommonSettings
 from jobplane.store import rows
 from jobplane.store.tables import instance_transitions, job_definitions, job_instances
 from jobplane.store.types import UtcDateTime
@@ -70,7 +71,7 @@ def enqueue(
     if target.execute(plan.insert).first() is None:
         return plan.replayed(target.execute(plan.candidates()).all())
     target.execute(plan.history(actor))
-    if plan.dialect == "postgresql":
+    if plan.notifies:
         target.execute(_notify(plan.id))
     return plan.id
 
@@ -96,7 +97,7 @@ async def enqueue_async(
     if (await target.execute(plan.insert)).first() is None:
         return plan.replayed((await target.execute(plan.candidates())).all())
     await target.execute(plan.history(actor))
-    if plan.dialect == "postgresql":
+    if plan.notifies:
         await target.execute(_notify(plan.id))
     return plan.id
 
@@ -116,6 +117,12 @@ class _Plan:
     dialect: str
     idempotency_key: str | None
     fingerprint: str | None
+
+    @property
+    def notifies(self) -> bool:
+        """Tell the leader (Postgres only) about an instance to publish now: not a held or
+        delayed one (it is published when run or due)."""
+        return self.dialect == "postgresql" and self.state is InstanceState.ENQUEUED
 
     def history(self, actor: str) -> Insert:
         # ``at`` defaults to the database's clock.
@@ -164,7 +171,7 @@ def _plan(
     if delay is not None:
         due = now + delay
     if hold is None:
-        hold = CommonSettings().debug_hold_triggered
+        hold = hold_triggered_from_environment()
     if hold and options.kind is JobKind.TRIGGERED:
         due = None  # held: Scheduled with no due time, until it is run by hand
         state = InstanceState.SCHEDULED
@@ -197,6 +204,17 @@ def _plan(
         idempotency_key=idempotency_key,
         fingerprint=print_ if idempotency_key is not None else None,
     )
+
+
+def hold_triggered_from_environment() -> bool:
+    """The ``JOBPLANE_DEBUG_HOLD_TRIGGERED`` debug mode, read from the environment of the
+    application that enqueues (parsed as the roles parse it; unset: off)."""
+    value = os.environ.get(HOLD_TRIGGERED_VARIABLE)
+    return False if value is None else _BOOL.validate_python(value)
+
+
+HOLD_TRIGGERED_VARIABLE = "JOBPLANE_DEBUG_HOLD_TRIGGERED"
+_BOOL = TypeAdapter(bool)
 
 
 def _clock(dialect: str) -> ColumnElement[datetime]:
