@@ -47,19 +47,27 @@ async def one_round(
     prefix: str,
     ttl: float,
 ) -> float:
+    deadline = time.monotonic() + 120
     while (current := await leader(store)) is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError("no scheduler became leader in 120 s")
         await asyncio.sleep(0.01)
     await asyncio.sleep(ttl)  # a settled leader and a settled follower
     current = await leader(store)
     assert current is not None
     pid = int(current[0].rsplit(":", 1)[1])
     started = time.perf_counter()
-    procs.pop(pid).send_signal(sig)
+    stopped = procs.pop(pid)
+    # Still waited for at the end (and killed if a round fails), never left running.
+    procs[-pid] = stopped
+    stopped.send_signal(sig)
     while True:
         now = await leader(store)
         if now is not None and now[1] > current[1]:
             elapsed = time.perf_counter() - started
             break
+        if time.perf_counter() - started > 120:
+            raise RuntimeError(f"no new leader 120 s after {sig.name}")
         await asyncio.sleep(0.005)
     replacement = spawn(url, prefix, ttl)
     procs[replacement.pid] = replacement
@@ -80,9 +88,14 @@ async def main(rounds: int, ttl: float) -> None:
                 )
         finally:
             for proc in procs.values():
-                proc.terminate()
+                if proc.poll() is None:
+                    proc.terminate()
             for proc in procs.values():
-                proc.wait(timeout=30)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
 
 
 if __name__ == "__main__":

@@ -591,11 +591,17 @@ async def test_hold_debug_mode_runs_triggered_jobs_only_by_hand(store: SqlStore,
         running_worker(jobs_app, store, bus),
         running_scheduler(store, bus),
     ):
-        held = (await api.post("/api/v1/jobs/echo/instances", json={"args": {"value": 3}})).json()
+        key = {"Idempotency-Key": "held-1"}
+        url = "/api/v1/jobs/echo/instances"
+        held = (await api.post(url, json={"args": {"value": 3}}, headers=key)).json()
         assert held["state"] == "scheduled" and held["run_at"] is None
+        replay = (await api.post(url, json={"args": {"value": 3}}, headers=key)).json()
+        assert replay["id"] == held["id"]
+        delayed = (await api.post(url, json={"args": {"value": 5}, "delay_s": 0.1})).json()
+        assert delayed["state"] == "scheduled" and delayed["run_at"] is None  # held, not due
         batch = {"items": [{"job_key": "echo", "args": {"value": 4}}]}
         [batched] = (await api.post("/api/v1/instances/batch", json=batch)).json()
-        assert batched["state"] == "scheduled"
+        assert batched["state"] == "scheduled" and batched["run_at"] is None
         # A hand trigger of a recurring job is already a run by hand: not held.
         tick = (await api.post("/api/v1/jobs/tick/instances", json={})).json()
         assert tick["state"] == "enqueued"
@@ -613,7 +619,11 @@ async def test_hold_debug_mode_runs_triggered_jobs_only_by_hand(store: SqlStore,
         transitions = (await api.get(f"/api/v1/instances/{held['id']}")).json()["transitions"]
         assert [t["to_state"] for t in transitions][:2] == ["scheduled", "enqueued"]
         assert transitions[1]["reason"] == "run by hand"
-        assert (await store.get_instance(UUID(batched["id"]))).state is S.SCHEDULED
+        for waiting in (batched, delayed):
+            assert (await store.get_instance(UUID(waiting["id"]))).state is S.SCHEDULED
+        # A retry of a terminal instance is asked for by hand: it is not held.
+        retry = (await api.post(f"/api/v1/instances/{held['id']}/retry")).json()
+        assert retry["state"] == "enqueued" and retry["retry_of"] == held["id"]
         _problem(await api.post(f"/api/v1/instances/{held['id']}/run"), 409)  # not Scheduled
         _problem(await api.post(f"/api/v1/instances/{uuid4()}/run"), 404)
 

@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engin
 from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher, InvalidArgumentsError, JobDisabledError
 from jobplane.domain.models import InstanceFilter
+from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState as S
 from jobplane.enqueue import enqueue, enqueue_async
 from jobplane.errors import IdempotencyConflictError, InvalidOptionsError, JobNotFoundError
@@ -196,22 +197,36 @@ async def test_idempotency_key_replays_and_conflicts(
 async def test_hold_debug_mode_holds_enqueued_triggered_jobs(
     store: SqlStore, redis_bus: Bus, sync_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async with running_worker(app, store, redis_bus):
-        pass
     monkeypatch.setenv("JOBPLANE_DEBUG_HOLD_TRIGGERED", "true")
     engine = create_engine(sync_url)
     try:
+        async with (
+            running_worker(app, store, redis_bus),
+            running_scheduler(store, redis_bus) as scheduler,
+        ):
+            await wait_for(lambda: _leading(scheduler), what="a leader listening for commits")
+            with engine.begin() as conn:  # the leader is notified of what it must publish
+                held = enqueue(conn, "echo", {"value": 1}, delay=timedelta(seconds=1))
+                given = enqueue(conn, "echo", {"value": 2}, hold=False)  # the caller decides
+            [done] = await settled(store, [given], timeout_s=30)
+            assert done.state is S.SUCCEEDED
+            await asyncio.sleep(1.5)  # past the delay: a held instance has no due time
+            waiting = await store.get_instance(held)
+            assert waiting.state is S.SCHEDULED and waiting.run_at is None
+            await Dispatcher(store, redis_bus).run_now(held, "test")
+            [ran] = await settled(store, [held], timeout_s=30)
+        # Only triggered jobs are held: a recurring job enqueued is a run by hand.
+        nightly = JobOptions.parse(key="nightly", kind="recurring", cron="0 3 * * *")
+        await store.register_definition(nightly, None, "test")
         with engine.begin() as conn:
-            held = enqueue(conn, "echo", {"value": 1}, delay=timedelta(seconds=1))
-            given = enqueue(conn, "echo", {"value": 2}, hold=False)  # the caller decides
+            by_hand = enqueue(conn, "nightly", hold=True)
+        assert (await store.get_instance(by_hand)).state is S.ENQUEUED
     finally:
         engine.dispose()
-    async with running_worker(app, store, redis_bus), running_scheduler(store, redis_bus):
-        [done] = await settled(store, [given], timeout_s=30)
-        assert done.state is S.SUCCEEDED
-        await asyncio.sleep(1.5)  # past the delay: a held instance has no due time
-        waiting = await store.get_instance(held)
-        assert waiting.state is S.SCHEDULED and waiting.run_at is None
-        await Dispatcher(store, redis_bus).run_now(held, "test")
-        [ran] = await settled(store, [held], timeout_s=30)
     assert ran.state is S.SUCCEEDED and ran.result["value"] == 1
+    assert [t.to_state for t in await store.transitions(held)] == [
+        S.SCHEDULED,
+        S.ENQUEUED,
+        S.PROCESSING,
+        S.SUCCEEDED,
+    ]

@@ -18,8 +18,8 @@ async def tick_once(ctx: JobContext) -> str | None:
     return _tick(ctx)
 
 
-@app.recurring("* * * * * *", max_concurrency=10, misfire="fire_once", timezone="Pacific/Chatham")
-async def tick_chatham(ctx: JobContext) -> str | None:
+@app.recurring("* * * * * *", max_concurrency=10, misfire="fire_once")
+async def tick_once_2(ctx: JobContext) -> str | None:
     return _tick(ctx)
 
 
