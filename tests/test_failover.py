@@ -20,6 +20,7 @@ from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import Instance, InstanceFilter
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.sql import SqlStore
+from tests.apps.ticks import POLICIES
 from tests.cli_helpers import free_port, spawn_cli, stop_all, wait_for_output
 from tests.worker_helpers import settled, wait_for
 
@@ -57,13 +58,6 @@ async def _leader_pid(store: SqlStore) -> int | None:
     return int(lease.holder.rsplit(":", 1)[1]) if lease else None
 
 
-#: The jobs of tests/apps/ticks.py, each firing every second, by misfire policy.
-TICKS = {
-    "tick_once": "fire_once",
-    "tick_once_2": "fire_once",
-    "tick_all": "fire_all",
-    "tick_skip": "skip",
-}
 CAMPAIGNING = "campaigning for shard 0"
 
 
@@ -78,7 +72,7 @@ async def test_every_tick_fires_exactly_once_through_leader_kills(
     worker = spawn("worker", "--app", "tests.apps.ticks:app", "--worker-id", "ticks-w")
 
     async def registered() -> bool:
-        return len(await pg_store.list_definitions(TICKS.keys())) == len(TICKS)
+        return len(await pg_store.list_definitions(POLICIES.keys())) == len(POLICIES)
 
     await wait_for(registered, timeout_s=60, what="the worker to register the tick jobs")
 
@@ -122,7 +116,7 @@ async def test_every_tick_fires_exactly_once_through_leader_kills(
 
     records = {
         key: (await pg_store.list_instances(InstanceFilter(job_key=key), limit=10_000)).items
-        for key in TICKS
+        for key in POLICIES
     }
     for key, instances in records.items():
         _check_record(key, instances, still_firing_at)

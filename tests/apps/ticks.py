@@ -8,26 +8,18 @@ from jobplane import App, JobContext
 
 app = App("ticks")
 
+#: Job key → misfire policy.
+POLICIES = {
+    "tick_once": "fire_once",
+    "tick_once_2": "fire_once",
+    "tick_all": "fire_all",
+    "tick_skip": "skip",
+}
 
-def _tick(ctx: JobContext) -> str | None:
+
+async def tick(ctx: JobContext) -> str | None:
     return ctx.scheduled_at.isoformat() if ctx.scheduled_at else None
 
 
-@app.recurring("* * * * * *", max_concurrency=10, misfire="fire_once")
-async def tick_once(ctx: JobContext) -> str | None:
-    return _tick(ctx)
-
-
-@app.recurring("* * * * * *", max_concurrency=10, misfire="fire_once")
-async def tick_once_2(ctx: JobContext) -> str | None:
-    return _tick(ctx)
-
-
-@app.recurring("* * * * * *", max_concurrency=10, misfire="fire_all")
-async def tick_all(ctx: JobContext) -> str | None:
-    return _tick(ctx)
-
-
-@app.recurring("* * * * * *", max_concurrency=10, misfire="skip")
-async def tick_skip(ctx: JobContext) -> str | None:
-    return _tick(ctx)
+for key, policy in POLICIES.items():
+    app.recurring("* * * * * *", key=key, max_concurrency=10, misfire=policy)(tick)
