@@ -323,8 +323,14 @@ class LeaderDuties:
         if epoch.marker is not None and epoch == self._epoch:
             return
         if epoch.marker is None or self._epoch is not None:
-            logger.warning(
-                "the bus restarted or was flushed; republishing every Enqueued instance",
+            # Seen changing under this leader: a restart or flush. Missing at this leader's
+            # first look: a new bus (first start, or the in-process bus of `jobplane dev`) or
+            # one flushed while no leader ran; the two look alike, and both are republished.
+            level = logging.WARNING if self._epoch is not None else logging.INFO
+            logger.log(
+                level,
+                "the bus restarted or was flushed (or is new); republishing every Enqueued "
+                "instance",
                 extra={"action": "scheduler.bus_restarted"},
             )
             await self._republish_all()
