@@ -334,9 +334,11 @@ class LeaderDuties:
                 extra={"action": "scheduler.bus_restarted"},
             )
             await self._republish_all()
-            # Its pending-update marks are gone too: reload every definition.
-            async with self._planning:
-                await self._replan(await self.cache.reload_all())
+            if self._epoch is not None:
+                # Its pending-update marks are gone too: reload every definition. (At the
+                # first look they were all just loaded from Postgres as the duties started.)
+                async with self._planning:
+                    await self._replan(await self.cache.reload_all())
         try:
             self._epoch = await self.bus.mark_epoch()
         except UnavailableError:
