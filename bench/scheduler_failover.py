@@ -2,6 +2,8 @@
 (SIGTERM); the clock runs until the store names a new leader.
 
     .venv/bin/python -m bench.scheduler_failover [--rounds 3] [--ttl 5]
+
+The schedulers log at WARNING; BENCH_LOG_LEVEL=INFO shows their leadership changes.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ def spawn(url: str, prefix: str, ttl: float) -> subprocess.Popen[bytes]:
         "JOBPLANE_REDIS_URL": REDIS_URL,
         "JOBPLANE_KEY_PREFIX": prefix,
         "JOBPLANE_LEASE_TTL_S": str(ttl),
-        "JOBPLANE_LOG_LEVEL": "WARNING",
+        "JOBPLANE_LOG_LEVEL": os.environ.get("BENCH_LOG_LEVEL", "WARNING"),
     }
     return subprocess.Popen(
         [os.path.join(os.path.dirname(sys.executable), "jobplane"), "scheduler"],
@@ -42,6 +44,7 @@ async def leader(store: SqlStore) -> tuple[str, int] | None:
 async def one_round(
     store: SqlStore,
     procs: dict[int, subprocess.Popen[bytes]],
+    signalled: list[subprocess.Popen[bytes]],
     sig: signal.Signals,
     url: str,
     prefix: str,
@@ -58,8 +61,7 @@ async def one_round(
     pid = int(current[0].rsplit(":", 1)[1])
     started = time.perf_counter()
     stopped = procs.pop(pid)
-    # Still waited for at the end (and killed if a round fails), never left running.
-    procs[-pid] = stopped
+    signalled.append(stopped)  # still waited for at the end (killed if a round fails)
     stopped.send_signal(sig)
     while True:
         now = await leader(store)
@@ -77,20 +79,23 @@ async def one_round(
 async def main(rounds: int, ttl: float) -> None:
     async with environment() as (url, prefix, store):
         procs = {p.pid: p for p in (spawn(url, prefix, ttl), spawn(url, prefix, ttl))}
+        signalled: list[subprocess.Popen[bytes]] = []
         try:
             for sig in (signal.SIGKILL, signal.SIGTERM):
                 times = [
-                    await one_round(store, procs, sig, url, prefix, ttl) for _ in range(rounds)
+                    await one_round(store, procs, signalled, sig, url, prefix, ttl)
+                    for _ in range(rounds)
                 ]
                 print(
                     f"failover on {sig.name} (lease TTL {ttl:g} s, {rounds} rounds): "
                     f"median {percentile(times, 0.5):.3f} s, max {max(times):.3f} s"
                 )
         finally:
-            for proc in procs.values():
+            everyone = [*procs.values(), *signalled]
+            for proc in everyone:
                 if proc.poll() is None:
                     proc.terminate()
-            for proc in procs.values():
+            for proc in everyone:
                 try:
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:

@@ -24,7 +24,7 @@ from jobplane.enqueue import CHANNEL as ENQUEUED_CHANNEL
 from jobplane.errors import UnavailableError
 from jobplane.store.base import NotLeaderError
 from jobplane.store.sql import SqlStore
-from jobplane.tasks import cancel_and_wait
+from jobplane.tasks import cancel_and_wait, run_together
 from jobplane_scheduler.cron_timers import CronTimers, catch_up, is_active, occurrence
 from jobplane_scheduler.settings import SchedulerSettings
 
@@ -162,11 +162,9 @@ class LeaderDuties:
             self._backfill.clear()
             try:
                 await self._load_definitions()
-                async with asyncio.TaskGroup() as group:
-                    group.create_task(self._cron_loop())
-                    group.create_task(self._sweep_loop())
-                    group.create_task(self._event_loop())
-                    group.create_task(self._enqueued_loop())
+                await run_together(
+                    self._cron_loop(), self._sweep_loop(), self._event_loop(), self._enqueued_loop()
+                )
             except* NotLeaderError:
                 logger.warning(
                     "term %d is over; stopping leader duties",
@@ -313,7 +311,8 @@ class LeaderDuties:
     async def _check_bus_epoch(self) -> None:
         """Redis restarted (new run_id) or was flushed (its marker is gone; a flush keeps the
         run_id): its streams and pending-update marks may be gone. Republish every Enqueued
-        instance at once and reload every definition, then write the marker. The marker is
+        instance at once and reload every definition (unless this leader has just loaded them
+        all, at its first look), then write the marker. The marker is
         written only after the republish, so a leader that dies in between leaves it missing
         and the next leader republishes again (at its first sweep)."""
         try:

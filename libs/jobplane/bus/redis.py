@@ -7,6 +7,7 @@ as soon as its claim has committed in Postgres.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
@@ -22,6 +23,7 @@ from jobplane.bus.abc import BusEpoch, DeadLetter, Delivery
 from jobplane.bus.envelope import Envelope, Event
 from jobplane.bus.keys import GROUP, Keys, band_of
 from jobplane.errors import BusUnavailableError, EnvelopeError
+from jobplane.tasks import being_cancelled
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,8 @@ async def _translated(what: str) -> AsyncIterator[None]:
     try:
         yield
     except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        if being_cancelled():
+            raise asyncio.CancelledError from exc  # the cancel, as the driver reported it
         raise BusUnavailableError(f"Redis unavailable ({what}): {exc}") from exc
 
 

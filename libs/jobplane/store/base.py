@@ -8,6 +8,7 @@ statements cannot race.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -30,6 +31,7 @@ from jobplane.domain.models import LeaderLease
 from jobplane.domain.states import InstanceState
 from jobplane.errors import JobplaneError, StoreUnavailableError
 from jobplane.store.tables import counters, instance_transitions, job_instances, scheduler_leases
+from jobplane.tasks import being_cancelled
 
 logger = logging.getLogger("jobplane.store")
 
@@ -68,6 +70,8 @@ class SqlBase:
             # connecting is neither an OperationalError nor an InterfaceError)
             if isinstance(exc, DBAPIError) and not _is_disconnect(exc):
                 raise
+            if being_cancelled():
+                raise asyncio.CancelledError from exc  # the cancel, as the driver reported it
             raise StoreUnavailableError(f"metadata store unavailable: {_first_line(exc)}") from exc
 
     async def notifications(self, channel: str) -> AsyncIterator[list[str]]:
