@@ -1,41 +1,105 @@
-"""Cron expressions: validation and fire times, on top of croniter.
+"""Cron expressions: validation and fire times, on top of cronsim.
 
-Expressions have 5 fields (minute precision) or 6, the sixth being seconds, as in DESIGN.md.
-Fire times are computed in the job's IANA time zone and returned as aware UTC datetimes.
+Expressions have 5 fields (minute precision) or 6, the sixth being seconds. The fields and
+their meaning are Debian/Vixie cron's as cronsim implements them: names of months and days,
+ranges, lists and steps; ``L`` (last day, ``LW`` last weekday) in the day of month; ``5L``
+(last Friday) and ``5#2`` (second Friday) in the day of week. Day of month and day of week
+combine with OR only when neither field starts with ``*``; otherwise both must match (so
+``0 0 1,15 * */2`` is the 1st and 15th when they fall on Sunday, Tuesday, Thursday or
+Saturday). Fire times are computed in the job's IANA time zone and returned as aware UTC
+datetimes; the daylight-saving rules are in :class:`CronSchedule`.
 """
 
 from __future__ import annotations
 
-from datetime import UTC, date, datetime, time, timedelta
+import copy
+import re
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from croniter import CroniterError, croniter
+from cronsim import CronSim, CronSimError
 
 from jobplane.errors import InvalidOptionsError
 
-_JUST_BEFORE = timedelta(microseconds=1)
+#: What an IANA zone name may hold, checked before the zone database is touched (a long or
+#: odd name would otherwise reach the file system).
+_ZONE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_+\-]*(/[A-Za-z0-9_+\-]+){0,3}$")
+_ZONE_NAME_MAX = 64
+#: A reference instant for parsing: fire times never depend on it.
+_REFERENCE = datetime(2000, 1, 1)
+_MINUTE = timedelta(minutes=1)
 
 
 def validate_cron(expression: str, field: str = "cron") -> str:
-    """Return ``expression`` normalised (single spaces) or raise :class:`InvalidOptionsError`."""
+    """Return ``expression`` normalised (single spaces) or raise :class:`InvalidOptionsError`.
+
+    Refuses what does not parse and what can never fire (a 30 February; a day of month that
+    no day of week it must match ever meets), so that nothing stored makes the scheduler
+    compute a fire time that does not exist."""
+    normalised = _normalise(expression, field)
+    parsed = _parse(normalised, field)
+    try:
+        next(_seated(parsed, datetime.now(UTC).replace(tzinfo=None)))
+    except StopIteration:
+        raise InvalidOptionsError(
+            field, f"{normalised!r} never fires (no matching date in the next 50 years)"
+        ) from None
+    return normalised
+
+
+def _normalise(expression: str, field: str) -> str:
     parts = expression.split()
     if len(parts) not in (5, 6):
         raise InvalidOptionsError(
             field, f"expected 5 or 6 fields (6th = seconds), got {len(parts)}: {expression!r}"
         )
-    normalised = " ".join(parts)
+    return " ".join(parts)
+
+
+def _parse(normalised: str, field: str) -> CronSim:
+    """The parsed expression, seated at a naive reference instant (no zone rules)."""
+    parts = normalised.split()
+    # cronsim writes seconds first; Jobplane (like croniter) writes them last.
+    as_cronsim = " ".join([parts[5], *parts[:5]]) if len(parts) == 6 else normalised
     try:
-        croniter(normalised)
-    except (CroniterError, ValueError, KeyError) as exc:
-        raise InvalidOptionsError(field, f"not a valid cron expression: {exc}") from exc
-    return normalised
+        return CronSim(as_cronsim, _REFERENCE)
+    except (CronSimError, ValueError, IndexError) as exc:
+        reason = str(exc) or type(exc).__name__
+        if _parses_in_any_month(as_cronsim):
+            # Each field is fine alone; the day of month occurs in none of the months.
+            reason = "never fires: no listed month has that day of month"
+        else:
+            reason = f"not a valid cron expression: {reason}"
+        raise InvalidOptionsError(field, f"{reason} in {normalised!r}") from exc
+
+
+def _parses_in_any_month(as_cronsim: str) -> bool:
+    parts = as_cronsim.split()
+    parts[-2] = "*"
+    try:
+        CronSim(" ".join(parts), _REFERENCE)
+    except (CronSimError, ValueError, IndexError):
+        return False
+    return True
+
+
+def _seated(parsed: CronSim, start: datetime) -> CronSim:
+    """A copy of ``parsed`` that iterates from ``start`` (exclusive). Parsing dominates the
+    cost of a next fire time (the leader computes one per job per tick), so an expression is
+    parsed once and re-seated for each search."""
+    it = copy.copy(parsed)
+    it.dt = start.replace(microsecond=0)
+    return it
 
 
 def validate_timezone(name: str, field: str = "timezone") -> ZoneInfo:
     """Return the :class:`ZoneInfo` for an IANA name or raise :class:`InvalidOptionsError`."""
+    if len(name) > _ZONE_NAME_MAX or not _ZONE_NAME.match(name):
+        raise InvalidOptionsError(field, "not an IANA time zone name (e.g. Europe/Berlin)")
     try:
         return ZoneInfo(name)
-    except (ZoneInfoNotFoundError, ValueError) as exc:
+    except (ZoneInfoNotFoundError, ValueError, OSError) as exc:
         raise InvalidOptionsError(field, f"unknown IANA time zone {name!r}") from exc
 
 
@@ -53,78 +117,66 @@ def next_fire_times(expression: str, tz: str, after: datetime, count: int) -> li
 
 
 class CronSchedule:
-    """Fire times of one expression in one time zone. Daylight-saving rules:
+    """Fire times of one expression in one time zone. Daylight-saving rules (Debian cron's,
+    as cronsim implements them):
 
-    - a wall-clock time skipped in spring (e.g. 02:30 when clocks jump 02:00 → 03:00) fires
-      once, right after the gap (03:00);
-    - a time repeated in autumn (02:30 happens twice when clocks go 03:00 → 02:00) fires once,
-      the first time, when the hour field is fixed (``30 2 * * *``, ``0 1-3 * * *``);
-    - when the hour field is ``*`` (``*/15 * * * *``, ``0 * * * *``, any seconds or minutes
-      step) the wall clock is followed through both passes of a repeated hour, which keeps the
-      cadence in elapsed time (as Vixie cron and Cronos do);
-    - when the hour field is a step of two hours or more (``*/n``, ``a/n``, ``a-b/n``: an
-      interval job) the cadence is kept in elapsed time across the change: on each local day
-      the tick at wall position h:m:s of an ordinary 24-hour day fires h:m:s of *elapsed*
-      time after that day's local midnight. On ordinary days this is the wall clock. On a
-      change day it keeps every interval of the day as on an ordinary day, and the hour the
-      day lacks (spring) or has extra (autumn) falls on the interval that crosses the next
-      midnight, where the hour steps restart anyway. So in Berlin ``0 */2 * * *`` fires
-      00:00 CET, 03:00 CEST (2 h later), 05:00, … 23:00 CEST, then 00:00 (1 h) in spring, and
-      00:00 CEST, 02:00 CEST, 03:00 CET (2 h later), … 21:00 CET, then 00:00 (3 h) in autumn.
-      Note this differs from Cronos and Vixie cron, which fire an hour step in both passes
-      of the repeated hour (2 h, 1 h, 2 h): here no interval near the change is shortened
-      or stretched. (Vixie and Cronos behave the same as here on a day without a change.)
+    - when neither the minute nor the hour field starts with ``*`` (a job at fixed times:
+      ``30 2 * * *``, ``0 1-3 * * *``, ``15 8-18/4 * * 1-5``) the fields are matched on the
+      wall clock: a time skipped in spring (02:30 when clocks jump 02:00 → 03:00) fires once,
+      at the first real minute after it (03:00; the seconds are kept); a time repeated in
+      autumn fires once, on its first pass;
+    - otherwise (``*/15 * * * *``, ``0 * * * *``, ``0 */7 * * *``, ``*/5 2 * * *``) the
+      expression is matched against every real instant: the wall clock is followed through
+      both passes of a repeated hour, and times that do not exist in spring are not fired.
+      An hour step keeps its listed wall-clock hours (``0 */7 * * *`` is 00:00, 07:00, 14:00
+      and 21:00 local, whatever the day), and with a 30-minute shift (Australia/Lord_Howe)
+      ``*/20 * * * *`` fires 01:40 in both passes.
+
+    Two deliberate differences from cronsim: a 6-field expression with fixed minute and hour
+    follows the fixed-time rules too (cronsim applies them to 5 fields only), and a fire time
+    is always strictly after the instant searched from (cronsim, seated inside the second pass
+    of a repeated hour, may return the first pass of the same wall time, which is earlier).
 
     All times going in and out are aware; results are in UTC.
     """
 
     def __init__(self, expression: str, timezone: str) -> None:
-        self.expression = validate_cron(expression)
+        self.expression = _normalise(expression, "cron")
         self.zone = validate_timezone(timezone)
-        hour_field = self.expression.split()[1]
-        # A fixed hour (e.g. 2, 1-3, 2,14) fires once per wall-clock time.
-        self._fixed_hour = not hour_field.startswith("*") and "/" not in hour_field
-        # An hour step of 2 or more keeps its cadence in elapsed time (see above).
-        self._hour_step = any(
-            int(part.split("/")[1]) >= 2 for part in hour_field.split(",") if "/" in part
-        )
-        # The same expression on a plain clock (UTC: no change ever), for hour steps.
-        self._plain = croniter(self.expression, datetime(2000, 1, 1, tzinfo=UTC))
-        # Parsing dominates croniter's cost (~5x a step): parse once, re-seat per call. The
-        # leader computes a next fire per job per tick, so this is its hot path.
-        self._iter = croniter(self.expression, datetime.now(self.zone))
+        self._parsed = _parse(self.expression, "cron")
+        parts = self.expression.split()
+        self._wall = not parts[0].startswith("*") and not parts[1].startswith("*")
 
     def next_after(self, after: datetime) -> datetime:
-        """The first fire time strictly after ``after``."""
+        """The first fire time strictly after ``after``.
+
+        Raises :class:`InvalidOptionsError` if the expression has no fire time left (it never
+        fires: refused at registration and edit, but possible in data stored before)."""
         if after.tzinfo is None:
             raise ValueError("after must be timezone-aware")
-        if self._hour_step:
-            return self._next_elapsed(after)
-        it = self._iter
-        it.set_current(after.astimezone(self.zone), force=True)
-        while True:
-            candidate: datetime = it.get_next(datetime)
-            if not (self._fixed_hour and _second_of_repeated(candidate)):
-                return candidate.astimezone(UTC)
+        local = after.astimezone(self.zone)
+        fires: Iterator[datetime]
+        if self._wall:
+            naive = _fires(_seated(self._parsed, local.replace(tzinfo=None)), self.expression)
+            fires = (self._on_the_clock(wall) for wall in naive)
+        else:
+            fires = _fires(_seated(self._parsed, local), self.expression)
+        for candidate in fires:
+            found = candidate.astimezone(UTC)
+            # A wall time before ``after`` (seated in the second pass of a repeated hour, the
+            # first pass of the same time) has fired already.
+            if found > after:
+                return found
+        raise AssertionError("unreachable: _fires raises when it runs out")
 
-    def _next_elapsed(self, after: datetime) -> datetime:
-        """Hour steps: the first tick strictly after ``after``, where the tick at plain-clock
-        position p of local day D fires at midnight(D) + p in elapsed time."""
-        day = after.astimezone(self.zone).date()
-        while True:
-            start = self._midnight(day)
-            plain_midnight = datetime.combine(day, time(), UTC)
-            # Where ``after`` lies on day D's plain clock (just before it if it is earlier).
-            base = plain_midnight + max(after - start, -_JUST_BEFORE)
-            self._plain.set_current(base, force=True)
-            candidate: datetime = self._plain.get_next(datetime)
-            if candidate.date() == day:
-                return start + (candidate - plain_midnight)
-            day += timedelta(days=1)
-
-    def _midnight(self, day: date) -> datetime:
-        """The first instant of local ``day`` (if midnight is skipped, the end of the gap)."""
-        return datetime.combine(day, time(), self.zone).astimezone(UTC)
+    def _on_the_clock(self, wall: datetime) -> datetime:
+        """A wall time in the zone: its first pass if repeated, or the first real minute after
+        it (same seconds) if skipped."""
+        moment = wall.replace(tzinfo=self.zone, fold=0)
+        while _is_skipped(moment):
+            wall += _MINUTE
+            moment = wall.replace(tzinfo=self.zone, fold=0)
+        return moment
 
     def between(self, after: datetime, until: datetime, limit: int) -> list[datetime]:
         """Fire times in ``(after, until]``, at most ``limit`` (the earliest ones)."""
@@ -138,12 +190,14 @@ class CronSchedule:
         return out
 
 
-def _second_of_repeated(moment: datetime) -> bool:
-    """Whether ``moment`` is the second occurrence of a wall-clock time repeated in autumn."""
-    wall = moment.replace(tzinfo=None)
-    zone = moment.tzinfo
-    first = wall.replace(fold=0, tzinfo=zone)
-    second = wall.replace(fold=1, tzinfo=zone)
-    if first.utcoffset() == second.utcoffset():
-        return False  # not an ambiguous time
-    return moment.utcoffset() == second.utcoffset()
+def _fires(it: CronSim, expression: str) -> Iterator[datetime]:
+    """The fire times of a seated cronsim; "none in the next 50 years" is a clear error."""
+    yield from it
+    raise InvalidOptionsError("cron", f"{expression!r} never fires")
+
+
+def _is_skipped(moment: datetime) -> bool:
+    """Whether an aware wall time does not exist (it falls in a spring-forward gap)."""
+    return moment.astimezone(UTC).astimezone(moment.tzinfo).replace(tzinfo=None) != (
+        moment.replace(tzinfo=None)
+    )

@@ -156,7 +156,7 @@ def _plan(
 ) -> _Plan:
     if definition is None:
         raise JobNotFoundError(key)
-    options = JobOptions.model_validate(definition.options)
+    options = JobOptions.from_stored(definition.options)
     if options.disabled:
         raise JobDisabledError(key)
     if definition.args_schema is not None:

@@ -81,6 +81,12 @@ class JobOut(BaseModel):
     next_fire_times: list[datetime] = Field(
         default_factory=list, description="Next fire times of a recurring job (UTC)."
     )
+    schedule_error: str | None = Field(
+        default=None,
+        description="Why the next fire times of this recurring job cannot be computed (its "
+        "stored cron expression can never fire, e.g. one saved before such expressions were "
+        "refused); the scheduler does not fire it until it is edited. Null when it is fine.",
+    )
     last_outcome: OutcomeOut | None = Field(
         default=None, description="State and end time of the latest instance that ended."
     )
@@ -101,6 +107,7 @@ class JobOut(BaseModel):
         definition: JobDefinition,
         next_fires: list[datetime] | None = None,
         summary: JobSummary | None = None,
+        schedule_error: str | None = None,
     ) -> JobOut:
         summary = summary or JobSummary(key=definition.key)
         last = None
@@ -116,6 +123,7 @@ class JobOut(BaseModel):
             updated_by=definition.updated_by,
             next_fire=next_fires[0] if next_fires else None,
             next_fire_times=next_fires or [],
+            schedule_error=schedule_error,
             last_outcome=last,
             success_rate_24h=summary.success_rate,
             p95_duration_s_24h=summary.p95_duration_s,

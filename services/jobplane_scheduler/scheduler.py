@@ -19,7 +19,7 @@ from jobplane.bus.abc import Bus, BusEpoch
 from jobplane.bus.envelope import Event, EventKind
 from jobplane.definitions import DefinitionCache
 from jobplane.dispatch import Dispatcher
-from jobplane.domain.models import Instance, LeaderLease
+from jobplane.domain.models import Instance, JobDefinition, LeaderLease, NewInstance
 from jobplane.enqueue import CHANNEL as ENQUEUED_CHANNEL
 from jobplane.errors import UnavailableError
 from jobplane.store.base import NotLeaderError
@@ -209,25 +209,47 @@ class LeaderDuties:
         now = await self.store.now()
         records = []
         for definition in active:
-            caught = catch_up(definition, last.get(definition.key), now)
-            made = caught.records
-            records.extend(made)
-            if not caught.complete:
-                # A long outage: this pass records a batch of its oldest missed ticks; the
-                # cron loop runs the next pass (after any due tick of other jobs), and only
-                # the last one plans the job's timer.
-                self.timers.drop_job(definition.key)
-                self._backfill.add(definition.key)
-                continue
-            self._backfill.discard(definition.key)
-            latest = max(
-                [last.get(definition.key)] + [m.scheduled_at for m in made],
-                key=lambda t: t or datetime.min.replace(tzinfo=now.tzinfo),
-            )
-            self.timers.set_job(definition, latest, now)
+            try:
+                records.extend(self._plan(definition, last.get(definition.key), now))
+            except Exception:
+                # One job whose schedule cannot be computed (an expression stored before
+                # never-firing ones were refused) must not stop the cron of every other job.
+                self._schedule_failed(definition.key)
         if records:
             await self._fire(records)
         self._wake.set()
+
+    def _plan(
+        self, definition: JobDefinition, last: datetime | None, now: datetime
+    ) -> list[NewInstance]:
+        """Catch up a job's missed ticks and plan its timer; returns the records to write."""
+        caught = catch_up(definition, last, now)
+        made = caught.records
+        if not caught.complete:
+            # A long outage: this pass records a batch of its oldest missed ticks; the cron
+            # loop runs the next pass (after any due tick of other jobs), and only the last
+            # one plans the job's timer.
+            self.timers.drop_job(definition.key)
+            self._backfill.add(definition.key)
+            return made
+        self._backfill.discard(definition.key)
+        latest = max(
+            [last] + [m.scheduled_at for m in made],
+            key=lambda t: t or datetime.min.replace(tzinfo=now.tzinfo),
+        )
+        self.timers.set_job(definition, latest, now)
+        return made
+
+    def _schedule_failed(self, key: str) -> None:
+        """Log a job whose schedule cannot be computed and leave it unplanned until its
+        definition changes (the API shows the same error on the job)."""
+        self.timers.drop_job(key)
+        self._backfill.discard(key)
+        logger.exception(
+            "job %s: its next fire time cannot be computed; it does not fire until edited",
+            key,
+            extra={"action": "scheduler.schedule_error", "job_key": key},
+        )
 
     async def _cron_loop(self) -> None:
         while True:
@@ -254,7 +276,10 @@ class LeaderDuties:
         if due:
             await self._fire([occurrence(key, at) for key, at in due])
         for key, at in due:
-            self.timers.advance(key, at)
+            try:
+                self.timers.advance(key, at)
+            except Exception:
+                self._schedule_failed(key)
 
     async def _sleep_until(self, at: datetime | None, now: datetime) -> None:
         """Sleep on the local clock until ``at`` (or a wake-up); what is then written is checked

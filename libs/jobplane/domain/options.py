@@ -12,7 +12,15 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from jobplane.cron import validate_cron, validate_timezone
 from jobplane.errors import InvalidOptionsError
@@ -144,13 +152,16 @@ class JobOptions(BaseModel):
 
     @field_validator("cron")
     @classmethod
-    def _cron(cls, value: str | None) -> str | None:
-        return None if value is None else validate_cron(value)
+    def _cron(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None or _stored(info):
+            return value
+        return validate_cron(value)
 
     @field_validator("timezone")
     @classmethod
-    def _timezone(cls, value: str) -> str:
-        validate_timezone(value)
+    def _timezone(cls, value: str, info: ValidationInfo) -> str:
+        if not _stored(info):
+            validate_timezone(value)
         return value
 
     @field_validator("start_at", "end_at")
@@ -173,6 +184,11 @@ class JobOptions(BaseModel):
         return self
 
     @classmethod
+    def from_stored(cls, values: Any) -> JobOptions:
+        """Options read back from the store (see :data:`STORED`)."""
+        return cls.model_validate(values, context=STORED)
+
+    @classmethod
     def parse(cls, **values: Any) -> JobOptions:
         """Validate ``values``; raise :class:`InvalidOptionsError` naming the first bad field."""
         try:
@@ -186,6 +202,17 @@ class JobOptions(BaseModel):
             if immutable in changes and changes[immutable] != getattr(self, immutable):
                 raise InvalidOptionsError(immutable, "cannot be changed")
         return JobOptions.parse(**{**self.model_dump(), **changes})
+
+
+#: Validation context for options read back from the store. They were validated when they
+#: were saved, but the rules for a schedule may have grown stricter since (an expression that
+#: can never fire is refused today): such a job must still be listed, edited and shown with its
+#: schedule's error (the leader and the API compute it per job), never make every read fail.
+STORED: dict[str, bool] = {"stored": True}
+
+
+def _stored(info: ValidationInfo) -> bool:
+    return bool(info.context and info.context.get("stored"))
 
 
 def options_error(exc: ValidationError) -> InvalidOptionsError:

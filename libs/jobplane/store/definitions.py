@@ -153,7 +153,8 @@ class DefinitionStore(SqlBase):
                 if not await self._exists(conn, key):
                     raise JobNotFoundError(key)
                 raise DefinitionVersionNotFoundError(key, to_version)
-            options = JobOptions.model_validate(old.options)
+            # Validated as an edit: an older version's schedule may be refused today.
+            options = JobOptions.parse(**old.options)
             # The same optimistic lock as an edit: a rollback decided on a stale read loses.
             row = await self._update_options(conn, options, expected_version, actor)
             if row is None:

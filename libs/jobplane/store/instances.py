@@ -55,7 +55,7 @@ class InstanceStore(SqlBase):
             now = await self._now(conn)
             keys = {n.job_key for n in new}
             defs = {
-                r.key: JobOptions.model_validate(r.options)
+                r.key: JobOptions.from_stored(r.options)
                 for r in await conn.execute(
                     select(job_definitions.c.key, job_definitions.c.options).where(
                         job_definitions.c.key.in_(keys)

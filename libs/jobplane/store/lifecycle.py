@@ -132,7 +132,7 @@ class LifecycleStore(SqlBase):
         )
         out: dict[str, tuple[int, JobOptions]] = {}
         for key, used, raw in result:
-            options = JobOptions.model_validate(raw)
+            options = JobOptions.from_stored(raw)
             out[key] = (options.max_concurrency - used, options)
         return out
 
@@ -301,7 +301,7 @@ class LifecycleStore(SqlBase):
                     .where(I.id == outcome.instance_id)
                 )
             ).one()
-            options = JobOptions.model_validate(row.options)
+            options = JobOptions.from_stored(row.options)
             retries = options.retries
             values: dict[str, Any] = {}
             if row.retries_used < retries:

@@ -333,7 +333,7 @@ class PostgresStore(PostgresStatsStore, SqlStore):
             if row["outcome"] == "claimed":
                 key = row["job_key"]
                 if key not in options:
-                    options[key] = JobOptions.model_validate(row["job_options"])
+                    options[key] = JobOptions.from_stored(row["job_options"])
                 claimed.append(Claim(instance=rows.instance_from_row(row), options=options[key]))
             elif row["outcome"] == "skipped":
                 skipped.append(row["id"])

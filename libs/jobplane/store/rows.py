@@ -24,7 +24,7 @@ INSTANCE_FIELDS = tuple(Instance.__dataclass_fields__)
 
 def definition_from_row(row: Mapping[Any, Any]) -> JobDefinition:
     return JobDefinition(
-        options=JobOptions.model_validate(row["options"]),
+        options=JobOptions.from_stored(row["options"]),
         version=row["version"],
         paused=row["paused"],
         args_schema=row["args_schema"],
@@ -38,7 +38,7 @@ def version_from_row(row: Mapping[Any, Any]) -> DefinitionVersion:
     return DefinitionVersion(
         key=row["job_key"],
         version=row["version"],
-        options=JobOptions.model_validate(row["options"]),
+        options=JobOptions.from_stored(row["options"]),
         paused=row["paused"],
         action=DefinitionChange(row["action"]),
         actor=row["actor"],

@@ -107,7 +107,7 @@ class SweepStore(SqlBase):
             for r in expired:
                 if r.cancel_requested:
                     continue
-                allowed = JobOptions.model_validate(r.options).max_unexpected_retries
+                allowed = JobOptions.from_stored(r.options).max_unexpected_retries
                 (exhausted if r.unexpected_retries_used >= allowed else release).append(r.id)
             out = await self._move_many(
                 conn,
@@ -201,7 +201,7 @@ class SweepStore(SqlBase):
             fail = [
                 r.id
                 for r in orphans
-                if JobOptions.model_validate(r.options).pin_fallback is PinFallback.FAIL
+                if JobOptions.from_stored(r.options).pin_fallback is PinFallback.FAIL
             ]
             unpin = [r.id for r in orphans if r.id not in fail]
             await self._move_many(conn, fail, S.ENQUEUED, S.TERMINATED, PIN_GONE, {})

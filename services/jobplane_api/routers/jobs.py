@@ -9,7 +9,7 @@ from fastapi import APIRouter, Header, HTTPException, Query, status
 
 from jobplane.cron import next_fire_times
 from jobplane.definitions import announce
-from jobplane.domain.models import JobDefinition
+from jobplane.domain.models import JobDefinition, JobSummary
 from jobplane.domain.options import JobKind
 from jobplane.errors import InvalidOptionsError
 from jobplane_api.deps import BusDep, DispatcherDep, StoreDep
@@ -31,17 +31,25 @@ ROLLBACK_EXAMPLE = {"to_version": 3, "version": 7}
 PATCH_EXAMPLE = {"version": 7, "options": {"cron": "*/5 * * * *", "retries": 3}}
 
 
-def _upcoming(definition: JobDefinition, now: datetime, fires: int) -> list[datetime]:
+def _out_of(
+    definition: JobDefinition, now: datetime, fires: int, summary: JobSummary | None
+) -> JobOut:
+    """A job with its next ``fires`` fire times. One job's schedule that cannot be computed
+    (a stored expression that never fires) is shown on that job, never fails the page."""
     options = definition.options
+    upcoming: list[datetime] = []
+    error = None
     if fires and options.cron and not definition.paused and not options.disabled:
-        return next_fire_times(options.cron, options.timezone, now, fires)
-    return []
+        try:
+            upcoming = next_fire_times(options.cron, options.timezone, now, fires)
+        except InvalidOptionsError as exc:
+            error = str(exc)
+    return JobOut.of(definition, upcoming, summary, error)
 
 
 async def _out(store: StoreDep, definition: JobDefinition, fires: int) -> JobOut:
     summaries = await store.job_summaries([definition.key])
-    upcoming = _upcoming(definition, await store.now(), fires)
-    return JobOut.of(definition, upcoming, summaries.get(definition.key))
+    return _out_of(definition, await store.now(), fires, summaries.get(definition.key))
 
 
 @router.get("", summary="List jobs", response_model=list[JobOut], dependencies=[Viewer])
@@ -70,7 +78,7 @@ async def list_jobs(
     # One grouped query for every job's figures (never one query per job).
     summaries = await store.job_summaries() if matching else {}
     now = await store.now()
-    return [JobOut.of(d, _upcoming(d, now, 1), summaries.get(d.key)) for d in matching]
+    return [_out_of(d, now, 1, summaries.get(d.key)) for d in matching]
 
 
 @router.get("/{key}", summary="Get a job", response_model=JobOut, dependencies=[Viewer])

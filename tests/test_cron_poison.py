@@ -1,0 +1,123 @@
+"""A cron expression that can never fire is refused where it enters, and one stored before that
+(old data) stops neither the API nor the leader: it is shown on its job, and every other job
+keeps firing."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from sqlalchemy import update
+
+from jobplane.bus.abc import Bus
+from jobplane.definitions import announce
+from jobplane.domain.options import JobOptions
+from jobplane.errors import InvalidOptionsError
+from jobplane.store.sql import SqlStore
+from jobplane.store.tables import job_definition_versions, job_definitions
+from jobplane_api.main import create_app
+from jobplane_api.settings import ApiSettings
+from tests.scheduler_helpers import running_scheduler
+from tests.store_helpers import define
+from tests.worker_helpers import wait_for
+
+NEVER = ["0 0 30 2 *", "0 0 31 4 *", "0 0 */20 * 1#5", "0 12 30 2 * 15"]
+
+
+async def _poison(store: SqlStore, key: str, cron: str) -> None:
+    """Store ``cron`` on a job as data saved before such expressions were refused would be."""
+    definition = await store.get_definition(key)
+    options = {**definition.options.model_dump(mode="json"), "cron": cron}
+    async with store.engine.begin() as conn:
+        await conn.execute(
+            update(job_definitions).where(job_definitions.c.key == key).values(options=options)
+        )
+        await conn.execute(
+            update(job_definition_versions)
+            .where(job_definition_versions.c.job_key == key)
+            .values(options=options)
+        )
+
+
+@pytest.fixture
+async def api(store: SqlStore, bus: Bus) -> AsyncIterator[httpx.AsyncClient]:
+    await define(store, "nightly", cron="0 3 * * *", timezone="Europe/Berlin")
+    await define(store, "hourly", cron="0 * * * *")
+    app = create_app(ApiSettings(auth_enabled=False), store=store, bus=bus)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
+            yield client
+
+
+@pytest.mark.parametrize("cron", NEVER)
+def test_registration_refuses_a_cron_that_never_fires(cron: str) -> None:
+    with pytest.raises(InvalidOptionsError) as raised:
+        JobOptions.parse(key="j", kind="recurring", cron=cron)
+    assert raised.value.field == "cron" and "never fires" in raised.value.reason
+
+
+@pytest.mark.parametrize("cron", NEVER)
+async def test_an_edit_to_a_cron_that_never_fires_is_422_naming_cron(
+    api: httpx.AsyncClient, cron: str
+) -> None:
+    response = await api.patch(
+        "/api/v1/jobs/nightly", json={"version": 1, "options": {"cron": cron}}
+    )
+    assert response.status_code == 422, response.text
+    assert [e["field"] for e in response.json()["errors"]] == ["cron"]
+    job = (await api.get("/api/v1/jobs/nightly")).json()
+    assert job["version"] == 1 and job["options"]["cron"] == "0 3 * * *"
+
+
+async def test_stored_never_firing_cron_is_shown_on_its_job_and_rollback_to_it_is_422(
+    api: httpx.AsyncClient, store: SqlStore
+) -> None:
+    await _poison(store, "nightly", "0 0 30 2 *")
+    listed = await api.get("/api/v1/jobs")
+    assert listed.status_code == 200, listed.text
+    by_key = {j["key"]: j for j in listed.json()}
+    assert "never fires" in by_key["nightly"]["schedule_error"]
+    assert by_key["nightly"]["next_fire"] is None
+    assert by_key["hourly"]["schedule_error"] is None and by_key["hourly"]["next_fire"]
+    one = await api.get("/api/v1/jobs/nightly")
+    assert one.status_code == 200 and one.json()["next_fire_times"] == []
+    assert "never fires" in one.json()["schedule_error"]
+    # An edit mends it; rolling back to the stored version is refused like the edit would be.
+    fixed = await api.patch(
+        "/api/v1/jobs/nightly", json={"version": 1, "options": {"cron": "0 4 * * *"}}
+    )
+    assert fixed.status_code == 200 and fixed.json()["schedule_error"] is None
+    back = await api.post("/api/v1/jobs/nightly/rollback", json={"to_version": 1, "version": 2})
+    assert back.status_code == 422, back.text
+    assert [e["field"] for e in back.json()["errors"]] == ["cron"]
+
+
+async def test_a_stored_never_firing_cron_does_not_stop_the_leader(
+    store: SqlStore, bus: Bus
+) -> None:
+    await define(store, "broken", cron="* * * * * *")
+    await define(store, "tick", cron="* * * * * *")
+    await _poison(store, "broken", "0 0 30 2 *")
+    async with running_scheduler(store, bus) as scheduler:
+
+        async def ticked(n: int) -> bool:
+            return sum((await store.count_by_state("tick")).values()) >= n
+
+        await wait_for(lambda: ticked(3), timeout_s=10, what="three ticks of the sound job")
+        assert scheduler.lease is not None  # still leading
+        # An edit of the broken job (announced like the API does) plans it again.
+        saved = await store.save_definition(
+            (await store.get_definition("broken")).options.edited(cron="* * * * * *"),
+            expected_version=1,
+            actor="test",
+        )
+        assert saved is not None
+        await announce(bus, [saved])
+
+        async def fired() -> bool:
+            return sum((await store.count_by_state("broken")).values()) >= 1
+
+        await wait_for(fired, timeout_s=10, what="the mended job's first tick")
+    assert sum((await store.count_by_state("tick")).values()) >= 3
