@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from datetime import UTC, datetime
 
 import pytest
@@ -17,6 +18,7 @@ from jobplane.domain.states import (
     sources_of,
 )
 from jobplane.errors import IllegalTransitionError, InvalidOptionsError
+from jobplane.settings import WorkerSettings
 
 S = InstanceState
 
@@ -139,3 +141,13 @@ def test_backoff() -> None:
     assert [exp.delay_for(n) for n in (1, 2, 3, 4, 5)] == [1, 2, 4, 8, 10]
     jittered = Backoff(delay_s=4, jitter=True)
     assert jittered.delay_for(1, random_fraction=0.5) == 2
+
+
+def test_default_worker_ids_are_unique_per_process_and_overridable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("JOBPLANE_WORKER_ID", raising=False)
+    one, two = WorkerSettings().worker_id, WorkerSettings().worker_id
+    assert one != two and one.rsplit("-", 2)[1] == str(os.getpid())
+    monkeypatch.setenv("JOBPLANE_WORKER_ID", "pod-7")
+    assert WorkerSettings().worker_id == "pod-7"

@@ -5,6 +5,9 @@ Built in ``main()`` (or a test), never at import time, and passed down explicitl
 
 from __future__ import annotations
 
+import os
+import re
+import secrets
 import socket
 from pathlib import Path
 
@@ -38,10 +41,18 @@ class CommonSettings(BaseSettings):
         return normalise_database_url(value)
 
 
+def process_worker_id() -> str:
+    """A worker id unique to this process: host, pid and a random suffix. Two workers on one
+    host (or a pid reused after a restart) never share a consumer name or a worker row, so one
+    stopping can never mark the other stopped or orphan its entries."""
+    host = re.sub(r"[^A-Za-z0-9_.\-]", "-", socket.gethostname())[:100] or "worker"
+    return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
 class WorkerSettings(CommonSettings):
-    worker_id: str = Field(
-        default_factory=lambda: f"{socket.gethostname()}", pattern=r"^[A-Za-z0-9_.:\-]+$"
-    )
+    #: Stable id (consumer name and lease holder). Set ``JOBPLANE_WORKER_ID`` (e.g. to a pod's
+    #: name) to keep one across restarts; by default each process gets its own.
+    worker_id: str = Field(default_factory=process_worker_id, pattern=r"^[A-Za-z0-9_.:\-]+$")
     queues: list[str] = ["default"]
     #: Jobs running at once in this worker (async and sync together).
     concurrency: int = Field(default=16, ge=1)
