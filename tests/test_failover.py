@@ -77,7 +77,10 @@ async def test_every_tick_fires_exactly_once_through_leader_kills(
     await wait_for(registered, timeout_s=60, what="the worker to register the tick jobs")
 
     async def start_scheduler() -> subprocess.Popen[str]:
-        proc = spawn("scheduler")
+        # A lease long enough that every SIGKILL's takeover comes more than the jobs' misfire
+        # grace (1 s) after the next tick: TTL 3.5 s, renewed every 1.17 s, so the lease runs
+        # out 2.3 s or more after a kill.
+        proc = spawn("scheduler", JOBPLANE_LEASE_TTL_S="3.5")
         # Signals are handled from here on (an earlier SIGTERM is held until then too).
         await wait_for_output(proc, CAMPAIGNING)
         return proc
@@ -127,8 +130,8 @@ async def test_every_tick_fires_exactly_once_through_leader_kills(
         stretches = sum(1 for a, b in itertools.pairwise([None, *skipped[key]]) if _apart(a, b))
         assert stretches <= len(kills), (key, skipped[key])
         if key == "tick_skip":
-            # Every SIGKILL misses a tick at least (the lease runs out a second or more
-            # after the kill), which skip records.
+            # Every SIGKILL misses a tick at least (the lease runs out more than the grace
+            # after the next tick), which skip records.
             assert stretches >= kills.count(signal.SIGKILL), skipped[key]
     for key in ("tick_once", "tick_once_2"):
         # fire_once fires the latest missed tick of each stretch that skip records Skipped.

@@ -12,13 +12,16 @@ T0 = datetime(2026, 5, 1, 12, 0, 0, tzinfo=UTC)
 
 
 def job(**options: object) -> JobDefinition:
+    """A one-second job; with no grace every tick before "now" is missed (policy tests)."""
+    options.setdefault("misfire_grace_s", 0)
     parsed = JobOptions.parse(key="tick", kind="recurring", cron="* * * * * *", **options)
     return JobDefinition(options=parsed, version=1)
 
 
 def records(definition: JobDefinition, last: datetime | None, now: datetime) -> list[NewInstance]:
-    """One catch-up pass that must reach the present."""
-    caught = catch_up(definition, last, now)
+    """One catch-up pass that must reach the present. The leader looks a millisecond after
+    ``now``, so with no grace a tick at ``now`` is (just) late too."""
+    caught = catch_up(definition, last, now + timedelta(milliseconds=1))
     assert caught.complete
     return caught.records
 
@@ -73,7 +76,12 @@ def test_a_long_outage_is_recorded_in_bounded_passes() -> None:
     assert passes[-1][-1].scheduled_at == end
     # An uneven cadence (weekdays at 09:00-09:02) over a week: every tick, fire_once.
     weekdays = JobOptions.parse(
-        key="tick", kind="recurring", cron="0-2 9 * * 1-5", misfire="skip", misfire_max=5
+        key="tick",
+        kind="recurring",
+        cron="0-2 9 * * 1-5",
+        misfire="skip",
+        misfire_max=5,
+        misfire_grace_s=0,
     )
     friday_night = datetime(2026, 5, 8, 22, tzinfo=UTC)  # a Friday
     made = records(JobDefinition(options=weekdays, version=1), T0, friday_night)
@@ -156,3 +164,21 @@ def test_catch_up_stays_inside_start_at() -> None:
     assert records(job(start_at=start, misfire="skip"), T0, T0 + timedelta(seconds=5)) == []
     made = records(job(start_at=start, misfire="skip"), T0, start + timedelta(seconds=2))
     assert [m.scheduled_at for m in made] == [start + timedelta(seconds=s) for s in range(3)]
+
+
+def test_ticks_within_the_misfire_grace_fire_whatever_the_policy() -> None:
+    # Grace 2 s, 5 s behind: ticks at most 2 s late fire; the older ones follow the policy.
+    now = T0 + timedelta(seconds=5) - timedelta(milliseconds=1)
+    made = records(job(misfire="skip", misfire_grace_s=2), T0, now)
+    assert [(m.scheduled_at, m.skip_reason) for m in made] == [
+        (T0 + timedelta(seconds=1), "misfire"),
+        (T0 + timedelta(seconds=2), "misfire"),
+        (T0 + timedelta(seconds=3), None),
+        (T0 + timedelta(seconds=4), None),
+        (T0 + timedelta(seconds=5), None),
+    ]
+    made = records(job(misfire="fire_once", misfire_grace_s=2), T0, now)
+    assert [m.skip_reason for m in made] == ["misfire", None, None, None, None]
+    # Nothing later than the grace: every tick fires, nothing is recorded Skipped.
+    made = records(job(misfire="skip", misfire_grace_s=10), T0, now)
+    assert [m.skip_reason for m in made] == [None] * 5

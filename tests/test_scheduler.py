@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from datetime import timedelta
 
 from jobplane.bus.abc import Bus
+from jobplane.definitions import announce
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import InstanceFilter, InstanceSource, NewInstance
 from jobplane.domain.states import InstanceState as S
@@ -153,3 +155,57 @@ async def test_a_long_outage_records_every_missed_tick(store: SqlStore, memory_b
     assert late and all(i.reason is None for i in late)
     missed = [i for i in fired if i.state is S.SKIPPED]
     assert len(missed) >= 1_190 and all(i.reason == "misfire" for i in missed)
+
+
+async def test_a_sitting_leader_that_falls_behind_follows_the_misfire_policy(
+    store: SqlStore, bus: Bus
+) -> None:
+    # The leader's loop is frozen for 3 s (a pause shorter than its lease: no failover). Ticks
+    # later than the 1 s grace follow each job's policy, as they would after a failover.
+    await define(store, "skip", cron="* * * * * *", misfire="skip")
+    await define(store, "all", cron="* * * * * *", misfire="fire_all")
+    async with running_scheduler(store, bus, lease_ttl_s=10.0) as scheduler:
+        await wait_for(lambda: _count(store, "skip", 2), timeout_s=10, what="on-time ticks")
+        term = scheduler.lease.term if scheduler.lease else None
+        time.sleep(3.0)  # noqa: ASYNC251 (the point: the whole leader stops, as in a pause)
+        await wait_for(lambda: _count(store, "skip", 7), timeout_s=10, what="ticks after it")
+        assert scheduler.lease is not None and scheduler.lease.term == term
+    skip = await _cron_instances(store, "skip")
+    missed = [i for i in skip if i.state is S.SKIPPED]
+    assert missed and all(i.reason == "misfire" for i in missed)
+    ticks = [i.scheduled_at for i in skip]
+    assert all(b - a == timedelta(seconds=1) for a, b in itertools.pairwise(ticks))
+    fire_all = await _cron_instances(store, "all")
+    assert not [i for i in fire_all if i.state is S.SKIPPED]
+
+
+async def test_an_edited_cron_catches_up_from_the_edit_not_the_last_occurrence(
+    store: SqlStore, memory_bus: Bus
+) -> None:
+    # A yearly job that last fired 30 s ago is edited to every second: the new schedule's
+    # ticks before the edit never existed (none back-dated, none recorded Skipped).
+    opts = await define(store, "yearly", cron="0 0 1 1 *", misfire="skip")
+    lease = await store.acquire_leadership(0, "earlier", 30)
+    assert lease is not None
+    first = (await store.now()).replace(microsecond=0) - timedelta(seconds=30)
+    occurrence = NewInstance(job_key="yearly", source=InstanceSource.CRON, scheduled_at=first)
+    await store.fire(lease, [occurrence])
+    assert await store.release_leadership(0, "earlier", lease.term)
+    async with running_scheduler(store, memory_bus):
+        await asyncio.sleep(0.5)
+        saved = await store.save_definition(
+            opts.edited(cron="* * * * * *"), expected_version=1, actor="test"
+        )
+        assert saved is not None and saved.schedule_since is not None
+        await announce(memory_bus, [saved])
+        await wait_for(lambda: _count(store, "yearly", 4), timeout_s=10, what="the new ticks")
+    fired = await _cron_instances(store, "yearly")
+    assert fired[0].scheduled_at == first
+    after = fired[1:]
+    assert all(i.scheduled_at > saved.schedule_since for i in after)
+    assert not [i for i in after if i.state is S.SKIPPED]
+    # An edit that leaves the schedule alone keeps its start.
+    other = await store.save_definition(
+        saved.options.edited(retries=2), expected_version=saved.version, actor="test"
+    )
+    assert other is not None and other.schedule_since == saved.schedule_since

@@ -49,7 +49,11 @@ async def migrate_database(url: str) -> str:
 @asynccontextmanager
 async def backends(settings: CommonSettings) -> AsyncIterator[tuple[SqlStore, Bus]]:
     """The store and the bus, checked reachable and migrated; closed on exit."""
-    store = open_store(settings.database_url, pool_size=settings.db_pool_size)
+    store = open_store(
+        settings.database_url,
+        pool_size=settings.db_pool_size,
+        limits=settings.session_limits(),
+    )
     try:
         await _check_store(store, settings.database_url)
         bus = open_bus(settings.redis_url, settings.key_prefix)
@@ -65,7 +69,11 @@ async def backends(settings: CommonSettings) -> AsyncIterator[tuple[SqlStore, Bu
 @asynccontextmanager
 async def open_checked_store(settings: CommonSettings) -> AsyncIterator[SqlStore]:
     """The store alone (no bus), checked reachable and migrated; closed on exit."""
-    store = open_store(settings.database_url, pool_size=settings.db_pool_size)
+    store = open_store(
+        settings.database_url,
+        pool_size=settings.db_pool_size,
+        limits=settings.session_limits(),
+    )
     try:
         await _check_store(store, settings.database_url)
         yield store

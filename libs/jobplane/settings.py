@@ -9,12 +9,23 @@ import os
 import re
 import secrets
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_DATABASE_URL = f"sqlite+aiosqlite:///{Path('jobplane.db').absolute()}"
+
+
+@dataclass(frozen=True, slots=True)
+class SessionLimits:
+    """Per-session Postgres limits (see :meth:`CommonSettings.session_limits`)."""
+
+    lock_timeout_s: float
+    idle_in_transaction_timeout_s: float
+    statement_timeout_s: float
+    keepalive_s: float
 
 
 class CommonSettings(BaseSettings):
@@ -34,6 +45,29 @@ class CommonSettings(BaseSettings):
     #: Debug: instances triggered for triggered jobs are held (Scheduled with no due time)
     #: until someone runs them by hand (``POST /api/v1/instances/{id}/run``).
     debug_hold_triggered: bool = False
+    #: Postgres session limits (0: sized from the role's lease, see :meth:`session_limits`).
+    db_lock_timeout_s: float = Field(default=0, ge=0)
+    db_idle_in_transaction_timeout_s: float = Field(default=0, ge=0)
+    db_statement_timeout_s: float = Field(default=30.0, gt=0)
+
+    def liveness_lease_s(self) -> float | None:
+        """The lease this role's liveness depends on (none for the api)."""
+        return None
+
+    def session_limits(self) -> SessionLimits:
+        """Limits on every Postgres session of this role, so a paused or partitioned process
+        never holds a lock that blocks a takeover: a transaction left idle (the process froze
+        inside it) is ended by the server, a lock wait and a statement are bounded, and TCP
+        keepalives find a vanished peer. Lock and idle limits default to half the role's
+        lease (at most 2 s), so they end before the lease does."""
+        lease = self.liveness_lease_s()
+        default = min(2.0, lease / 2) if lease else 2.0
+        return SessionLimits(
+            lock_timeout_s=self.db_lock_timeout_s or default,
+            idle_in_transaction_timeout_s=self.db_idle_in_transaction_timeout_s or default,
+            statement_timeout_s=self.db_statement_timeout_s,
+            keepalive_s=max(1.0, (lease or 20.0) / 2),
+        )
 
     @field_validator("database_url")
     @classmethod
@@ -76,6 +110,9 @@ class WorkerSettings(CommonSettings):
     health_port: int = Field(default=0, ge=0, le=65535)
     #: The interface the probe server listens on.
     health_host: str = "0.0.0.0"
+
+    def liveness_lease_s(self) -> float | None:
+        return self.lease_s
 
 
 class DevSettings(WorkerSettings):

@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 MISFIRE = "misfire"
 #: Missed ticks beyond ``misfire_max`` recorded Skipped per catch-up pass (one statement).
 BACKFILL_BATCH = 500
+#: At most this many ticks within a job's misfire grace are fired by one catch-up pass.
+ON_TIME_MAX = 10_000
 _JUST_BEFORE = timedelta(microseconds=1)
 
 
@@ -122,8 +124,10 @@ class CatchUp:
 
 
 def catch_up(definition: JobDefinition, last: datetime | None, now: datetime) -> CatchUp:
-    """What the misfire policy makes of the ticks in ``(last, now]`` missed while no leader ran
-    (or while the job was paused): fired instances and Skipped records (reason "misfire").
+    """What the misfire policy makes of the ticks in ``(last, now]`` missed while no leader ran,
+    while the job was paused, or while a sitting leader fell behind: fired instances and
+    Skipped records (reason "misfire"). A tick at most the job's ``misfire_grace_s`` late is
+    not missed: it fires.
 
     The policy applies to the latest ``misfire_max`` missed ticks. Every older one is recorded
     Skipped too (nothing vanishes silently), but in bounded passes: when more than
@@ -141,8 +145,17 @@ def catch_up(definition: JobDefinition, last: datetime | None, now: datetime) ->
     last = _plan_from(options.start_at, last)  # nothing before start_at was missed
     if until <= last:
         return CatchUp([])
+    # Ticks at most ``misfire_grace_s`` late are on time: they fire, whatever the policy.
+    # (A tick exactly ``misfire_grace_s`` late is on time: the late ones end just before.)
+    late_until = min(until, now - timedelta(seconds=options.misfire_grace_s) - _JUST_BEFORE)
+    on_time = [
+        _occurrence(definition.key, at, None)
+        for at in schedule.between(max(last, late_until), until, ON_TIME_MAX)
+    ]
+    if late_until <= last:
+        return CatchUp(on_time)
     bound = options.misfire_max
-    missed = schedule.between(last, until, bound + BACKFILL_BATCH)
+    missed = schedule.between(last, late_until, bound + BACKFILL_BATCH)
     if len(missed) >= bound + BACKFILL_BATCH:
         # Possibly many more: record a batch of the oldest ones, Skipped, and come back.
         logger.info(
@@ -163,6 +176,7 @@ def catch_up(definition: JobDefinition, last: datetime | None, now: datetime) ->
     return CatchUp(
         [_occurrence(definition.key, at, MISFIRE) for at in older + skip]
         + [_occurrence(definition.key, at, None) for at in fire]
+        + on_time
     )
 
 

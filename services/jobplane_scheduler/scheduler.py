@@ -223,6 +223,11 @@ class LeaderDuties:
         self, definition: JobDefinition, last: datetime | None, now: datetime
     ) -> list[NewInstance]:
         """Catch up a job's missed ticks and plan its timer; returns the records to write."""
+        since = definition.schedule_since
+        if last is not None and since is not None and since > last:
+            # The schedule was edited after its last occurrence: ticks of the new schedule
+            # before the edit never existed, so the catch-up starts at the edit.
+            last = since
         caught = catch_up(definition, last, now)
         made = caught.records
         if not caught.complete:
@@ -268,11 +273,16 @@ class LeaderDuties:
         """Fire the due ticks, after applying the pending updates of their jobs: an edit whose
         event is still in flight (or lost) is not fired on stale options. Holds ``_planning``."""
         changed = await self.cache.refresh({key for key, _ in due})
-        if changed:
-            # Those jobs are re-planned from their last occurrence under the new options; a
+        now = await self.store.now()
+        # A tick later than its job's misfire grace (the leader fell behind: a pause shorter
+        # than the lease, overload) follows the misfire policy, as after a failover: the job
+        # is re-planned through the catch-up from its last recorded occurrence.
+        late = {key for key, at in due if self._late(key, at, now)}
+        if changed or late:
+            # Changed jobs are re-planned from their last occurrence under the new options; a
             # tick still valid under them fires through the catch-up or on the next turn.
-            await self._replan(changed)
-            due = [(key, at) for key, at in due if key not in changed]
+            await self._replan(changed | late)
+            due = [(key, at) for key, at in due if key not in changed | late]
         if due:
             await self._fire([occurrence(key, at) for key, at in due])
         for key, at in due:
@@ -280,6 +290,12 @@ class LeaderDuties:
                 self.timers.advance(key, at)
             except Exception:
                 self._schedule_failed(key)
+
+    def _late(self, key: str, at: datetime, now: datetime) -> bool:
+        definition = self.cache.definitions.get(key)
+        if definition is None:
+            return False
+        return (now - at).total_seconds() > definition.options.misfire_grace_s
 
     async def _sleep_until(self, at: datetime | None, now: datetime) -> None:
         """Sleep on the local clock until ``at`` (or a wake-up); what is then written is checked

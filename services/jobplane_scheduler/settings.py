@@ -27,3 +27,6 @@ class SchedulerSettings(CommonSettings):
     retention_days: float = Field(default=0, ge=0)
     #: Debug: recurring jobs never fire by themselves (run them by hand).
     debug_no_auto_cron: bool = False
+
+    def liveness_lease_s(self) -> float | None:
+        return self.lease_ttl_s

@@ -32,6 +32,9 @@ class JobDefinition:
     created_at: datetime | None = None
     updated_at: datetime | None = None
     updated_by: str | None = None
+    #: When the schedule (cron, time zone, start_at) was last edited; ticks of the current
+    #: schedule before it never existed.
+    schedule_since: datetime | None = None
 
     @property
     def key(self) -> str:

@@ -129,6 +129,9 @@ class JobOptions(BaseModel):
     end_at: datetime | None = None
     misfire: MisfirePolicy = MisfirePolicy.FIRE_ONCE
     misfire_max: int = Field(default=100, ge=1)
+    #: A tick later than this (seconds) is a misfire and follows ``misfire``, whoever fires it:
+    #: a new leader after a failover, or a sitting leader that fell behind.
+    misfire_grace_s: float = Field(default=1.0, ge=0, le=86_400)
 
     @field_validator("key")
     @classmethod

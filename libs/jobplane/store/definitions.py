@@ -35,6 +35,12 @@ from jobplane.store.tables import (
 )
 
 V = job_definition_versions.c
+#: The options that make a job's schedule: a change to any of them starts a new schedule.
+SCHEDULE_OPTIONS = ("cron", "timezone", "start_at")
+
+
+def _schedule_of(options: Mapping[str, Any]) -> tuple[Any, ...]:
+    return tuple(options.get(name) for name in SCHEDULE_OPTIONS)
 
 
 class DefinitionStore(SqlBase):
@@ -99,6 +105,21 @@ class DefinitionStore(SqlBase):
     ) -> Mapping[Any, Any] | None:
         """Replace the options if the version is still ``expected_version``; bump it."""
         now = await self._now(conn)
+        current = (
+            await conn.execute(
+                select(job_definitions.c.options).where(
+                    job_definitions.c.key == options.key,
+                    job_definitions.c.version == expected_version,
+                )
+            )
+        ).scalar()
+        schedule: dict[str, Any] = {}
+        if current is not None and _schedule_of(current) != _schedule_of(
+            options.model_dump(mode="json")
+        ):
+            # (Read without a lock: if another edit wins meanwhile, the version check below
+            # makes this update match nothing, so what was read is what is replaced.)
+            schedule = {"schedule_since": now}
         # Optimistic lock: two editors of one version cannot both win.
         row = (
             await conn.execute(
@@ -111,6 +132,7 @@ class DefinitionStore(SqlBase):
                     version=job_definitions.c.version + 1,
                     updated_at=now,
                     updated_by=actor,
+                    **schedule,
                     **rows.definition_values(options),
                 )
                 .returning(*job_definitions.c)

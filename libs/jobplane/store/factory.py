@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from jobplane.errors import ConfigurationError
-from jobplane.settings import normalise_database_url
+from jobplane.settings import SessionLimits, normalise_database_url
 from jobplane.store.postgres import PostgresStore
 from jobplane.store.sql import SqlStore
 from jobplane.store.sqlite import SqliteStore, sqlite_engine
 
 
-def make_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
-    """An engine for ``url`` (``postgresql://`` or ``sqlite:///``), with the async driver."""
+def make_engine(
+    url: str, *, pool_size: int = 10, limits: SessionLimits | None = None
+) -> AsyncEngine:
+    """An engine for ``url`` (``postgresql://`` or ``sqlite:///``), with the async driver.
+    ``limits`` apply to every Postgres session (the roles pass theirs; migrations none)."""
     url = normalise_database_url(url)
     if url.startswith("postgresql+asyncpg://"):
+        connect_args = _session_args(limits) if limits else {}
         return create_async_engine(
-            url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True
+            url,
+            pool_size=pool_size,
+            max_overflow=pool_size,
+            pool_pre_ping=True,
+            connect_args=connect_args,
         )
     if url.startswith("sqlite+aiosqlite://"):
         return sqlite_engine(url)
@@ -25,9 +35,31 @@ def make_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
     )
 
 
-def open_store(url: str, *, pool_size: int = 10) -> SqlStore:
+def _session_args(limits: SessionLimits) -> dict[str, Any]:
+    """asyncpg connect arguments: server-side limits sent with the session's start-up (so a
+    frozen or partitioned client's transaction is ended by the server, releasing its locks),
+    and a client-side bound on every command (a reply lost in a partition)."""
+
+    def ms(seconds: float) -> str:
+        return f"{max(1, round(seconds * 1000))}ms"
+
+    keepalive = max(1, round(limits.keepalive_s))
+    return {
+        "server_settings": {
+            "lock_timeout": ms(limits.lock_timeout_s),
+            "idle_in_transaction_session_timeout": ms(limits.idle_in_transaction_timeout_s),
+            "statement_timeout": ms(limits.statement_timeout_s),
+            "tcp_keepalives_idle": str(keepalive),
+            "tcp_keepalives_interval": str(max(1, keepalive // 3)),
+            "tcp_keepalives_count": "3",
+        },
+        "command_timeout": limits.statement_timeout_s + 5,
+    }
+
+
+def open_store(url: str, *, pool_size: int = 10, limits: SessionLimits | None = None) -> SqlStore:
     """A store for ``url``; it owns its engine. Call ``ping()`` to fail fast when unreachable."""
-    engine = make_engine(url, pool_size=pool_size)
+    engine = make_engine(url, pool_size=pool_size, limits=limits)
     if engine.dialect.name == "postgresql":
         return PostgresStore(engine)
     return SqliteStore(engine)

@@ -31,6 +31,7 @@ def definition_from_row(row: Mapping[Any, Any]) -> JobDefinition:
         created_at=row["created_at"],
         updated_at=row["updated_at"],
         updated_by=row["updated_by"],
+        schedule_since=row["schedule_since"],
     )
 
 

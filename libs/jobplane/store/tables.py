@@ -57,6 +57,8 @@ job_definitions = Table(
     Column("created_at", UtcDateTime, nullable=False),
     Column("updated_at", UtcDateTime, nullable=False),
     Column("updated_by", String(200), nullable=True),
+    # When cron, time zone or start_at last changed (migration 0013); null: never edited.
+    Column("schedule_since", UtcDateTime, nullable=True),
     CheckConstraint("max_concurrency >= 1", name="max_concurrency_positive"),
 )
 
