@@ -117,6 +117,7 @@ class Worker:
             side = [
                 asyncio.create_task(self._record_loop(), name="jobplane-record"),
                 asyncio.create_task(self._heartbeat_loop(), name="jobplane-heartbeat"),
+                asyncio.create_task(self._fence_loop(), name="jobplane-fence"),
                 asyncio.create_task(self._events_loop(), name="jobplane-events"),
             ]
             try:
@@ -631,6 +632,62 @@ class Worker:
                 await self._renew_leases()
             except StoreUnavailableError as exc:
                 logger.warning("heartbeat failed: %s", exc, extra={"action": "worker.heartbeat"})
+
+    async def _fence_loop(self) -> None:
+        """Fence this worker off before its leases end: an attempt whose lease could not be
+        renewed in time (the store is unreachable, a partition, a heartbeat stuck on a dead
+        connection) is stopped while the lease still holds, so the reaper never hands the
+        instance to another worker while this copy runs. Runs on its own, never waiting on the
+        store: a hung heartbeat cannot delay it."""
+        period = min(self.settings.heartbeat_s / 2, 0.5)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for attempt in list(self.running.values()):
+                if attempt.lease_lost:
+                    continue
+                until = self._lease_until.get(attempt.claim.instance.id)
+                if until is not None and now >= until - self._fence_margin(attempt):
+                    self._fence(attempt)
+
+    def _fence_margin(self, attempt: Attempt) -> float:
+        """How long before its lease ends an attempt is stopped: a heartbeat (the interval the
+        fence loop and a last renewal need), plus the kill grace of an isolated child (SIGTERM,
+        then SIGKILL ``timeout_grace_s`` later); never more than half the lease."""
+        margin = self.settings.heartbeat_s
+        if attempt.claim.options.isolation is Isolation.PROCESS:
+            margin += self.settings.timeout_grace_s
+        return min(margin, self.settings.lease_s / 2)
+
+    def _fence(self, attempt: Attempt) -> None:
+        instance_id = attempt.claim.instance.id
+        # Every later write for it would be refused by the claim token anyway; nothing more is
+        # recorded for it from here on (``_run`` drops its outcome).
+        attempt.lease_lost = True
+        attempt.ctx.cancellation.set("lease lost")
+        self.metrics.lease_lost_writes.labels(write="heartbeat").inc()
+        if attempt.code_running:
+            # A sync job's thread cannot be stopped: it is reported, as any runaway.
+            self.metrics.runaways.labels(job=attempt.claim.instance.job_key).inc()
+            logger.error(
+                "cannot renew the lease of instance %s and its sync code ignores the stop: "
+                "runaway (another worker may run the instance once the lease ends)",
+                instance_id,
+                extra={
+                    "action": "worker.fence_runaway",
+                    "instance_id": str(instance_id),
+                    "job_key": attempt.claim.instance.job_key,
+                },
+            )
+        logger.warning(
+            "cannot renew the lease of instance %s before it ends; stopping it",
+            instance_id,
+            extra={
+                "action": "worker.fenced",
+                "instance_id": str(instance_id),
+                "job_key": attempt.claim.instance.job_key,
+            },
+        )
 
     async def _renew_leases(self) -> None:
         attempts = [a for a in self.running.values() if not a.lease_lost]

@@ -1,0 +1,35 @@
+"""A long job that notes when each attempt starts and stops (with the process that ran it), for
+the partition test: two copies of one instance must never overlap."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from jobplane import App, JobContext
+
+app = App("fencing")
+
+
+class Notes(BaseModel):
+    path: str
+
+
+def _note(path: str, what: str, attempt: int) -> None:
+    with Path(path).open("a", encoding="utf-8") as notes:
+        notes.write(f"{time.time():.3f} {what} {attempt} {os.getpid()}\n")
+
+
+@app.triggered(timeout_s=120, max_unexpected_retries=5)
+async def holds(ctx: JobContext, args: Notes) -> str:
+    _note(args.path, "start", ctx.attempt)
+    try:
+        for _ in range(60):
+            await asyncio.sleep(0.25)
+    finally:
+        _note(args.path, "stop", ctx.attempt)
+    return "done"

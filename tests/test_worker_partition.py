@@ -1,0 +1,115 @@
+"""A worker cut off from Postgres (a partition: a TCP proxy that stops forwarding) fences
+itself: it stops its attempt before the lease it can no longer renew ends, so when the reaper
+hands the instance to another worker the two copies never overlap."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy.engine import make_url
+
+from jobplane.bus.factory import open_bus
+from jobplane.dispatch import Dispatcher
+from jobplane.store.sql import SqlStore
+from tests.cli_helpers import spawn_cli, stop_all
+from tests.fixtures.proxy import TcpProxy
+from tests.worker_helpers import wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+LEASE_S = 3.0
+
+
+@pytest.fixture
+async def proxy(postgres_url: str) -> AsyncIterator[TcpProxy]:
+    url = make_url(postgres_url)
+    running = TcpProxy(url.host or "127.0.0.1", url.port or 5432)
+    await running.start()
+    yield running
+    await running.close()
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    stop_all(started)
+
+
+def _notes(path: Path) -> list[tuple[float, str, int, int]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        at, what, attempt, pid = line.split()
+        out.append((float(at), what, int(attempt), int(pid)))
+    return out
+
+
+async def test_a_partitioned_worker_stops_its_attempt_before_another_runs_it(
+    pg_store: SqlStore,
+    pg_database_url: str,
+    redis_url: str,
+    redis_prefix: str,
+    proxy: TcpProxy,
+    procs: list[subprocess.Popen[str]],
+    tmp_path: Path,
+) -> None:
+    env = {
+        "JOBPLANE_REDIS_URL": redis_url,
+        "JOBPLANE_KEY_PREFIX": redis_prefix,
+        "JOBPLANE_HEARTBEAT_S": "0.5",
+        "JOBPLANE_LEASE_S": str(LEASE_S),
+        "JOBPLANE_POLL_MS": "100",
+        # The cut-off worker still reads Redis: an entry it takes while its claim hangs is
+        # reclaimed by the healthy one once idle this long.
+        "JOBPLANE_RECLAIM_IDLE_S": "2",
+        "JOBPLANE_LEASE_TTL_S": "1.5",
+        "JOBPLANE_SWEEP_INTERVAL_S": "0.2",
+    }
+    behind_proxy = make_url(pg_database_url).set(port=proxy.port)
+    app = ("--app", "tests.apps.fencing:app")
+    cut_off = spawn_cli(
+        "worker",
+        *app,
+        "--worker-id",
+        "cut-off",
+        JOBPLANE_DATABASE_URL=behind_proxy.render_as_string(hide_password=False),
+        **env,
+    )
+    procs.append(cut_off)
+    procs.append(spawn_cli("scheduler", JOBPLANE_DATABASE_URL=pg_database_url, **env))
+
+    async def registered() -> bool:
+        return bool(await pg_store.list_definitions(["holds"]))
+
+    await wait_for(registered, timeout_s=60, what="the job's registration")
+    notes = tmp_path / "notes.txt"
+    bus = open_bus(redis_url, redis_prefix)
+    try:
+        await Dispatcher(pg_store, bus).trigger("holds", {"path": str(notes)})
+    finally:
+        await bus.close()
+
+    async def started(attempt: int) -> bool:
+        return any(what == "start" and a == attempt for _, what, a, _ in _notes(notes))
+
+    await wait_for(lambda: started(1), timeout_s=30, what="the first attempt")
+    procs.append(
+        spawn_cli(
+            "worker", *app, "--worker-id", "healthy", JOBPLANE_DATABASE_URL=pg_database_url, **env
+        )
+    )
+    proxy.cut()  # the first worker hears nothing from Postgres from now on
+
+    await wait_for(lambda: started(2), timeout_s=30, what="the second attempt elsewhere")
+    by = {(what, attempt): (at, pid) for at, what, attempt, pid in _notes(notes)}
+    first_stopped_at, first_pid = by[("stop", 1)]
+    second_started_at, second_pid = by[("start", 2)]
+    assert first_pid == cut_off.pid and second_pid != cut_off.pid
+    # The cut-off copy stopped before the other one started: never two at once.
+    assert first_stopped_at < second_started_at, _notes(notes)
+    assert cut_off.poll() is None  # the worker itself keeps running
