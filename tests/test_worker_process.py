@@ -336,3 +336,38 @@ async def _workers(store: SqlStore, n: int) -> bool:
 
 async def _failed(store: SqlStore, instance_id: UUID) -> bool:
     return any(t.to_state is S.FAILED for t in await store.transitions(instance_id))
+
+
+async def test_a_worker_marked_dead_while_paused_exits_when_it_resumes(
+    pg_store: SqlStore,
+    spawn_worker: object,
+    pg_database_url: str,
+    redis_url: str,
+    redis_prefix: str,
+) -> None:
+    """Frozen past the dead-worker threshold, the worker's slots and pinned instances were
+    given away: resumed, its next heartbeat finds it marked stopped and it exits at once
+    (status 2) instead of running on; its row is never revived."""
+    worker = spawn_worker("paused")  # type: ignore[operator]
+    await wait_for(lambda: _workers(pg_store, 1), what="the worker's registration", timeout_s=30)
+    scheduler = spawn_cli(
+        "scheduler",
+        JOBPLANE_DATABASE_URL=pg_database_url,
+        JOBPLANE_REDIS_URL=redis_url,
+        JOBPLANE_KEY_PREFIX=redis_prefix,
+        JOBPLANE_DEAD_WORKER_AFTER_S="1",
+        JOBPLANE_SWEEP_INTERVAL_S="0.2",
+    )
+
+    async def marked_stopped() -> bool:
+        return {w.id: w for w in await pg_store.list_workers()}["paused"].stopped_at is not None
+
+    try:
+        worker.send_signal(signal.SIGSTOP)
+        await wait_for(marked_stopped, what="the sweep to mark it stopped", timeout_s=30)
+        worker.send_signal(signal.SIGCONT)
+        status = await asyncio.to_thread(worker.wait, 30)
+    finally:
+        stop_all([scheduler], sig=signal.SIGTERM)
+    assert status == 2
+    assert await marked_stopped()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -16,7 +17,7 @@ from typing import Annotated, Any
 import typer
 
 from jobplane.cli_remote import instances_cli, jobs_cli, trigger, workers_cli
-from jobplane.errors import JobplaneError
+from jobplane.errors import JobplaneError, WorkerEvictedError
 from jobplane.settings import CommonSettings, DevSettings, WorkerSettings
 
 cli = typer.Typer(
@@ -65,6 +66,13 @@ def run(coro_factory: Callable[[], Awaitable[Any]], log_level: str) -> None:
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(_main(coro_factory))
+    except WorkerEvictedError as exc:
+        # Job code may still run in pool threads, which nothing can stop but the end of the
+        # process: exit now, without waiting for them (another worker owns their instances).
+        typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(2)
     except JobplaneError as exc:
         # One line, never wrapped: scripts and log collectors read it.
         typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)

@@ -72,6 +72,12 @@ class BusUnavailableError(UnavailableError):
     """The message bus cannot be reached."""
 
 
+class WorkerEvictedError(JobplaneError):
+    """This worker was marked stopped while it still ran (paused or cut off for longer than
+    the scheduler's dead-worker threshold): its attempts were reaped and its slots given back,
+    so it must stop at once rather than run on beside their new owners."""
+
+
 class EnvelopeError(JobplaneError, ValueError):
     """A bus entry could not be decoded into an :class:`~jobplane.bus.envelope.Envelope`."""
 

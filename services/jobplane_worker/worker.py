@@ -40,7 +40,12 @@ from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import Claim, Instance, Outcome, WorkerInfo
 from jobplane.domain.options import Isolation, OnLimit
 from jobplane.domain.states import InstanceState
-from jobplane.errors import BusUnavailableError, StoreUnavailableError, UnavailableError
+from jobplane.errors import (
+    BusUnavailableError,
+    StoreUnavailableError,
+    UnavailableError,
+    WorkerEvictedError,
+)
 from jobplane.settings import WorkerSettings
 from jobplane.store.abc import Store
 from jobplane.tasks import cancel_and_wait
@@ -628,7 +633,11 @@ class Worker:
         while True:
             await asyncio.sleep(self.settings.heartbeat_s)
             try:
-                await self.store.worker_heartbeat(self.id)
+                if not await self.store.worker_heartbeat(self.id):
+                    raise WorkerEvictedError(
+                        f"worker {self.id} was marked stopped while it ran (paused or cut off "
+                        "past the dead-worker threshold); stopping at once"
+                    )
                 await self._renew_leases()
             except StoreUnavailableError as exc:
                 logger.warning("heartbeat failed: %s", exc, extra={"action": "worker.heartbeat"})
@@ -810,4 +819,6 @@ def _raise_if_dead(side: list[asyncio.Task[Any]]) -> None:
     for task in side:
         if task.done():
             exc = task.exception() if not task.cancelled() else None
+            if isinstance(exc, WorkerEvictedError):
+                raise exc  # as it is: the role exits at once on it
             raise RuntimeError(f"{task.get_name()} stopped") from exc

@@ -226,7 +226,10 @@ class Store(Protocol):
         """Insert or refresh a worker row; sets its heartbeat to now. Slots still held by
         runaway code under this worker id (a previous process's) are given back."""
 
-    async def worker_heartbeat(self, worker_id: str) -> None: ...
+    async def worker_heartbeat(self, worker_id: str) -> bool:
+        """Stamp the worker's heartbeat; False (and nothing stamped) if it was marked stopped
+        meanwhile: a worker the sweep declared dead is never silently revived."""
+        ...
 
     async def worker_stopped(self, worker_id: str) -> None: ...
 

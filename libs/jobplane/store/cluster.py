@@ -57,11 +57,20 @@ class ClusterStore(SqlBase):
             # runaway code are a previous process's (killed before the sweep saw it silent).
             await release_runaway_rows(conn, runaway_slots.c.worker_id == info.id)
 
-    async def worker_heartbeat(self, worker_id: str) -> None:
+    async def worker_heartbeat(self, worker_id: str) -> bool:
         async with self._write() as conn:
-            await conn.execute(
-                update(workers).where(workers.c.id == worker_id).values(heartbeat_at=self._clock())
-            )
+            # Conditional on the worker not being marked stopped: the dead-worker sweep gave
+            # its runaway slots back and its pinned instances away, so a worker found dead
+            # must learn it (and stop), not be revived by its next heartbeat.
+            alive = (
+                await conn.execute(
+                    update(workers)
+                    .where(workers.c.id == worker_id, workers.c.stopped_at.is_(None))
+                    .values(heartbeat_at=self._clock())
+                    .returning(workers.c.id)
+                )
+            ).first()
+        return alive is not None
 
     async def worker_stopped(self, worker_id: str) -> None:
         async with self._write() as conn:
