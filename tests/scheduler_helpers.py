@@ -13,7 +13,12 @@ from jobplane.store.sql import SqlStore
 from jobplane_scheduler.scheduler import Scheduler
 from jobplane_scheduler.settings import SchedulerSettings
 
-FAST = {"lease_ttl_s": 2.0, "sweep_interval_s": 0.2, "republish_after_s": 1.0}
+FAST = {
+    "lease_ttl_s": 2.0,
+    "sweep_interval_s": 0.2,
+    "republish_after_s": 1.0,
+    "reap_grace_s": 0.5,
+}
 
 
 @asynccontextmanager

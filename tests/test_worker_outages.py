@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import cast
 
 import pytest
 
@@ -16,6 +17,7 @@ from jobplane.context import CheckpointNotSavedError
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.sql import SqlStore
+from tests.scheduler_helpers import running_scheduler
 from tests.worker_helpers import FlakyAckBus, FlakyStore, running_worker, settled, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -164,3 +166,38 @@ async def test_the_release_at_shutdown_is_retried_through_a_store_outage(
     assert len(flaky.refusals("transition")) == 2
     assert released.state is S.ENQUEUED and released.reason == "worker shutdown"
     assert released.retries_used == 0 and released.unexpected_retries_used == 0
+
+
+async def test_after_an_outage_longer_than_the_lease_a_finished_outcome_is_kept(
+    pg_store: SqlStore, redis_bus: Bus
+) -> None:
+    """Postgres is away for everyone for over twice the lease while a job ends: when it returns,
+    every lease looks expired. The leader waits ``reap_grace_s`` before reaping, so the
+    worker's waiting outcome is written first: the job ran once and is not run again."""
+    app = App("outage")
+    finish = asyncio.Event()
+
+    @app.triggered()
+    async def waits() -> str:
+        await finish.wait()
+        return "done"
+
+    worker_store, leader_store = FlakyStore(pg_store), FlakyStore(pg_store)
+    async with (
+        running_worker(app, worker_store, redis_bus, lease_s=1.5, heartbeat_s=0.3),
+        running_scheduler(cast(SqlStore, leader_store), redis_bus, reap_grace_s=6.0),
+    ):
+        instance = await Dispatcher(pg_store, redis_bus).trigger("waits")
+
+        async def running() -> bool:
+            return (await pg_store.get_instance(instance.id)).state is S.PROCESSING
+
+        await wait_for(running, what="the attempt to start")
+        worker_store.all_down = leader_store.all_down = True
+        finish.set()  # it ends during the outage: its outcome waits in the worker
+        await asyncio.sleep(4.0)  # more than twice the lease
+        worker_store.all_down = leader_store.all_down = False
+        [done] = await settled(pg_store, [instance.id], timeout_s=30)
+    assert done.state is S.SUCCEEDED and done.attempt == 1
+    moves = [(t.from_state, t.to_state) for t in await pg_store.transitions(instance.id)]
+    assert (S.PROCESSING, S.ENQUEUED) not in moves  # never reaped and run again

@@ -100,6 +100,8 @@ class FlakyStore:
     def __init__(self, store: SqlStore) -> None:
         self.store = store
         self.down: set[str] = set()
+        #: Every method fails (a whole outage), as if each were in ``down``.
+        self.all_down = False
         self.fail_next: dict[str, int] = {}
         self.refused: list[tuple[str, tuple[Any, ...]]] = []
 
@@ -109,7 +111,7 @@ class FlakyStore:
             return real
 
         async def call(*args: Any, **kwargs: Any) -> Any:
-            if name in self.down or self.fail_next.get(name, 0) > 0:
+            if self.all_down or name in self.down or self.fail_next.get(name, 0) > 0:
                 if self.fail_next.get(name, 0) > 0:
                     self.fail_next[name] -= 1
                 self.refused.append((name, args))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
@@ -151,6 +152,8 @@ class LeaderDuties:
         self._delayed: list[datetime] = []
         #: Jobs whose missed ticks are still being recorded in batches (see catch_up).
         self._backfill: set[str] = set()
+        #: Expired leases are released from this (monotonic) time on (see ``reap_grace_s``).
+        self._reap_from = 0.0
 
     async def run(self) -> None:
         deposed = False
@@ -160,6 +163,9 @@ class LeaderDuties:
             self.timers = CronTimers()
             self.cache = DefinitionCache(self.store, self.bus)
             self._backfill.clear()
+            # After an outage every lease may look expired: give the workers a heartbeat (and
+            # their outcomes a retry) before reaping, so finished or running work is not re-run.
+            self._reap_from = time.monotonic() + self.settings.reap_grace_s
             try:
                 await self._load_definitions()
                 await run_together(
@@ -341,7 +347,8 @@ class LeaderDuties:
         lost messages, a bus that restarted empty, dead workers."""
         await self._load_definitions()
         await self._publish(await self.store.promote_due(self.lease))
-        await self._publish(await self.store.release_expired(self.lease))
+        if time.monotonic() >= self._reap_from:
+            await self._publish(await self.store.release_expired(self.lease))
         await self._check_bus_epoch()
         stale = await self.store.unpublished(self.settings.republish_after_s)
         await self._publish(stale, force=True)

@@ -21,6 +21,10 @@ class SchedulerSettings(CommonSettings):
     sweep_interval_s: float = Field(default=1.0, gt=0)
     #: An Enqueued instance published this long ago and still unclaimed is published again.
     republish_after_s: float = Field(default=30.0, gt=0)
+    #: Expired attempt leases are released only this long after the leader's duties start or
+    #: resume after a store outage: workers whose heartbeats (and outcomes) failed during the
+    #: outage renew (and record) first. At least the workers' heartbeat plus their retry backoff.
+    reap_grace_s: float = Field(default=6.0, ge=0)
     #: A worker silent for this long is marked stopped.
     dead_worker_after_s: float = Field(default=30.0, gt=0)
     #: Terminal instances older than this are deleted (with their history); 0 keeps all.

@@ -34,6 +34,9 @@ class Attempt:
     ctx: JobContext
     task: asyncio.Task[Outcome | None] | None = None
     lease_lost: bool = False
+    #: Stopped by the worker's fence before a lease it could not renew ended; unlike a lost
+    #: lease, what it leaves is still written (a release, or an outcome), fenced by its token.
+    fenced: bool = False
     released: bool = False
     #: Set by the outcome recorder once this attempt's outcome was written (or refused).
     done: asyncio.Event = field(default_factory=asyncio.Event)

@@ -57,6 +57,8 @@ from jobplane_worker.retrying import SIDE_WRITE_RETRY_S, retrying
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_REASON = "worker shutdown"
+#: A checkpoint stops being retried this long before the fence would stop its attempt.
+FENCE_NOTICE_S = 0.1
 #: How often a shutdown held up by job threads that ignore their cancellation says so.
 SHUTDOWN_NAG_S = 30.0
 #: Claims in flight at once: the next batch is read while the previous one is being claimed.
@@ -390,7 +392,11 @@ class Worker:
         what = f"checkpoint of instance {instance_id} ({claim.instance.job_key})"
 
         def deadline() -> float:
-            return self._lease_until.get(instance_id, 0.0)
+            # Retried until just before the fence would stop the attempt, so the job hears
+            # that its checkpoint was not saved (and may still return) rather than be stopped.
+            attempt = self.running.get(instance_id)
+            fence_at = self._fence_at(attempt) if attempt is not None else None
+            return (fence_at or 0.0) - FENCE_NOTICE_S
 
         try:
             # The store's UPDATE has claim_token = token in its WHERE clause: after a lost lease
@@ -653,11 +659,16 @@ class Worker:
             await asyncio.sleep(period)
             now = time.monotonic()
             for attempt in list(self.running.values()):
-                if attempt.lease_lost:
+                if attempt.lease_lost or attempt.fenced:
                     continue
-                until = self._lease_until.get(attempt.claim.instance.id)
-                if until is not None and now >= until - self._fence_margin(attempt):
+                fence_at = self._fence_at(attempt)
+                if fence_at is not None and now >= fence_at:
                     self._fence(attempt)
+
+    def _fence_at(self, attempt: Attempt) -> float | None:
+        """When (monotonic) the fence stops ``attempt`` unless its lease is renewed first."""
+        until = self._lease_until.get(attempt.claim.instance.id)
+        return None if until is None else until - self._fence_margin(attempt)
 
     def _fence_margin(self, attempt: Attempt) -> float:
         """How long before its lease ends an attempt is stopped: a heartbeat (the interval the
@@ -670,11 +681,11 @@ class Worker:
 
     def _fence(self, attempt: Attempt) -> None:
         instance_id = attempt.claim.instance.id
-        # Every later write for it would be refused by the claim token anyway; nothing more is
-        # recorded for it from here on (``_run`` drops its outcome).
-        attempt.lease_lost = True
+        # Stopped while the lease still holds. What it leaves is written as usual, fenced by
+        # its claim token: a release (the code stopped) or an outcome (it had just ended) is
+        # accepted if nobody has claimed the instance since, and refused otherwise.
+        attempt.fenced = True
         attempt.ctx.cancellation.set("lease lost")
-        self.metrics.lease_lost_writes.labels(write="heartbeat").inc()
         if attempt.code_running:
             # A sync job's thread cannot be stopped: it is reported, as any runaway.
             self.metrics.runaways.labels(job=attempt.claim.instance.job_key).inc()
@@ -699,7 +710,7 @@ class Worker:
         )
 
     async def _renew_leases(self) -> None:
-        attempts = [a for a in self.running.values() if not a.lease_lost]
+        attempts = [a for a in self.running.values() if not (a.lease_lost or a.fenced)]
         if not attempts:
             return
         # Progress stays pending until a heartbeat has written it (a failed one loses nothing).
