@@ -140,7 +140,7 @@ class LeaderDuties:
         self.bus = bus
         self.settings = settings
         self.lease = lease
-        self.dispatcher = Dispatcher(store, bus)
+        self.dispatcher = Dispatcher(store, bus, fence=lease)
         self.timers = CronTimers()
         self.cache = DefinitionCache(store, bus)
         # Serialises re-planning and firing: the cron loop, the sweep and the event listener
@@ -304,7 +304,7 @@ class LeaderDuties:
         await self._check_bus_epoch()
         stale = await self.store.unpublished(self.settings.republish_after_s)
         await self._publish(stale, force=True)
-        await self.store.mark_dead_workers(self.settings.dead_worker_after_s)
+        await self.store.mark_dead_workers(self.settings.dead_worker_after_s, fence=self.lease)
         await self._publish(await self.store.resolve_orphaned_pins(self.lease))
         self._delayed = await self.store.scheduled_due_within(self.settings.sweep_interval_s)
 
@@ -367,7 +367,7 @@ class LeaderDuties:
 
     async def _retention(self) -> None:
         before = await self.store.now() - timedelta(days=self.settings.retention_days)
-        while await self.store.delete_finished_before(before):
+        while await self.store.delete_finished_before(before, fence=self.lease):
             pass
 
     async def _publish(self, instances: list[Instance], *, force: bool = False) -> None:

@@ -102,8 +102,13 @@ class Store(Protocol):
         is not inserted again: the existing instance is returned in its place.
         """
 
-    async def mark_published(self, ids: Collection[UUID]) -> None:
-        """Record that messages for ``ids`` were handed to the bus (sets ``published_at``)."""
+    async def mark_published(
+        self, ids: Collection[UUID], *, fence: LeaderLease | None = None
+    ) -> None:
+        """Record that messages for ``ids`` were handed to the bus (sets ``published_at``).
+        Best effort: a row another transaction holds (being claimed) is skipped. With
+        ``fence`` (the leader's lease) nothing is written once that term is over
+        (:class:`~jobplane.store.base.NotLeaderError`)."""
 
     async def get_instance(self, instance_id: UUID) -> Instance:
         """Raises :class:`~jobplane.errors.InstanceNotFoundError`."""
@@ -271,12 +276,18 @@ class Store(Protocol):
     async def all_enqueued(self, after: UUID | None, limit: int = 1000) -> list[Instance]:
         """Every Enqueued instance in id order, a page at a time."""
 
-    async def mark_dead_workers(self, silent_for_s: float) -> list[str]:
+    async def mark_dead_workers(
+        self, silent_for_s: float, *, fence: LeaderLease | None = None
+    ) -> list[str]:
         """Mark workers silent for ``silent_for_s`` as stopped; return their ids. Slots held
-        by runaway code of stopped workers are given back in the same transaction."""
+        by runaway code of stopped workers are given back in the same transaction. Fenced by
+        the leader's lease ``fence``."""
 
-    async def delete_finished_before(self, before: datetime, limit: int = 1000) -> int:
-        """Retention: delete a batch of terminal instances (and history) finished before."""
+    async def delete_finished_before(
+        self, before: datetime, limit: int = 1000, *, fence: LeaderLease | None = None
+    ) -> int:
+        """Retention: delete a batch of terminal instances (and history) finished before.
+        Fenced by the leader's lease ``fence``."""
 
     # -- API tokens ------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from jobplane.domain.models import Instance, InstanceSource, LeaderLease, NewInstance
 from jobplane.domain.options import JobOptions, PinFallback
 from jobplane.store import rows
-from jobplane.store.base import I, NotLeaderError, S, SqlBase, logger
+from jobplane.store.base import I, NotLeaderError, S, SqlBase, logger, retry_conflicts
 from jobplane.store.lifecycle import release_runaway_rows
 from jobplane.store.tables import (
     instance_transitions,
@@ -57,6 +57,7 @@ class SweepStore(SqlBase):
             )
             return {key: at for key, at in result if at is not None}
 
+    @retry_conflicts
     async def promote_due(self, lease: LeaderLease, limit: int = 1000) -> list[Instance]:
         """Scheduled instances whose ``run_at`` has come (the database's clock) → Enqueued."""
         async with self._write() as conn:
@@ -80,6 +81,7 @@ class SweepStore(SqlBase):
             )
             return await self._move_many(conn, list(due), S.SCHEDULED, S.ENQUEUED, "due", {})
 
+    @retry_conflicts
     async def release_expired(self, lease: LeaderLease, limit: int = 1000) -> list[Instance]:
         """Attempts whose lease expired: released to Enqueued (no retry used, one unexpected
         retry counted), Terminated once unexpected retries are exhausted, or Cancelled if a
@@ -178,6 +180,7 @@ class SweepStore(SqlBase):
         )
         return moved
 
+    @retry_conflicts
     async def resolve_orphaned_pins(self, lease: LeaderLease) -> list[Instance]:
         """Enqueued instances pinned to a worker that is gone (stopped, marked dead, or never
         registered): unpinned for any worker (``pin_fallback=any``; returned, to publish on
@@ -278,11 +281,16 @@ class SweepStore(SqlBase):
             result = await conn.execute(query.limit(limit))
             return [rows.instance_from_row(r._mapping) for r in result]
 
-    async def mark_dead_workers(self, silent_for_s: float) -> list[str]:
+    @retry_conflicts
+    async def mark_dead_workers(
+        self, silent_for_s: float, *, fence: LeaderLease | None = None
+    ) -> list[str]:
         """Workers with no heartbeat for ``silent_for_s`` are marked stopped, and the slots
         still held by runaway code of any stopped worker are given back (its process is gone,
-        and its threads with it), in the same transaction."""
+        and its threads with it), in the same transaction. With ``fence`` (the leader's
+        lease), a deposed leader writes nothing (:class:`NotLeaderError`)."""
         async with self._write() as conn:
+            await self._fence(conn, fence)
             cutoff = await self._now(conn) - timedelta(seconds=silent_for_s)
             result = await conn.execute(
                 update(workers)
@@ -305,11 +313,16 @@ class SweepStore(SqlBase):
                 )
             return dead
 
-    async def delete_finished_before(self, before: datetime, limit: int = 1000) -> int:
+    @retry_conflicts
+    async def delete_finished_before(
+        self, before: datetime, limit: int = 1000, *, fence: LeaderLease | None = None
+    ) -> int:
         """Retention: delete up to ``limit`` terminal instances finished before ``before``,
-        with their history. Returns how many went (call again until 0)."""
+        with their history. Returns how many went (call again until 0). Fenced by ``fence``
+        like every leader write."""
         terminal = [s.value for s in S if s.is_terminal]
         async with self._write() as conn:
+            await self._fence(conn, fence)
             ids = (
                 (
                     await conn.execute(
