@@ -11,9 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
+
+from sqlalchemy.exc import DBAPIError
 
 from jobplane.bus.abc import Bus, BusEpoch
 from jobplane.bus.envelope import Event, EventKind
@@ -276,11 +279,52 @@ class LeaderDuties:
             raise
 
     async def _fire_and_publish(self, records: list[Any]) -> None:
-        instances = await self.store.fire(self.lease, records)
+        try:
+            instances = await self.store.fire(self.lease, records)
+        except DBAPIError as exc:
+            instances = await self._fire_each_job(records, exc)
         await self.dispatcher.publish(instances)
         fired = [i for i in instances if not i.state.is_terminal]
         if fired:
             logger.debug("fired %d tick(s)", len(fired), extra={"action": "scheduler.fired"})
+
+    async def _fire_each_job(self, records: list[Any], exc: DBAPIError) -> list[Instance]:
+        """The database refused a batch of ticks (a poison job: data or a constraint it
+        rejects; outages and conflicts are not ``DBAPIError`` here). Fire each job's ticks on
+        their own: a job still refused is logged with its key and its ticks skipped, and every
+        other job fires."""
+        by_job: dict[str, list[Any]] = {}
+        for record in records:
+            by_job.setdefault(record.job_key, []).append(record)
+        fired: list[Instance] = []
+        for key, ticks in by_job.items():
+            try:
+                if len(by_job) == 1:
+                    raise exc  # that job alone was refused
+                fired += await self.store.fire(self.lease, ticks)
+            except DBAPIError as refused:
+                logger.error(
+                    "the database refused %d tick(s) of job %s: %s; skipped",
+                    len(ticks),
+                    key,
+                    _first_line(refused),
+                    extra={"action": "scheduler.fire_refused", "job_key": key},
+                )
+        return fired
+
+    @contextlib.contextmanager
+    def _refused(self, step: str) -> Iterator[None]:
+        """One sweep step the database refuses (a poison row in its batch) is logged; the
+        other steps, the next sweeps and the cron loop go on."""
+        try:
+            yield
+        except DBAPIError as exc:
+            logger.error(
+                "sweep step %s refused by the database: %s",
+                step,
+                _first_line(exc),
+                extra={"action": "scheduler.sweep_refused", "step": step},
+            )
 
     # -- sweeps ----------------------------------------------------------------------------
 
@@ -298,14 +342,20 @@ class LeaderDuties:
     async def _sweep_once(self) -> None:
         """Find what no event announced: definitions edited, due instances, expired leases,
         lost messages, a bus that restarted empty, dead workers."""
-        await self._load_definitions()
-        await self._publish(await self.store.promote_due(self.lease))
-        await self._publish(await self.store.release_expired(self.lease))
+        with self._refused("definitions"):
+            await self._load_definitions()
+        with self._refused("promote"):
+            await self._publish(await self.store.promote_due(self.lease))
+        with self._refused("expired leases"):
+            await self._publish(await self.store.release_expired(self.lease))
         await self._check_bus_epoch()
-        stale = await self.store.unpublished(self.settings.republish_after_s)
-        await self._publish(stale, force=True)
-        await self.store.mark_dead_workers(self.settings.dead_worker_after_s, fence=self.lease)
-        await self._publish(await self.store.resolve_orphaned_pins(self.lease))
+        with self._refused("republish"):
+            stale = await self.store.unpublished(self.settings.republish_after_s)
+            await self._publish(stale, force=True)
+        with self._refused("dead workers"):
+            await self.store.mark_dead_workers(self.settings.dead_worker_after_s, fence=self.lease)
+        with self._refused("orphaned pins"):
+            await self._publish(await self.store.resolve_orphaned_pins(self.lease))
         self._delayed = await self.store.scheduled_due_within(self.settings.sweep_interval_s)
 
     async def _check_bus_epoch(self) -> None:
@@ -353,7 +403,8 @@ class LeaderDuties:
             if loop.time() + max(delay, 0) >= end:
                 break
             await asyncio.sleep(max(delay, 0))
-            await self._publish(await self.store.promote_due(self.lease))
+            with self._refused("promote"):
+                await self._publish(await self.store.promote_due(self.lease))
         await asyncio.sleep(max(0.0, end - loop.time()))
 
     async def _republish_all(self) -> None:
@@ -398,6 +449,11 @@ class LeaderDuties:
             except UnavailableError:
                 pass
             await asyncio.sleep(1)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(getattr(exc, "orig", None) or exc)
+    return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
 
 
 def _is_uuid(text: str) -> bool:

@@ -47,6 +47,7 @@ from jobplane.tasks import cancel_and_wait
 from jobplane_worker.attempt import TIMEOUT, Attempt, run_attempt
 from jobplane_worker.health import serving
 from jobplane_worker.metrics import LEASE_LOST, RELEASED, WorkerMetrics
+from jobplane_worker.poison import complete_isolating_poison
 from jobplane_worker.retrying import SIDE_WRITE_RETRY_S, retrying
 
 logger = logging.getLogger(__name__)
@@ -568,8 +569,9 @@ class Worker:
 
     async def _record(self, batch: list[tuple[Attempt, Outcome]]) -> None:
         outcomes = [outcome for _, outcome in batch]
-        ended: dict[UUID, InstanceState] = await retrying(f"recording {len(outcomes)} outcome(s)")(
-            self.store.complete, outcomes
+        ended: dict[UUID, InstanceState] = await complete_isolating_poison(
+            retrying(f"recording {len(outcomes)} outcome(s)").wraps(self.store.complete),
+            outcomes,
         )
         requeued: list[Instance] = []
         wait_keys: dict[str, int] = {}
