@@ -21,7 +21,7 @@ from sqlalchemy.exc import DBAPIError
 from jobplane.bus.abc import Bus, BusEpoch
 from jobplane.bus.envelope import Event, EventKind
 from jobplane.definitions import DefinitionCache
-from jobplane.dispatch import Dispatcher
+from jobplane.dispatch import Dispatcher, envelope_for
 from jobplane.domain.models import Instance, LeaderLease
 from jobplane.enqueue import CHANNEL as ENQUEUED_CHANNEL
 from jobplane.errors import UnavailableError
@@ -351,12 +351,29 @@ class LeaderDuties:
         await self._check_bus_epoch()
         with self._refused("republish"):
             stale = await self.store.unpublished(self.settings.republish_after_s)
-            await self._publish(stale, force=True)
+            await self._publish(await self._lost(stale), force=True)
+        with self._refused("unknown jobs"):
+            await self.store.terminate_unknown_jobs(self.lease, self.settings.unknown_job_timeout_s)
         with self._refused("dead workers"):
             await self.store.mark_dead_workers(self.settings.dead_worker_after_s, fence=self.lease)
         with self._refused("orphaned pins"):
             await self._publish(await self.store.resolve_orphaned_pins(self.lease))
         self._delayed = await self.store.scheduled_due_within(self.settings.sweep_interval_s)
+
+    async def _lost(self, stale: list[Instance]) -> list[Instance]:
+        """Those of ``stale`` (unclaimed long after publication) whose message is really gone.
+        One still in its stream (unread, or pending on a consumer that has not acknowledged
+        it) is not published again — a backlog must not grow the stream — but marked
+        published now, so it is looked for again only after ``republish_after_s``."""
+        if not stale:
+            return []
+        try:
+            present = await self.bus.queued([(i.queue, envelope_for(i)) for i in stale])
+        except UnavailableError:
+            return stale  # the publish fails too, and the next sweep looks again
+        if present:
+            await self.store.mark_published(present, fence=self.lease)
+        return [i for i in stale if i.id not in present]
 
     async def _check_bus_epoch(self) -> None:
         """Redis restarted (new run_id) or was flushed (its marker is gone; a flush keeps the
@@ -413,7 +430,9 @@ class LeaderDuties:
             page = await self.store.all_enqueued(after)
             if not page:
                 return
-            await self._publish(page, force=True)
+            # After a restart or flush the streams are empty and everything goes out; a bus
+            # merely new to this leader may still hold the messages, which are not doubled.
+            await self._publish(await self._lost(page), force=True)
             after = page[-1].id
 
     async def _retention(self) -> None:

@@ -21,6 +21,9 @@ class SchedulerSettings(CommonSettings):
     sweep_interval_s: float = Field(default=1.0, gt=0)
     #: An Enqueued instance published this long ago and still unclaimed is published again.
     republish_after_s: float = Field(default=30.0, gt=0)
+    #: An Enqueued instance of a job no live worker has registered (nor any worker for this
+    #: long) is Terminated after this ("no worker knows the job").
+    unknown_job_timeout_s: float = Field(default=3600.0, gt=0)
     #: A worker silent for this long is marked stopped.
     dead_worker_after_s: float = Field(default=30.0, gt=0)
     #: Terminal instances older than this are deleted (with their history); 0 keeps all.

@@ -110,6 +110,9 @@ class Store(Protocol):
         ``fence`` (the leader's lease) nothing is written once that term is over
         (:class:`~jobplane.store.base.NotLeaderError`)."""
 
+    async def still_enqueued(self, ids: Collection[UUID]) -> set[UUID]:
+        """Those of ``ids`` that are Enqueued (a message for any other is obsolete)."""
+
     async def get_instance(self, instance_id: UUID) -> Instance:
         """Raises :class:`~jobplane.errors.InstanceNotFoundError`."""
 

@@ -170,6 +170,15 @@ class InstanceStore(SqlBase):
                 .values(published_at=self._clock())
             )
 
+    async def still_enqueued(self, ids: Collection[UUID]) -> set[UUID]:
+        if not ids:
+            return set()
+        async with self._read() as conn:
+            result = await conn.execute(
+                select(I.id).where(I.id.in_(list(ids)), I.state == S.ENQUEUED.value)
+            )
+            return set(result.scalars())
+
     async def get_instance(self, instance_id: UUID) -> Instance:
         async with self._read() as conn:
             row = (await conn.execute(select(job_instances).where(I.id == instance_id))).first()

@@ -34,6 +34,7 @@ from jobplane.store.tables import (
 EXHAUSTED = "max unexpected retries exhausted"
 LEASE_EXPIRED = "lease expired"
 PIN_GONE = "pinned worker gone"
+NO_WORKER_KNOWS = "no worker knows the job"
 NEVER_PUBLISHED_GRACE_S = 0.5
 
 
@@ -218,6 +219,43 @@ class SweepStore(SqlBase):
             )
             return [rows.instance_from_row(r._mapping) for r in result]
 
+    @retry_conflicts
+    async def terminate_unknown_jobs(
+        self, lease: LeaderLease, after_s: float, limit: int = 1000
+    ) -> list[Instance]:
+        """Enqueued → Terminated ("no worker knows the job") for instances waiting longer than
+        ``after_s`` whose job no live worker has registered, nor any worker for as long (the
+        time a stopped worker that had it stopped, or was last heard of, counts)."""
+        async with self._write() as conn:
+            await self._fence(conn, lease)
+            cutoff = await self._now(conn) - timedelta(seconds=after_s)
+            live: set[str] = set()
+            last_known: dict[str, datetime] = {}
+            for row in await conn.execute(
+                select(workers.c.jobs, workers.c.heartbeat_at, workers.c.stopped_at)
+            ):
+                seen = row.stopped_at or row.heartbeat_at
+                for key in row.jobs or []:
+                    if row.stopped_at is None:
+                        live.add(key)
+                    last_known[key] = max(last_known.get(key, seen), seen)
+            waiting = (
+                await conn.execute(
+                    select(I.id, I.job_key)
+                    .where(
+                        I.state == S.ENQUEUED.value,
+                        I.job_key.not_in(live),
+                        I.created_at < cutoff,
+                        or_(I.run_at.is_(None), I.run_at < cutoff),
+                    )
+                    .order_by(I.id)
+                    .limit(limit)
+                    .with_for_update(skip_locked=True)
+                )
+            ).all()
+            ids = [r.id for r in waiting if last_known.get(r.job_key, cutoff) <= cutoff]
+            return await self._move_many(conn, ids, S.ENQUEUED, S.TERMINATED, NO_WORKER_KNOWS, {})
+
     async def scheduled_due_within(self, seconds: float) -> list[datetime]:
         """``run_at`` of Scheduled instances due within ``seconds`` (the leader's timers)."""
         async with self._read() as conn:
@@ -345,4 +383,4 @@ class SweepStore(SqlBase):
             return len(ids)
 
 
-__all__ = ["EXHAUSTED", "LEASE_EXPIRED", "NotLeaderError", "SweepStore"]
+__all__ = ["EXHAUSTED", "LEASE_EXPIRED", "NO_WORKER_KNOWS", "NotLeaderError", "SweepStore"]
