@@ -20,7 +20,9 @@ from jobplane.domain.models import NewInstance, Outcome
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.factory import open_store
 from jobplane.store.sql import SqlStore
+from tests.apps.basic import app
 from tests.store_helpers import define, slots_used
+from tests.worker_helpers import running_worker, settled
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -177,3 +179,36 @@ async def test_a_trigger_answers_once_committed_even_if_its_bookkeeping_fails(
     consumer = redis_bus.consumer("w1", ["default"])
     delivered = await consumer.read(10, 500)
     assert {d.envelope.instance_id for d in delivered} == {i.id for i in made}
+
+
+async def test_a_worker_outlives_claims_that_keep_losing_to_conflicts(
+    pg_store: SqlStore, redis_bus: Bus, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Postgres rolls back the first claims (deadlock victims, raised for real by a trigger in
+    the database): the store retries, then reports a short outage; the worker pauses instead
+    of exiting, reclaims its entries and runs the instance."""
+    caplog.set_level(logging.WARNING)
+    async with pg_store.engine.begin() as conn:
+        await conn.execute(text("CREATE SEQUENCE lost_claims"))  # not rolled back
+        await conn.execute(
+            text(
+                "CREATE FUNCTION lose_claims() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                "IF NEW.state = 'processing' AND nextval('lost_claims') <= 7 THEN "
+                "RAISE EXCEPTION 'deadlock detected' USING ERRCODE = '40P01'; END IF; "
+                "RETURN NEW; END $$"
+            )
+        )
+        await conn.execute(
+            text(
+                "CREATE TRIGGER lose_claims BEFORE UPDATE OF state ON job_instances "
+                "FOR EACH ROW EXECUTE FUNCTION lose_claims()"
+            )
+        )
+    async with running_worker(app, pg_store, redis_bus) as worker:
+        instance = await Dispatcher(pg_store, redis_bus).trigger("echo", {"value": 1})
+        [done] = await settled(pg_store, [instance.id], timeout_s=30)
+        assert worker._failure is None
+    assert done.state is S.SUCCEEDED
+    assert len(_conflict_retries(caplog)) >= 4
+    paused = [r for r in caplog.records if getattr(r, "action", "") == "worker.unavailable"]
+    assert paused and "transaction conflict" in paused[0].getMessage()

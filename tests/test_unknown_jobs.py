@@ -68,6 +68,7 @@ async def test_an_unknown_jobs_instance_ends_terminated(store: SqlStore, bus: Bu
     await define(store, "known", max_concurrency=10)
     [lost] = await enqueue(store, "orphan")
     [kept] = await enqueue(store, "known")
+
     async def terminated() -> bool:
         return (await store.get_instance(lost.id)).state is S.TERMINATED
 
