@@ -229,32 +229,27 @@ class SweepStore(SqlBase):
         async with self._write() as conn:
             await self._fence(conn, lease)
             cutoff = await self._now(conn) - timedelta(seconds=after_s)
-            live: set[str] = set()
-            last_known: dict[str, datetime] = {}
+            known: set[str] = set()  # by a live worker, or by one heard of since the cutoff
             for row in await conn.execute(
                 select(workers.c.jobs, workers.c.heartbeat_at, workers.c.stopped_at)
             ):
-                seen = row.stopped_at or row.heartbeat_at
-                for key in row.jobs or []:
-                    if row.stopped_at is None:
-                        live.add(key)
-                    last_known[key] = max(last_known.get(key, seen), seen)
-            waiting = (
-                await conn.execute(
-                    select(I.id, I.job_key)
-                    .where(
-                        I.state == S.ENQUEUED.value,
-                        I.job_key.not_in(live),
-                        I.created_at < cutoff,
-                        or_(I.run_at.is_(None), I.run_at < cutoff),
-                    )
-                    .order_by(I.id)
-                    .limit(limit)
-                    .with_for_update(skip_locked=True)
+                if row.stopped_at is None or (row.stopped_at or row.heartbeat_at) > cutoff:
+                    known.update(row.jobs or [])
+            waiting = await conn.scalars(
+                select(I.id)
+                .where(
+                    I.state == S.ENQUEUED.value,
+                    I.job_key.not_in(known),
+                    I.created_at < cutoff,
+                    or_(I.run_at.is_(None), I.run_at < cutoff),
                 )
-            ).all()
-            ids = [r.id for r in waiting if last_known.get(r.job_key, cutoff) <= cutoff]
-            return await self._move_many(conn, ids, S.ENQUEUED, S.TERMINATED, NO_WORKER_KNOWS, {})
+                .order_by(I.id)
+                .limit(limit)
+                .with_for_update(skip_locked=True)
+            )
+            return await self._move_many(
+                conn, list(waiting), S.ENQUEUED, S.TERMINATED, NO_WORKER_KNOWS, {}
+            )
 
     async def scheduled_due_within(self, seconds: float) -> list[datetime]:
         """``run_at`` of Scheduled instances due within ``seconds`` (the leader's timers)."""
