@@ -45,6 +45,9 @@ async def test_queued_finds_unread_and_pending_entries_not_acked_ones(bus: Bus) 
     asked = [("default", e) for e in (unread, pending, acked, pinned, unsent)]
     assert await bus.queued(asked) == {unread.instance_id, pending.instance_id, pinned.instance_id}
     assert await bus.queued([]) == set()
+    await asyncio.sleep(0.1)  # `pending` has waited 100 ms for its consumer's ack
+    stuck = await bus.queued(asked, stuck_after_ms=50)
+    assert stuck == {unread.instance_id, pinned.instance_id}
 
 
 async def test_publish_read_ack_round_trip(bus: Bus) -> None:

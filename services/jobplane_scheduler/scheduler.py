@@ -362,13 +362,18 @@ class LeaderDuties:
 
     async def _lost(self, stale: list[Instance]) -> list[Instance]:
         """Those of ``stale`` (unclaimed long after publication) whose message is really gone.
-        One still in its stream (unread, or pending on a consumer that has not acknowledged
-        it) is not published again — a backlog must not grow the stream — but marked
-        published now, so it is looked for again only after ``republish_after_s``."""
+        One still in its stream (unread, or delivered less than ``republish_after_s`` ago and
+        not yet acknowledged) is not published again — a backlog must not grow the stream —
+        but marked published now, so it is looked for again only after ``republish_after_s``.
+        An entry delivered longer ago and still unacknowledged counts as lost (its consumer
+        may be gone): the copy goes out now rather than at the next reclaim."""
         if not stale:
             return []
         try:
-            present = await self.bus.queued([(i.queue, envelope_for(i)) for i in stale])
+            present = await self.bus.queued(
+                [(i.queue, envelope_for(i)) for i in stale],
+                stuck_after_ms=int(self.settings.republish_after_s * 1000),
+            )
         except UnavailableError:
             return stale  # the publish fails too, and the next sweep looks again
         if present:

@@ -90,11 +90,22 @@ class MemoryBus:
             self._append(self.keys.stream_of(queue, envelope), envelope.encode())
         await self._notify()
 
-    async def queued(self, envelopes: Sequence[tuple[str, Envelope]]) -> set[uuid.UUID]:
+    async def queued(
+        self, envelopes: Sequence[tuple[str, Envelope]], *, stuck_after_ms: int | None = None
+    ) -> set[uuid.UUID]:
         wanted = {envelope.instance_id for _, envelope in envelopes}
         found: set[uuid.UUID] = set()
+        now = time.monotonic()
         for key in {self.keys.stream_of(queue, envelope) for queue, envelope in envelopes}:
-            for raw in self._stream(key).entries.values():
+            stream = self._stream(key)
+            for entry_id, raw in stream.entries.items():
+                pending = stream.pending.get(entry_id)
+                if (
+                    stuck_after_ms is not None
+                    and pending is not None
+                    and (now - pending.delivered_at) * 1000 >= stuck_after_ms
+                ):
+                    continue
                 try:
                     instance_id = Envelope.decode(raw).instance_id
                 except EnvelopeError:

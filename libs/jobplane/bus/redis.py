@@ -96,15 +96,20 @@ class RedisBus:
                 pipe.xadd(self.keys.stream_of(queue, envelope), {"d": envelope.encode()})
             await pipe.execute()
 
-    async def queued(self, envelopes: Sequence[tuple[str, Envelope]]) -> set[uuid.UUID]:
+    async def queued(
+        self, envelopes: Sequence[tuple[str, Envelope]], *, stuck_after_ms: int | None = None
+    ) -> set[uuid.UUID]:
         wanted = {envelope.instance_id for _, envelope in envelopes}
         found: set[uuid.UUID] = set()
         for key in {self.keys.stream_of(queue, envelope) for queue, envelope in envelopes}:
+            stuck = set() if stuck_after_ms is None else await self._stuck(key, stuck_after_ms)
             start = "-"
             while True:
                 async with _translated("xrange"):
                     page: Any = await self.client.xrange(key, min=start, count=XRANGE_PAGE)
-                for _, fields in page or []:
+                for entry_id, fields in page or []:
+                    if _text(entry_id) in stuck:
+                        continue
                     try:
                         instance_id = Envelope.decode(fields.get(b"d", b"")).instance_id
                     except EnvelopeError:
@@ -115,6 +120,23 @@ class RedisBus:
                     break
                 start = "(" + _text(page[-1][0])
         return found
+
+    async def _stuck(self, key: str, idle_ms: int) -> set[str]:
+        """Ids of ``key``'s entries delivered at least ``idle_ms`` ago and not acknowledged."""
+        stuck: set[str] = set()
+        start = "-"
+        while True:
+            try:
+                async with _translated("xpending"):
+                    page: Any = await self.client.xpending_range(
+                        key, GROUP, min=start, max="+", count=XRANGE_PAGE, idle=idle_ms
+                    )
+            except ResponseError:
+                return stuck  # no such stream or group yet: nothing delivered
+            stuck.update(_text(p["message_id"]) for p in page or [])
+            if len(page or []) < XRANGE_PAGE:
+                return stuck
+            start = "(" + _text(page[-1]["message_id"])
 
     def consumer(self, worker_id: str, queues: Sequence[str]) -> RedisConsumer:
         return RedisConsumer(self, worker_id, queues)
