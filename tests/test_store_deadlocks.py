@@ -11,6 +11,7 @@ import logging
 import random
 from uuid import UUID
 
+import httpx
 import pytest
 from sqlalchemy import text
 
@@ -20,6 +21,8 @@ from jobplane.domain.models import NewInstance, Outcome
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.factory import open_store
 from jobplane.store.sql import SqlStore
+from jobplane_api.main import create_app
+from jobplane_api.settings import ApiSettings
 from tests.apps.basic import app
 from tests.store_helpers import define, slots_used
 from tests.worker_helpers import running_worker, settled
@@ -147,14 +150,9 @@ async def test_a_real_deadlock_is_retried_by_the_store(
     assert retries and "deadlock" in retries[0]
 
 
-async def test_a_trigger_answers_once_committed_even_if_its_bookkeeping_fails(
-    pg_store: SqlStore, redis_bus: Bus, caplog: pytest.LogCaptureFixture
-) -> None:
-    """The instances are committed and published; recording ``published_at`` then fails (a
-    real database error, raised by a trigger in the database): the caller still gets its
-    instances, never an error that would make it trigger again."""
-    await define(pg_store, "job", max_concurrency=10)
-    async with pg_store.engine.begin() as conn:
+async def _refuse_marks(store: SqlStore) -> None:
+    """Every update of ``published_at`` fails in the database as a deadlock victim would."""
+    async with store.engine.begin() as conn:
         await conn.execute(
             text(
                 "CREATE FUNCTION refuse_mark() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
@@ -167,6 +165,34 @@ async def test_a_trigger_answers_once_committed_even_if_its_bookkeeping_fails(
                 "FOR EACH ROW EXECUTE FUNCTION refuse_mark()"
             )
         )
+
+
+async def test_the_api_never_answers_an_error_after_a_batch_trigger_committed(
+    pg_store: SqlStore, redis_bus: Bus
+) -> None:
+    await define(pg_store, "job", max_concurrency=10)
+    await _refuse_marks(pg_store)
+    app = create_app(ApiSettings(auth_enabled=False), store=pg_store, bus=redis_bus)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as api:
+            answer = await api.post(
+                "/api/v1/instances/batch",
+                json={"items": [{"job_key": "job"}, {"job_key": "job"}]},
+            )
+    assert answer.status_code == 201, answer.text
+    made = [UUID(i["id"]) for i in answer.json()]
+    assert {(await pg_store.get_instance(i)).state for i in made} == {S.ENQUEUED}
+
+
+async def test_a_trigger_answers_once_committed_even_if_its_bookkeeping_fails(
+    pg_store: SqlStore, redis_bus: Bus, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The instances are committed and published; recording ``published_at`` then fails (a
+    real database error, raised by a trigger in the database): the caller still gets its
+    instances, never an error that would make it trigger again."""
+    await define(pg_store, "job", max_concurrency=10)
+    await _refuse_marks(pg_store)
     made = await Dispatcher(pg_store, redis_bus).trigger_many(
         [NewInstance(job_key="job") for _ in range(3)]
     )
