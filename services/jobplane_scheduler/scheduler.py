@@ -345,7 +345,7 @@ class LeaderDuties:
         with self._refused("definitions"):
             await self._load_definitions()
         with self._refused("promote"):
-            await self._publish(await self.store.promote_due(self.lease))
+            await self._promote()
         with self._refused("expired leases"):
             await self._publish(await self.store.release_expired(self.lease))
         await self._check_bus_epoch()
@@ -359,6 +359,15 @@ class LeaderDuties:
         with self._refused("orphaned pins"):
             await self._publish(await self.store.resolve_orphaned_pins(self.lease))
         self._delayed = await self.store.scheduled_due_within(self.settings.sweep_interval_s)
+
+    async def _promote(self) -> None:
+        """Promote due instances; a batch the database refuses goes one by one, so a poison
+        instance is skipped (logged with its id) and the others are promoted."""
+        try:
+            promoted = await self.store.promote_due(self.lease)
+        except DBAPIError:
+            promoted = await self.store.promote_due_each(self.lease)
+        await self._publish(promoted)
 
     async def _lost(self, stale: list[Instance]) -> list[Instance]:
         """Those of ``stale`` (unclaimed long after publication) whose message is really gone.
@@ -426,7 +435,7 @@ class LeaderDuties:
                 break
             await asyncio.sleep(max(delay, 0))
             with self._refused("promote"):
-                await self._publish(await self.store.promote_due(self.lease))
+                await self._promote()
         await asyncio.sleep(max(0.0, end - loop.time()))
 
     async def _republish_all(self) -> None:

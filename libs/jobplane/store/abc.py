@@ -261,6 +261,10 @@ class Store(Protocol):
     async def promote_due(self, lease: LeaderLease, limit: int = 1000) -> list[Instance]:
         """Scheduled instances whose ``run_at`` has come (database clock) → Enqueued."""
 
+    async def promote_due_each(self, lease: LeaderLease, limit: int = 1000) -> list[Instance]:
+        """:meth:`promote_due` one instance per transaction (after the database refused the
+        batch): an instance still refused is logged and left Scheduled."""
+
     async def release_expired(self, lease: LeaderLease, limit: int = 1000) -> list[Instance]:
         """Expired attempt leases: → Enqueued (an unexpected retry, no retry used), →
         Terminated when unexpected retries are exhausted, → Cancelled if a cancel was pending.
@@ -269,6 +273,12 @@ class Store(Protocol):
     async def resolve_orphaned_pins(self, lease: LeaderLease) -> list[Instance]:
         """Instances pinned to a worker that is gone: unpinned (returned, to publish) or
         Terminated, per the job's ``pin_fallback``."""
+
+    async def terminate_unknown_jobs(
+        self, lease: LeaderLease, after_s: float, limit: int = 1000
+    ) -> list[Instance]:
+        """Enqueued instances waiting longer than ``after_s`` of a job that no live worker has
+        registered, nor any worker for that long: → Terminated ("no worker knows the job")."""
 
     async def scheduled_due_within(self, seconds: float) -> list[datetime]:
         """``run_at`` of the Scheduled instances due within ``seconds``."""

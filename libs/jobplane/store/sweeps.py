@@ -15,6 +15,7 @@ from typing import Any
 from uuid import UUID
 
 from sqlalchemy import and_, delete, func, or_, select, update
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobplane.domain.models import Instance, InstanceSource, LeaderLease, NewInstance
@@ -81,6 +82,41 @@ class SweepStore(SqlBase):
                 .all()
             )
             return await self._move_many(conn, list(due), S.SCHEDULED, S.ENQUEUED, "due", {})
+
+    async def promote_due_each(self, lease: LeaderLease, limit: int = 1000) -> list[Instance]:
+        """:meth:`promote_due` one instance per transaction, for when the database refused the
+        batch (a poison row: a constraint or trigger rejects it). An instance still refused is
+        logged with its id and left Scheduled (tried again at the next sweep); the others are
+        promoted."""
+        async with self._read() as conn:
+            due = list(
+                await conn.scalars(
+                    select(I.id)
+                    .where(
+                        I.state == S.SCHEDULED.value,
+                        I.run_at.is_not(None),
+                        I.run_at <= self._clock(),
+                    )
+                    .order_by(I.run_at)
+                    .limit(limit)
+                )
+            )
+        promoted: list[Instance] = []
+        for instance_id in due:
+            try:
+                async with self._write() as conn:
+                    await self._fence(conn, lease)
+                    promoted += await self._move_many(
+                        conn, [instance_id], S.SCHEDULED, S.ENQUEUED, "due", {}
+                    )
+            except DBAPIError as exc:
+                logger.error(
+                    "the database refused to promote instance %s: %s",
+                    instance_id,
+                    str(exc.orig).strip().splitlines()[0] if str(exc.orig).strip() else exc,
+                    extra={"action": "store.promotion_refused", "instance_id": str(instance_id)},
+                )
+        return promoted
 
     @retry_conflicts
     async def release_expired(self, lease: LeaderLease, limit: int = 1000) -> list[Instance]:
