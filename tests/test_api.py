@@ -400,6 +400,28 @@ async def test_bulk_cancel_by_filter(api: httpx.AsyncClient, store: SqlStore, bu
     _problem(await api.post("/api/v1/instances/cancel", json=naive), 422)
 
 
+async def test_retry_with_an_idempotency_key_is_safe_to_replay(api: httpx.AsyncClient) -> None:
+    ids = []
+    for i in range(2):
+        r = await api.post("/api/v1/jobs/echo/instances", json={"args": {"value": i}})
+        ids.append(r.json()["id"])
+        await api.post(f"/api/v1/instances/{ids[-1]}/cancel")
+    key = {"Idempotency-Key": "retry-once"}
+    first = await api.post(f"/api/v1/instances/{ids[0]}/retry", headers=key)
+    again = await api.post(f"/api/v1/instances/{ids[0]}/retry", headers=key)
+    assert first.status_code == 201 and again.status_code == 201
+    assert again.json()["id"] == first.json()["id"] and first.json()["retry_of"] == ids[0]
+    # The key names one request: a retry of another instance under it creates nothing.
+    _problem(await api.post(f"/api/v1/instances/{ids[1]}/retry", headers=key), 409)
+    trigger = {"args": {"value": 0}}
+    _problem(await api.post("/api/v1/jobs/echo/instances", json=trigger, headers=key), 409)
+    retries = (await api.get("/api/v1/instances", params={"job": "echo"})).json()["items"]
+    assert [i["retry_of"] for i in retries if i["retry_of"]] == [ids[0]]
+    # Without a key every POST is a new retry, as before.
+    other = await api.post(f"/api/v1/instances/{ids[0]}/retry")
+    assert other.status_code == 201 and other.json()["id"] != first.json()["id"]
+
+
 async def test_bulk_retry_by_filter_links_and_is_safe_to_replay(
     api: httpx.AsyncClient, store: SqlStore
 ) -> None:

@@ -33,6 +33,23 @@ async def inject_raw(bus: Bus, stream: str, raw: bytes) -> None:
         bus._append_raw(stream, raw)
 
 
+async def test_queued_finds_unread_and_pending_entries_not_acked_ones(bus: Bus) -> None:
+    unread, pending, acked = envelope(priority=1), envelope(), envelope()
+    pinned, unsent = envelope(pinned="w9"), envelope()
+    await bus.publish([("default", e) for e in (pending, acked)])
+    consumer = bus.consumer("w1", ["default"])
+    got = await consumer.read(10, 100)
+    await consumer.ack([d for d in got if d.envelope == acked])
+    await bus.publish([("default", unread), ("default", pinned)])
+    await inject_raw(bus, Keys(bus.keys.prefix).queue_stream("default", 1), b"not json")
+    asked = [("default", e) for e in (unread, pending, acked, pinned, unsent)]
+    assert await bus.queued(asked) == {unread.instance_id, pending.instance_id, pinned.instance_id}
+    assert await bus.queued([]) == set()
+    await asyncio.sleep(0.1)  # `pending` has waited 100 ms for its consumer's ack
+    stuck = await bus.queued(asked, stuck_after_ms=50)
+    assert stuck == {unread.instance_id, pinned.instance_id}
+
+
 async def test_publish_read_ack_round_trip(bus: Bus) -> None:
     sent = [envelope() for _ in range(3)]
     await bus.publish([("default", e) for e in sent])

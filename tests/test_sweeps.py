@@ -41,6 +41,31 @@ async def test_a_deposed_leader_writes_nothing(store: SqlStore) -> None:
     assert await store.last_occurrences(["tick"]) == {"tick": tick}
 
 
+async def test_a_deposed_leaders_other_sweep_writes_are_refused(store: SqlStore) -> None:
+    """Marking workers dead, retention and ``published_at`` bookkeeping are leader writes
+    too: fenced by the term, a deposed leader's sweep changes nothing."""
+    await define(store, "job", max_concurrency=5)
+    info = WorkerInfo(id="w1", host="h", pid=1, queues=("default",), capacity=1, version="x")
+    await store.register_worker(info)
+    [done] = await enqueue(store)
+    await store.request_cancel(done.id, "ops")
+    [waiting] = await enqueue(store)
+    old = await _lead(store, "s1", ttl=0.2)
+    await asyncio.sleep(0.3)
+    await _lead(store, "s2")
+    later = await store.now() + timedelta(hours=1)
+    with pytest.raises(NotLeaderError):
+        await store.mark_dead_workers(0.1, fence=old)
+    with pytest.raises(NotLeaderError):
+        await store.delete_finished_before(later, fence=old)
+    with pytest.raises(NotLeaderError):
+        await store.mark_published([waiting.id], fence=old)
+    [alive] = await store.list_workers()
+    assert alive.id == "w1" and alive.stopped_at is None
+    assert (await store.get_instance(done.id)).state is S.CANCELLED
+    assert (await store.get_instance(waiting.id)).published_at is None
+
+
 async def test_promote_due_enqueues_only_what_is_due(store: SqlStore) -> None:
     await define(store, "job", max_concurrency=5)
     lease = await _lead(store)

@@ -16,6 +16,7 @@ from typing import Any
 from uuid import UUID
 
 import jsonschema
+from sqlalchemy.exc import SQLAlchemyError
 
 from jobplane.bus.abc import Bus
 from jobplane.bus.envelope import Envelope, Event, EventKind
@@ -25,11 +26,17 @@ from jobplane.domain.models import (
     InstanceFilter,
     InstanceSource,
     JobDefinition,
+    LeaderLease,
     NewInstance,
 )
 from jobplane.domain.options import JobKind
 from jobplane.domain.states import InstanceState
-from jobplane.errors import BusUnavailableError, InvalidOptionsError, JobplaneError
+from jobplane.errors import (
+    BusUnavailableError,
+    InvalidOptionsError,
+    JobplaneError,
+    UnavailableError,
+)
 from jobplane.idempotency import fingerprint
 from jobplane.store.abc import Store
 
@@ -54,9 +61,19 @@ class InvalidArgumentsError(InvalidOptionsError):
 class Dispatcher:
     """Creates and publishes instances. Does not own the store or the bus."""
 
-    def __init__(self, store: Store, bus: Bus, *, hold_triggered: bool = False) -> None:
+    def __init__(
+        self,
+        store: Store,
+        bus: Bus,
+        *,
+        hold_triggered: bool = False,
+        fence: LeaderLease | None = None,
+    ) -> None:
         self.store = store
         self.bus = bus
+        #: The leader's lease when the scheduler publishes: its ``published_at`` bookkeeping
+        #: is a leader write, fenced by the term like the others.
+        self.fence = fence
         #: Debug mode: instances triggered for triggered jobs are held (Scheduled with no due
         #: time) until someone runs them (:meth:`run_now`).
         self.hold_triggered = hold_triggered
@@ -219,7 +236,21 @@ class Dispatcher:
                 extra={"action": "dispatch.publish_deferred"},
             )
             return
-        await self.store.mark_published([i.id for i in due])
+        try:
+            await self.store.mark_published([i.id for i in due], fence=self.fence)
+        except (UnavailableError, SQLAlchemyError) as exc:
+            # Bookkeeping after the fact: the instances are committed and their messages are
+            # on the bus, so the caller has its answer (an API client must not see an error
+            # and retry a committed trigger). Unmarked, they are only republished by the sweep
+            # (a second message for an instance is harmless: the claim takes it once).
+            logger.warning(
+                "published %d instance(s) but could not record it: %s; the sweep may "
+                "republish them",
+                len(due),
+                exc,
+                exc_info=not isinstance(exc, UnavailableError),
+                extra={"action": "dispatch.mark_published_failed"},
+            )
 
 
 def trigger_request(

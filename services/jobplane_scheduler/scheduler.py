@@ -12,14 +12,17 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
+from sqlalchemy.exc import DBAPIError
+
 from jobplane.bus.abc import Bus, BusEpoch
 from jobplane.bus.envelope import Event, EventKind
 from jobplane.definitions import DefinitionCache
-from jobplane.dispatch import Dispatcher
+from jobplane.dispatch import Dispatcher, envelope_for
 from jobplane.domain.models import Instance, JobDefinition, LeaderLease, NewInstance
 from jobplane.enqueue import CHANNEL as ENQUEUED_CHANNEL
 from jobplane.errors import UnavailableError
@@ -141,7 +144,7 @@ class LeaderDuties:
         self.bus = bus
         self.settings = settings
         self.lease = lease
-        self.dispatcher = Dispatcher(store, bus)
+        self.dispatcher = Dispatcher(store, bus, fence=lease)
         self.timers = CronTimers()
         self.cache = DefinitionCache(store, bus)
         # Serialises re-planning and firing: the cron loop, the sweep and the event listener
@@ -323,11 +326,52 @@ class LeaderDuties:
             raise
 
     async def _fire_and_publish(self, records: list[Any]) -> None:
-        instances = await self.store.fire(self.lease, records)
+        try:
+            instances = await self.store.fire(self.lease, records)
+        except DBAPIError as exc:
+            instances = await self._fire_each_job(records, exc)
         await self.dispatcher.publish(instances)
         fired = [i for i in instances if not i.state.is_terminal]
         if fired:
             logger.debug("fired %d tick(s)", len(fired), extra={"action": "scheduler.fired"})
+
+    async def _fire_each_job(self, records: list[Any], exc: DBAPIError) -> list[Instance]:
+        """The database refused a batch of ticks (a poison job: data or a constraint it
+        rejects; outages and conflicts are not ``DBAPIError`` here). Fire each job's ticks on
+        their own: a job still refused is logged with its key and its ticks skipped, and every
+        other job fires."""
+        by_job: dict[str, list[Any]] = {}
+        for record in records:
+            by_job.setdefault(record.job_key, []).append(record)
+        fired: list[Instance] = []
+        for key, ticks in by_job.items():
+            try:
+                if len(by_job) == 1:
+                    raise exc  # that job alone was refused
+                fired += await self.store.fire(self.lease, ticks)
+            except DBAPIError as refused:
+                logger.error(
+                    "the database refused %d tick(s) of job %s: %s; skipped",
+                    len(ticks),
+                    key,
+                    _first_line(refused),
+                    extra={"action": "scheduler.fire_refused", "job_key": key},
+                )
+        return fired
+
+    @contextlib.contextmanager
+    def _refused(self, step: str) -> Iterator[None]:
+        """One sweep step the database refuses (a poison row in its batch) is logged; the
+        other steps, the next sweeps and the cron loop go on."""
+        try:
+            yield
+        except DBAPIError as exc:
+            logger.error(
+                "sweep step %s refused by the database: %s",
+                step,
+                _first_line(exc),
+                extra={"action": "scheduler.sweep_refused", "step": step},
+            )
 
     # -- sweeps ----------------------------------------------------------------------------
 
@@ -345,16 +389,53 @@ class LeaderDuties:
     async def _sweep_once(self) -> None:
         """Find what no event announced: definitions edited, due instances, expired leases,
         lost messages, a bus that restarted empty, dead workers."""
-        await self._load_definitions()
-        await self._publish(await self.store.promote_due(self.lease))
+        with self._refused("definitions"):
+            await self._load_definitions()
+        with self._refused("promote"):
+            await self._promote()
         if time.monotonic() >= self._reap_from:
-            await self._publish(await self.store.release_expired(self.lease))
+            with self._refused("expired leases"):
+                await self._publish(await self.store.release_expired(self.lease))
         await self._check_bus_epoch()
-        stale = await self.store.unpublished(self.settings.republish_after_s)
-        await self._publish(stale, force=True)
-        await self.store.mark_dead_workers(self.settings.dead_worker_after_s)
-        await self._publish(await self.store.resolve_orphaned_pins(self.lease))
+        with self._refused("republish"):
+            stale = await self.store.unpublished(self.settings.republish_after_s)
+            await self._publish(await self._lost(stale), force=True)
+        with self._refused("unknown jobs"):
+            await self.store.terminate_unknown_jobs(self.lease, self.settings.unknown_job_timeout_s)
+        with self._refused("dead workers"):
+            await self.store.mark_dead_workers(self.settings.dead_worker_after_s, fence=self.lease)
+        with self._refused("orphaned pins"):
+            await self._publish(await self.store.resolve_orphaned_pins(self.lease))
         self._delayed = await self.store.scheduled_due_within(self.settings.sweep_interval_s)
+
+    async def _promote(self) -> None:
+        """Promote due instances; a batch the database refuses goes one by one, so a poison
+        instance is skipped (logged with its id) and the others are promoted."""
+        try:
+            promoted = await self.store.promote_due(self.lease)
+        except DBAPIError:
+            promoted = await self.store.promote_due_each(self.lease)
+        await self._publish(promoted)
+
+    async def _lost(self, stale: list[Instance]) -> list[Instance]:
+        """Those of ``stale`` (unclaimed long after publication) whose message is really gone.
+        One still in its stream (unread, or delivered less than ``republish_after_s`` ago and
+        not yet acknowledged) is not published again — a backlog must not grow the stream —
+        but marked published now, so it is looked for again only after ``republish_after_s``.
+        An entry delivered longer ago and still unacknowledged counts as lost (its consumer
+        may be gone): the copy goes out now rather than at the next reclaim."""
+        if not stale:
+            return []
+        try:
+            present = await self.bus.queued(
+                [(i.queue, envelope_for(i)) for i in stale],
+                stuck_after_ms=int(self.settings.republish_after_s * 1000),
+            )
+        except UnavailableError:
+            return stale  # the publish fails too, and the next sweep looks again
+        if present:
+            await self.store.mark_published(present, fence=self.lease)
+        return [i for i in stale if i.id not in present]
 
     async def _check_bus_epoch(self) -> None:
         """Redis restarted (new run_id) or was flushed (its marker is gone; a flush keeps the
@@ -401,7 +482,8 @@ class LeaderDuties:
             if loop.time() + max(delay, 0) >= end:
                 break
             await asyncio.sleep(max(delay, 0))
-            await self._publish(await self.store.promote_due(self.lease))
+            with self._refused("promote"):
+                await self._promote()
         await asyncio.sleep(max(0.0, end - loop.time()))
 
     async def _republish_all(self) -> None:
@@ -410,12 +492,14 @@ class LeaderDuties:
             page = await self.store.all_enqueued(after)
             if not page:
                 return
-            await self._publish(page, force=True)
+            # After a restart or flush the streams are empty and everything goes out; a bus
+            # merely new to this leader may still hold the messages, which are not doubled.
+            await self._publish(await self._lost(page), force=True)
             after = page[-1].id
 
     async def _retention(self) -> None:
         before = await self.store.now() - timedelta(days=self.settings.retention_days)
-        while await self.store.delete_finished_before(before):
+        while await self.store.delete_finished_before(before, fence=self.lease):
             pass
 
     async def _publish(self, instances: list[Instance], *, force: bool = False) -> None:
@@ -446,6 +530,11 @@ class LeaderDuties:
             except UnavailableError:
                 pass
             await asyncio.sleep(1)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(getattr(exc, "orig", None) or exc)
+    return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
 
 
 def _is_uuid(text: str) -> bool:

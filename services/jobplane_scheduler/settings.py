@@ -25,6 +25,9 @@ class SchedulerSettings(CommonSettings):
     #: resume after a store outage: workers whose heartbeats (and outcomes) failed during the
     #: outage renew (and record) first. At least the workers' heartbeat plus their retry backoff.
     reap_grace_s: float = Field(default=6.0, ge=0)
+    #: An Enqueued instance of a job no live worker has registered (nor any worker for this
+    #: long) is Terminated after this ("no worker knows the job").
+    unknown_job_timeout_s: float = Field(default=3600.0, gt=0)
     #: A worker silent for this long is marked stopped.
     dead_worker_after_s: float = Field(default=30.0, gt=0)
     #: Terminal instances older than this are deleted (with their history); 0 keeps all.

@@ -52,6 +52,7 @@ from jobplane.tasks import cancel_and_wait
 from jobplane_worker.attempt import TIMEOUT, Attempt, run_attempt
 from jobplane_worker.health import serving
 from jobplane_worker.metrics import LEASE_LOST, RELEASED, WorkerMetrics
+from jobplane_worker.poison import complete_isolating_poison
 from jobplane_worker.retrying import SIDE_WRITE_RETRY_S, retrying
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,9 @@ FENCE_NOTICE_S = 0.1
 SHUTDOWN_NAG_S = 30.0
 #: Claims in flight at once: the next batch is read while the previous one is being claimed.
 MAX_CLAIMS_IN_FLIGHT = 1
+#: Entries of a job no live worker knows are put back every ``unknown_job_delay_s``; they are
+#: logged once per job per this many seconds, with the count.
+UNKNOWN_JOB_LOG_EVERY_S = 60.0
 
 
 class Worker:
@@ -97,6 +101,8 @@ class Worker:
         #: Per running instance, a ``time.monotonic()`` until which its lease surely holds:
         #: ``lease_s`` after the claim or last renewal was sent.
         self._lease_until: dict[UUID, float] = {}
+        #: Per unknown job key: when its put-backs were last logged, and how many since.
+        self._unknown_logged: dict[str, tuple[float, int]] = {}
 
     @property
     def runaway_count(self) -> int:
@@ -356,14 +362,30 @@ class Worker:
                     extra={"action": "worker.forward_unknown", "job_key": key},
                 )
                 continue
-            logger.info(
-                "no live worker knows job %s; putting %d entr(ies) back",
-                key,
-                len(group),
-                extra={"action": "worker.unknown_job", "job_key": key},
-            )
+            self._log_unknown(key, len(group))
             await asyncio.sleep(self.settings.unknown_job_delay_s)
-            await consumer.requeue(group)
+            # An instance no longer Enqueued (Terminated because no worker knows its job,
+            # cancelled, claimed elsewhere) needs no message: its entry goes.
+            enqueued = await self.store.still_enqueued({d.envelope.instance_id for d in group})
+            await consumer.ack([d for d in group if d.envelope.instance_id not in enqueued])
+            await consumer.requeue([d for d in group if d.envelope.instance_id in enqueued])
+
+    def _log_unknown(self, key: str, entries: int) -> None:
+        """One line per job and ``UNKNOWN_JOB_LOG_EVERY_S`` for entries put back, with the
+        count since the last line (a backlog goes round every ``unknown_job_delay_s``)."""
+        last, count = self._unknown_logged.get(key, (-UNKNOWN_JOB_LOG_EVERY_S, 0))
+        count += entries
+        now = time.monotonic()
+        if now - last < UNKNOWN_JOB_LOG_EVERY_S:
+            self._unknown_logged[key] = (last, count)
+            return
+        self._unknown_logged[key] = (now, 0)
+        logger.info(
+            "no live worker knows job %s; put %d entr(ies) back since the last line",
+            key,
+            count,
+            extra={"action": "worker.unknown_job", "job_key": key},
+        )
 
     # -- running ---------------------------------------------------------------------------
 
@@ -580,8 +602,9 @@ class Worker:
 
     async def _record(self, batch: list[tuple[Attempt, Outcome]]) -> None:
         outcomes = [outcome for _, outcome in batch]
-        ended: dict[UUID, InstanceState] = await retrying(f"recording {len(outcomes)} outcome(s)")(
-            self.store.complete, outcomes
+        ended: dict[UUID, InstanceState] = await complete_isolating_poison(
+            retrying(f"recording {len(outcomes)} outcome(s)").wraps(self.store.complete),
+            outcomes,
         )
         requeued: list[Instance] = []
         wait_keys: dict[str, int] = {}

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+from uuid import UUID
 
 from jobplane.bus.envelope import Envelope, Event
 
@@ -91,6 +92,15 @@ class Bus(Protocol):
     async def publish(self, envelopes: Sequence[tuple[str, Envelope]]) -> None:
         """Append ``(queue, envelope)`` pairs: to the queue's band stream, or to the pinned
         worker's stream when ``envelope.pinned_worker`` is set. One round trip."""
+
+    async def queued(
+        self, envelopes: Sequence[tuple[str, Envelope]], *, stuck_after_ms: int | None = None
+    ) -> set[UUID]:
+        """The instance ids among ``envelopes`` that still have an entry in the stream they
+        would be published to: unread, or delivered and not yet acknowledged (an
+        acknowledged entry is deleted). Such a message is not lost; publishing it again would
+        only grow the stream. With ``stuck_after_ms``, an entry delivered that long ago and
+        still unacknowledged does not count (its consumer may be gone)."""
 
     def consumer(self, worker_id: str, queues: Sequence[str]) -> Consumer:
         """The consumer of ``worker_id`` on ``queues`` (groups are created on first read)."""

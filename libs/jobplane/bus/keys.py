@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from jobplane.bus.envelope import Envelope
 from jobplane.domain.options import PRIORITY_MAX, PRIORITY_MIN
 
 GROUP = "workers"
@@ -39,6 +40,12 @@ class Keys:
     def queue_streams(self, queue: str) -> list[str]:
         """The band streams of ``queue``, highest priority first."""
         return [self.queue_stream(queue, band) for _, band in BANDS]
+
+    def stream_of(self, queue: str, envelope: Envelope) -> str:
+        """The stream ``envelope`` is published to: its pinned worker's, else its band's."""
+        if envelope.pinned_worker is not None:
+            return self.worker_stream(envelope.pinned_worker)
+        return self.queue_stream(queue, band_of(envelope.priority))
 
     def dead_letter(self, queue: str) -> str:
         return f"{self.prefix}:q:{{{queue}}}:dead"

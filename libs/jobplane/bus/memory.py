@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from jobplane.bus.abc import BusEpoch, DeadLetter, Delivery
 from jobplane.bus.envelope import Envelope, Event
-from jobplane.bus.keys import Keys, band_of
+from jobplane.bus.keys import Keys
 from jobplane.errors import EnvelopeError
 
 logger = logging.getLogger(__name__)
@@ -87,12 +87,32 @@ class MemoryBus:
 
     async def publish(self, envelopes: Sequence[tuple[str, Envelope]]) -> None:
         for queue, envelope in envelopes:
-            if envelope.pinned_worker is not None:
-                key = self.keys.worker_stream(envelope.pinned_worker)
-            else:
-                key = self.keys.queue_stream(queue, band_of(envelope.priority))
-            self._append(key, envelope.encode())
+            self._append(self.keys.stream_of(queue, envelope), envelope.encode())
         await self._notify()
+
+    async def queued(
+        self, envelopes: Sequence[tuple[str, Envelope]], *, stuck_after_ms: int | None = None
+    ) -> set[uuid.UUID]:
+        wanted = {envelope.instance_id for _, envelope in envelopes}
+        found: set[uuid.UUID] = set()
+        now = time.monotonic()
+        for key in {self.keys.stream_of(queue, envelope) for queue, envelope in envelopes}:
+            stream = self._stream(key)
+            for entry_id, raw in stream.entries.items():
+                pending = stream.pending.get(entry_id)
+                if (
+                    stuck_after_ms is not None
+                    and pending is not None
+                    and (now - pending.delivered_at) * 1000 >= stuck_after_ms
+                ):
+                    continue
+                try:
+                    instance_id = Envelope.decode(raw).instance_id
+                except EnvelopeError:
+                    continue
+                if instance_id in wanted:
+                    found.add(instance_id)
+        return found
 
     def consumer(self, worker_id: str, queues: Sequence[str]) -> MemoryConsumer:
         return MemoryConsumer(self, worker_id, queues)

@@ -21,13 +21,15 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from jobplane.bus.abc import BusEpoch, DeadLetter, Delivery
 from jobplane.bus.envelope import Envelope, Event
-from jobplane.bus.keys import GROUP, Keys, band_of
+from jobplane.bus.keys import GROUP, Keys
 from jobplane.errors import BusUnavailableError, EnvelopeError
 from jobplane.tasks import being_cancelled
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+#: Entries read per XRANGE call when looking for messages still in a stream.
+XRANGE_PAGE = 1000
 DEAD_LETTER_MAXLEN = 10_000
 
 # Compare-and-delete: a newer edit's mark survives the clearing of an older one.
@@ -90,12 +92,51 @@ class RedisBus:
         async with _translated("publish"):
             pipe = self.client.pipeline(transaction=False)
             for queue, envelope in envelopes:
-                if envelope.pinned_worker is not None:
-                    key = self.keys.worker_stream(envelope.pinned_worker)
-                else:
-                    key = self.keys.queue_stream(queue, band_of(envelope.priority))
-                pipe.xadd(key, {"d": envelope.encode()})  # never MAXLEN: unread stays
+                # never MAXLEN: unread stays
+                pipe.xadd(self.keys.stream_of(queue, envelope), {"d": envelope.encode()})
             await pipe.execute()
+
+    async def queued(
+        self, envelopes: Sequence[tuple[str, Envelope]], *, stuck_after_ms: int | None = None
+    ) -> set[uuid.UUID]:
+        wanted = {envelope.instance_id for _, envelope in envelopes}
+        found: set[uuid.UUID] = set()
+        for key in {self.keys.stream_of(queue, envelope) for queue, envelope in envelopes}:
+            stuck = set() if stuck_after_ms is None else await self._stuck(key, stuck_after_ms)
+            start = "-"
+            while True:
+                async with _translated("xrange"):
+                    page: Any = await self.client.xrange(key, min=start, count=XRANGE_PAGE)
+                for entry_id, fields in page or []:
+                    if _text(entry_id) in stuck:
+                        continue
+                    try:
+                        instance_id = Envelope.decode(fields.get(b"d", b"")).instance_id
+                    except EnvelopeError:
+                        continue  # the reader dead-letters it
+                    if instance_id in wanted:
+                        found.add(instance_id)
+                if len(page or []) < XRANGE_PAGE:
+                    break
+                start = "(" + _text(page[-1][0])
+        return found
+
+    async def _stuck(self, key: str, idle_ms: int) -> set[str]:
+        """Ids of ``key``'s entries delivered at least ``idle_ms`` ago and not acknowledged."""
+        stuck: set[str] = set()
+        start = "-"
+        while True:
+            try:
+                async with _translated("xpending"):
+                    page: Any = await self.client.xpending_range(
+                        key, GROUP, min=start, max="+", count=XRANGE_PAGE, idle=idle_ms
+                    )
+            except ResponseError:
+                return stuck  # no such stream or group yet: nothing delivered
+            stuck.update(_text(p["message_id"]) for p in page or [])
+            if len(page or []) < XRANGE_PAGE:
+                return stuck
+            start = "(" + _text(page[-1]["message_id"])
 
     def consumer(self, worker_id: str, queues: Sequence[str]) -> RedisConsumer:
         return RedisConsumer(self, worker_id, queues)

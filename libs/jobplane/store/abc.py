@@ -102,8 +102,16 @@ class Store(Protocol):
         is not inserted again: the existing instance is returned in its place.
         """
 
-    async def mark_published(self, ids: Collection[UUID]) -> None:
-        """Record that messages for ``ids`` were handed to the bus (sets ``published_at``)."""
+    async def mark_published(
+        self, ids: Collection[UUID], *, fence: LeaderLease | None = None
+    ) -> None:
+        """Record that messages for ``ids`` were handed to the bus (sets ``published_at``).
+        Best effort: a row another transaction holds (being claimed) is skipped. With
+        ``fence`` (the leader's lease) nothing is written once that term is over
+        (:class:`~jobplane.store.base.NotLeaderError`)."""
+
+    async def still_enqueued(self, ids: Collection[UUID]) -> set[UUID]:
+        """Those of ``ids`` that are Enqueued (a message for any other is obsolete)."""
 
     async def get_instance(self, instance_id: UUID) -> Instance:
         """Raises :class:`~jobplane.errors.InstanceNotFoundError`."""
@@ -256,6 +264,10 @@ class Store(Protocol):
     async def promote_due(self, lease: LeaderLease, limit: int = 1000) -> list[Instance]:
         """Scheduled instances whose ``run_at`` has come (database clock) → Enqueued."""
 
+    async def promote_due_each(self, lease: LeaderLease, limit: int = 1000) -> list[Instance]:
+        """:meth:`promote_due` one instance per transaction (after the database refused the
+        batch): an instance still refused is logged and left Scheduled."""
+
     async def release_expired(self, lease: LeaderLease, limit: int = 1000) -> list[Instance]:
         """Expired attempt leases: → Enqueued (an unexpected retry, no retry used), →
         Terminated when unexpected retries are exhausted, → Cancelled if a cancel was pending.
@@ -264,6 +276,12 @@ class Store(Protocol):
     async def resolve_orphaned_pins(self, lease: LeaderLease) -> list[Instance]:
         """Instances pinned to a worker that is gone: unpinned (returned, to publish) or
         Terminated, per the job's ``pin_fallback``."""
+
+    async def terminate_unknown_jobs(
+        self, lease: LeaderLease, after_s: float, limit: int = 1000
+    ) -> list[Instance]:
+        """Enqueued instances waiting longer than ``after_s`` of a job that no live worker has
+        registered, nor any worker for that long: → Terminated ("no worker knows the job")."""
 
     async def scheduled_due_within(self, seconds: float) -> list[datetime]:
         """``run_at`` of the Scheduled instances due within ``seconds``."""
@@ -274,12 +292,18 @@ class Store(Protocol):
     async def all_enqueued(self, after: UUID | None, limit: int = 1000) -> list[Instance]:
         """Every Enqueued instance in id order, a page at a time."""
 
-    async def mark_dead_workers(self, silent_for_s: float) -> list[str]:
+    async def mark_dead_workers(
+        self, silent_for_s: float, *, fence: LeaderLease | None = None
+    ) -> list[str]:
         """Mark workers silent for ``silent_for_s`` as stopped; return their ids. Slots held
-        by runaway code of stopped workers are given back in the same transaction."""
+        by runaway code of stopped workers are given back in the same transaction. Fenced by
+        the leader's lease ``fence``."""
 
-    async def delete_finished_before(self, before: datetime, limit: int = 1000) -> int:
-        """Retention: delete a batch of terminal instances (and history) finished before."""
+    async def delete_finished_before(
+        self, before: datetime, limit: int = 1000, *, fence: LeaderLease | None = None
+    ) -> int:
+        """Retention: delete a batch of terminal instances (and history) finished before.
+        Fenced by the leader's lease ``fence``."""
 
     # -- API tokens ------------------------------------------------------------------------
 

@@ -9,11 +9,13 @@ statements cannot race.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import AsyncIterator
+import random
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy import (
     ColumnElement,
@@ -43,6 +45,55 @@ class NotLeaderError(JobplaneError):
     """The lease of this term is no longer live: a leader write was refused."""
 
 
+class StoreConflictError(StoreUnavailableError):
+    """A transaction lost to a concurrent one (deadlock, serialization failure, lock wait
+    timeout) and was rolled back: nothing of it was written, and trying again is safe. The
+    store retries these itself (:func:`retry_conflicts`); one that still fails is reported as
+    a short outage, which every role waits out."""
+
+
+#: SQLSTATEs of a transaction rolled back because of a concurrent one: deadlock detected,
+#: serialization failure, lock not available (``lock_timeout``).
+CONFLICT_SQLSTATES = frozenset({"40P01", "40001", "55P03"})
+#: Tries of a transaction that lost to a concurrent one (the first included).
+CONFLICT_TRIES = 5
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def retry_conflicts(
+    method: Callable[P, Coroutine[Any, Any, R]],
+) -> Callable[P, Coroutine[Any, Any, R]]:
+    """Run a store method (one transaction) again when it lost to a concurrent transaction,
+    up to :data:`CONFLICT_TRIES` times with a short random pause, logging each retry. Only
+    for methods that open their own transaction: the rolled-back one wrote nothing, so the
+    retry is the first write."""
+
+    @functools.wraps(method)
+    async def retried(*args: P.args, **kwargs: P.kwargs) -> R:
+        for attempt in range(1, CONFLICT_TRIES + 1):
+            try:
+                return await method(*args, **kwargs)
+            except StoreConflictError as exc:
+                if attempt == CONFLICT_TRIES:
+                    raise
+                pause = random.uniform(0.005, 0.05) * attempt  # jitter only
+                logger.warning(
+                    "%s: %s; try %d of %d, retrying in %.0f ms",
+                    method.__name__,
+                    exc,
+                    attempt,
+                    CONFLICT_TRIES,
+                    pause * 1000,
+                    extra={"action": "store.conflict_retry"},
+                )
+                await asyncio.sleep(pause)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    return retried
+
+
 class SqlBase:
     """Owns ``engine`` and disposes of it in :meth:`close`."""
 
@@ -66,6 +117,10 @@ class SqlBase:
         try:
             yield
         except (DBAPIError, OSError) as exc:
+            if isinstance(exc, DBAPIError) and _sqlstate(exc) in CONFLICT_SQLSTATES:
+                if being_cancelled():
+                    raise asyncio.CancelledError from exc
+                raise StoreConflictError(f"transaction conflict: {_first_line(exc)}") from exc
             # (a bare DBAPIError too: asyncpg's "the database system is shutting down" while
             # connecting is neither an OperationalError nor an InterfaceError)
             if isinstance(exc, DBAPIError) and not _is_disconnect(exc):
@@ -141,6 +196,23 @@ class SqlBase:
             raise NotLeaderError(f"term {lease.term} of shard {lease.shard} is over")
 
 
+def locked_in_id_order(
+    where: Callable[[Any], ColumnElement[bool]], *, skip_locked: bool = False
+) -> ColumnElement[bool]:
+    """``id IN (...)`` over the instances ``where(columns)`` selects, locked in id order first
+    (Postgres; SQLite serialises writes). An UPDATE of several instances locks them in the
+    order its plan meets them; statements that lock the same rows in different orders
+    deadlock. Every multi-row instance write therefore goes through this, or locks in id order
+    itself (the claim). With ``skip_locked`` a row another transaction holds is left out."""
+    locked = job_instances.alias("locked")
+    return I.id.in_(
+        select(locked.c.id)
+        .where(where(locked.c))
+        .order_by(locked.c.id)
+        .with_for_update(skip_locked=skip_locked)
+    )
+
+
 def _aware(value: datetime | str) -> datetime:
     if isinstance(value, str):  # SQLite returns CURRENT_TIMESTAMP-style strings
         value = datetime.fromisoformat(value)
@@ -167,10 +239,15 @@ def _is_disconnect(exc: DBAPIError) -> bool:
     if type(orig).__name__ in _DISCONNECT_NAMES or type(cause).__name__ in _DISCONNECT_NAMES:
         return True
     # SQLSTATE class 08 (connection exception) and 57P0x (server shutting down or starting up)
-    sqlstate = str(getattr(orig, "sqlstate", None) or getattr(cause, "sqlstate", None) or "")
-    if sqlstate.startswith(("08", "57P0")):
+    if _sqlstate(exc).startswith(("08", "57P0")):
         return True
     return "unable to open database" in str(orig)
+
+
+def _sqlstate(exc: DBAPIError) -> str:
+    orig = exc.orig
+    cause = getattr(orig, "__cause__", None)
+    return str(getattr(orig, "sqlstate", None) or getattr(cause, "sqlstate", None) or "")
 
 
 def _first_line(exc: BaseException) -> str:

@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobplane.domain.models import BulkCancel, Instance, InstanceFilter
 from jobplane.store import rows
-from jobplane.store.base import I, S, SqlBase
+from jobplane.store.base import I, S, SqlBase, retry_conflicts
 from jobplane.store.instances import filtered
 from jobplane.store.tables import job_instances
 
@@ -29,6 +29,7 @@ RUNNING = (S.PROCESSING, S.FAILED)
 class BulkStore(SqlBase):
     """Bulk changes selected by an :class:`InstanceFilter`."""
 
+    @retry_conflicts
     async def cancel_many(self, filter: InstanceFilter, *, limit: int, actor: str) -> BulkCancel:
         async with self._write() as conn:
             # Lock what the filter selects, oldest first. A row that changed while we waited

@@ -19,7 +19,7 @@ from jobplane.domain.models import (
     WorkerInfo,
 )
 from jobplane.store import rows
-from jobplane.store.base import SqlBase
+from jobplane.store.base import SqlBase, retry_conflicts
 from jobplane.store.lifecycle import release_runaway_rows
 from jobplane.store.tables import (
     runaway_slots,
@@ -31,6 +31,7 @@ from jobplane.store.tables import (
 class ClusterStore(SqlBase):
     """Worker registry and leader election."""
 
+    @retry_conflicts
     async def register_worker(self, info: WorkerInfo) -> None:
         async with self._write() as conn:
             now = await self._now(conn)
@@ -57,6 +58,7 @@ class ClusterStore(SqlBase):
             # runaway code are a previous process's (killed before the sweep saw it silent).
             await release_runaway_rows(conn, runaway_slots.c.worker_id == info.id)
 
+    @retry_conflicts
     async def worker_heartbeat(self, worker_id: str) -> bool:
         async with self._write() as conn:
             # Conditional on the worker not being marked stopped: the dead-worker sweep gave
@@ -72,6 +74,7 @@ class ClusterStore(SqlBase):
             ).first()
         return alive is not None
 
+    @retry_conflicts
     async def worker_stopped(self, worker_id: str) -> None:
         async with self._write() as conn:
             await conn.execute(
@@ -83,6 +86,7 @@ class ClusterStore(SqlBase):
             result = await conn.execute(select(workers).order_by(workers.c.id))
             return [rows.worker_from_row(r._mapping) for r in result]
 
+    @retry_conflicts
     async def acquire_leadership(self, shard: int, holder: str, ttl_s: float) -> LeaderLease | None:
         async with self._write() as conn:
             now = await self._now(conn)

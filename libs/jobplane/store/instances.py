@@ -34,7 +34,7 @@ from jobplane.errors import (
 from jobplane.idempotency import fingerprint_of, replay_candidates, replayed
 from jobplane.ids import id_floor
 from jobplane.store import rows
-from jobplane.store.base import I, S, SqlBase
+from jobplane.store.base import I, S, SqlBase, locked_in_id_order, retry_conflicts
 from jobplane.store.tables import (
     instance_transitions,
     job_definitions,
@@ -45,6 +45,7 @@ from jobplane.store.tables import (
 class InstanceStore(SqlBase):
     """Instance creation and reads."""
 
+    @retry_conflicts
     async def create_instances(
         self, new: Sequence[NewInstance], *, fence: LeaderLease | None = None
     ) -> list[Instance]:
@@ -145,15 +146,38 @@ class InstanceStore(SqlBase):
             n.pinned_worker,
         )
 
-    async def mark_published(self, ids: Collection[UUID]) -> None:
+    @retry_conflicts
+    async def mark_published(
+        self, ids: Collection[UUID], *, fence: LeaderLease | None = None
+    ) -> None:
         if not ids:
             return
+        wanted = list(ids)
         async with self._write() as conn:
+            await self._fence(conn, fence)
+            # Rows a concurrent transaction holds are skipped, not waited for: a claim (which
+            # locks in id order too) makes them Processing, and a claimed row needs no mark; a
+            # row left unmarked for another reason is only republished by the sweep. So this
+            # bookkeeping never waits on, nor deadlocks with, a claim.
             await conn.execute(
                 update(job_instances)
-                .where(I.id.in_(list(ids)), I.state == S.ENQUEUED.value)
+                .where(
+                    locked_in_id_order(
+                        lambda c: c.id.in_(wanted) & (c.state == S.ENQUEUED.value),
+                        skip_locked=True,
+                    )
+                )
                 .values(published_at=self._clock())
             )
+
+    async def still_enqueued(self, ids: Collection[UUID]) -> set[UUID]:
+        if not ids:
+            return set()
+        async with self._read() as conn:
+            result = await conn.execute(
+                select(I.id).where(I.id.in_(list(ids)), I.state == S.ENQUEUED.value)
+            )
+            return set(result.scalars())
 
     async def get_instance(self, instance_id: UUID) -> Instance:
         async with self._read() as conn:

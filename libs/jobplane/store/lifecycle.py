@@ -39,7 +39,7 @@ from jobplane.errors import (
     InstanceNotFoundError,
 )
 from jobplane.store import rows
-from jobplane.store.base import I, S, SqlBase, logger
+from jobplane.store.base import I, S, SqlBase, locked_in_id_order, logger, retry_conflicts
 from jobplane.store.tables import (
     job_definitions,
     job_instances,
@@ -60,6 +60,7 @@ Progress = tuple[float, str | None]
 class LifecycleStore(SqlBase):
     """Claims and transitions (generic; Postgres overrides the hot paths)."""
 
+    @retry_conflicts
     async def claim(
         self, ids: Sequence[UUID], worker_id: str, lease_s: float, jobs: Collection[str]
     ) -> ClaimResult:
@@ -214,6 +215,7 @@ class LifecycleStore(SqlBase):
             ],
         )
 
+    @retry_conflicts
     async def heartbeat(
         self,
         leases: Collection[tuple[UUID, int]],
@@ -228,9 +230,19 @@ class LifecycleStore(SqlBase):
             fenced = and_(
                 tuple_(I.id, I.claim_token).in_(list(leases)), I.state == S.PROCESSING.value
             )
+            # Locked in id order, as the outcome statement locks them: a heartbeat and the
+            # recording of outcomes of the same attempts never deadlock.
+            pairs = list(leases)
             result = await conn.execute(
                 update(job_instances)
-                .where(fenced)
+                .where(
+                    fenced,
+                    locked_in_id_order(
+                        lambda c: (
+                            tuple_(c.id, c.claim_token).in_(pairs) & (c.state == S.PROCESSING.value)
+                        )
+                    ),
+                )
                 .values(lease_expires_at=now + timedelta(seconds=lease_s))
                 .returning(I.id, I.cancel_requested)
             )
@@ -244,6 +256,7 @@ class LifecycleStore(SqlBase):
                     )
             return kept
 
+    @retry_conflicts
     async def save_checkpoint(self, instance_id: UUID, claim_token: int, data: Any) -> bool:
         async with self._write() as conn:
             result = await conn.execute(
@@ -258,6 +271,7 @@ class LifecycleStore(SqlBase):
             )
             return result.first() is not None
 
+    @retry_conflicts
     async def complete(self, outcomes: Sequence[Outcome]) -> dict[UUID, InstanceState]:
         if not outcomes:
             return {}
@@ -332,6 +346,7 @@ class LifecycleStore(SqlBase):
                 out[moved.id] = moved.state
         return out
 
+    @retry_conflicts
     async def transition(
         self,
         instance_id: UUID,
@@ -444,6 +459,7 @@ class LifecycleStore(SqlBase):
         )
         return instance
 
+    @retry_conflicts
     async def release_runaway_slot(self, instance_id: UUID, claim_token: int) -> bool:
         async with self._write() as conn:
             released = await release_runaway_rows(
@@ -455,6 +471,7 @@ class LifecycleStore(SqlBase):
             )
         return bool(released)
 
+    @retry_conflicts
     async def request_cancel(self, instance_id: UUID, actor: str) -> Instance:
         async with self._write() as conn:
             row = (
@@ -488,6 +505,7 @@ class LifecycleStore(SqlBase):
                 return rows.instance_from_row(updated._mapping)
             raise IllegalTransitionError(state, S.CANCELLED)
 
+    @retry_conflicts
     async def run_now(self, instance_id: UUID, actor: str) -> Instance:
         async with self._write() as conn:
             # Compare-and-set on Scheduled: a run racing the due-time sweep (or a cancel, or a
@@ -509,6 +527,7 @@ class LifecycleStore(SqlBase):
             raise InstanceNotFoundError(instance_id)
         raise IllegalTransitionError(S(row.state), "run now (only Scheduled instances)")
 
+    @retry_conflicts
     async def republish_waiting(self, job_keys: Collection[str], limit: int) -> list[Instance]:
         if not job_keys or limit <= 0:
             return []

@@ -26,6 +26,7 @@ from jobplane.domain.states import InstanceState, check_transition
 from jobplane.errors import StoreUnavailableError
 from jobplane.idempotency import fingerprint_of
 from jobplane.store import rows
+from jobplane.store.base import retry_conflicts
 from jobplane.store.lifecycle import (
     CANCEL_BEFORE_CLAIM_REASON,
     CANCEL_WINS_REASON,
@@ -136,7 +137,10 @@ SELECT 'cancelled', {_cols("i")}, NULL FROM job_instances i WHERE i.id IN (SELEC
 
 # One statement records a batch of outcomes. Each row matches only while the attempt still holds
 # its claim token and is Processing: a stale worker (lease lost, instance re-claimed) writes
-# nothing and leaves no history. The slot goes back in the same statement — except for an
+# nothing and leaves no history. Rows are locked in one global order, as every statement that
+# locks several does (instances by id: ``locked``; slots by job key: ``slot_locks``), so this
+# statement cannot deadlock with a claim (which holds slot rows in key order) or a heartbeat.
+# The slot goes back in the same statement — except for an
 # attempt whose code still runs (``hold``: a sync job past its timeout): its slot is recorded as
 # held by that attempt in ``runaway_slots``, in the same statement, and given back later by
 # ``release_runaway_rows``, so the limit counts the running code until it really stops.
@@ -152,6 +156,13 @@ WITH o AS (
         CAST(:holds AS boolean[])
     ) AS o(id, token, state, result, error, reason, hold)
 ),
+locked AS MATERIALIZED (
+    SELECT i.id
+    FROM job_instances i JOIN o ON o.id = i.id
+    WHERE i.claim_token = o.token AND i.state = 'processing'
+    ORDER BY i.id
+    FOR UPDATE OF i
+),
 done AS (
     UPDATE job_instances i
     SET state = CASE WHEN o.state = 'failed' AND i.cancel_requested
@@ -163,13 +174,20 @@ done AS (
         finished_at = CASE WHEN o.state = 'failed' AND NOT i.cancel_requested
                            THEN NULL ELSE clock_timestamp() END
     FROM o
-    WHERE i.id = o.id AND i.claim_token = o.token AND i.state = 'processing'
+    WHERE i.id = o.id AND i.id IN (SELECT id FROM locked)
+      AND i.claim_token = o.token AND i.state = 'processing'
     RETURNING i.id, i.job_key, i.state, i.claim_token, i.worker_id, i.reason, o.hold
+),
+slot_locks AS MATERIALIZED (
+    SELECT s.job_key FROM job_slots s
+    WHERE s.job_key IN (SELECT job_key FROM done WHERE NOT hold)
+    ORDER BY s.job_key
+    FOR UPDATE
 ),
 released AS (
     UPDATE job_slots s SET used = s.used - d.n
     FROM (SELECT job_key, count(*) AS n FROM done WHERE NOT hold GROUP BY job_key) d
-    WHERE s.job_key = d.job_key
+    WHERE s.job_key = d.job_key AND s.job_key IN (SELECT job_key FROM slot_locks)
     RETURNING s.job_key
 ),
 held AS (
@@ -271,6 +289,7 @@ class PostgresStore(PostgresStatsStore, SqlStore):
                 if not driver.is_closed():
                     await driver.remove_listener(channel, received)
 
+    @retry_conflicts
     async def create_instances(
         self, new: Sequence[NewInstance], *, fence: LeaderLease | None = None
     ) -> list[Instance]:
@@ -306,6 +325,7 @@ class PostgresStore(PostgresStatsStore, SqlStore):
         )
         return list(result.scalars())
 
+    @retry_conflicts
     async def claim(
         self, ids: Sequence[UUID], worker_id: str, lease_s: float, jobs: Collection[str]
     ) -> ClaimResult:
@@ -350,6 +370,7 @@ class PostgresStore(PostgresStatsStore, SqlStore):
             ignored=[i for i in dict.fromkeys(ids) if i not in handled],
         )
 
+    @retry_conflicts
     async def complete(self, outcomes: Sequence[Outcome]) -> dict[UUID, InstanceState]:
         if not outcomes:
             return {}

@@ -15,12 +15,13 @@ from typing import Any
 from uuid import UUID
 
 from sqlalchemy import and_, delete, func, or_, select, update
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobplane.domain.models import Instance, InstanceSource, LeaderLease, NewInstance
 from jobplane.domain.options import JobOptions, PinFallback
 from jobplane.store import rows
-from jobplane.store.base import I, NotLeaderError, S, SqlBase, logger
+from jobplane.store.base import I, NotLeaderError, S, SqlBase, logger, retry_conflicts
 from jobplane.store.lifecycle import release_runaway_rows
 from jobplane.store.tables import (
     instance_transitions,
@@ -34,6 +35,7 @@ from jobplane.store.tables import (
 EXHAUSTED = "max unexpected retries exhausted"
 LEASE_EXPIRED = "lease expired"
 PIN_GONE = "pinned worker gone"
+NO_WORKER_KNOWS = "no worker knows the job"
 NEVER_PUBLISHED_GRACE_S = 0.5
 
 
@@ -57,6 +59,7 @@ class SweepStore(SqlBase):
             )
             return {key: at for key, at in result if at is not None}
 
+    @retry_conflicts
     async def promote_due(self, lease: LeaderLease, limit: int = 1000) -> list[Instance]:
         """Scheduled instances whose ``run_at`` has come (the database's clock) → Enqueued."""
         async with self._write() as conn:
@@ -80,6 +83,42 @@ class SweepStore(SqlBase):
             )
             return await self._move_many(conn, list(due), S.SCHEDULED, S.ENQUEUED, "due", {})
 
+    async def promote_due_each(self, lease: LeaderLease, limit: int = 1000) -> list[Instance]:
+        """:meth:`promote_due` one instance per transaction, for when the database refused the
+        batch (a poison row: a constraint or trigger rejects it). An instance still refused is
+        logged with its id and left Scheduled (tried again at the next sweep); the others are
+        promoted."""
+        async with self._read() as conn:
+            due = list(
+                await conn.scalars(
+                    select(I.id)
+                    .where(
+                        I.state == S.SCHEDULED.value,
+                        I.run_at.is_not(None),
+                        I.run_at <= self._clock(),
+                    )
+                    .order_by(I.run_at)
+                    .limit(limit)
+                )
+            )
+        promoted: list[Instance] = []
+        for instance_id in due:
+            try:
+                async with self._write() as conn:
+                    await self._fence(conn, lease)
+                    promoted += await self._move_many(
+                        conn, [instance_id], S.SCHEDULED, S.ENQUEUED, "due", {}
+                    )
+            except DBAPIError as exc:
+                logger.error(
+                    "the database refused to promote instance %s: %s",
+                    instance_id,
+                    str(exc.orig).strip().splitlines()[0] if str(exc.orig).strip() else exc,
+                    extra={"action": "store.promotion_refused", "instance_id": str(instance_id)},
+                )
+        return promoted
+
+    @retry_conflicts
     async def release_expired(self, lease: LeaderLease, limit: int = 1000) -> list[Instance]:
         """Attempts whose lease expired: released to Enqueued (no retry used, one unexpected
         retry counted), Terminated once unexpected retries are exhausted, or Cancelled if a
@@ -178,6 +217,7 @@ class SweepStore(SqlBase):
         )
         return moved
 
+    @retry_conflicts
     async def resolve_orphaned_pins(self, lease: LeaderLease) -> list[Instance]:
         """Enqueued instances pinned to a worker that is gone (stopped, marked dead, or never
         registered): unpinned for any worker (``pin_fallback=any``; returned, to publish on
@@ -214,6 +254,38 @@ class SweepStore(SqlBase):
                 .returning(*job_instances.c)
             )
             return [rows.instance_from_row(r._mapping) for r in result]
+
+    @retry_conflicts
+    async def terminate_unknown_jobs(
+        self, lease: LeaderLease, after_s: float, limit: int = 1000
+    ) -> list[Instance]:
+        """Enqueued → Terminated ("no worker knows the job") for instances waiting longer than
+        ``after_s`` whose job no live worker has registered, nor any worker for as long (the
+        time a stopped worker that had it stopped, or was last heard of, counts)."""
+        async with self._write() as conn:
+            await self._fence(conn, lease)
+            cutoff = await self._now(conn) - timedelta(seconds=after_s)
+            known: set[str] = set()  # by a live worker, or by one heard of since the cutoff
+            for row in await conn.execute(
+                select(workers.c.jobs, workers.c.heartbeat_at, workers.c.stopped_at)
+            ):
+                if row.stopped_at is None or (row.stopped_at or row.heartbeat_at) > cutoff:
+                    known.update(row.jobs or [])
+            waiting = await conn.scalars(
+                select(I.id)
+                .where(
+                    I.state == S.ENQUEUED.value,
+                    I.job_key.not_in(known),
+                    I.created_at < cutoff,
+                    or_(I.run_at.is_(None), I.run_at < cutoff),
+                )
+                .order_by(I.id)
+                .limit(limit)
+                .with_for_update(skip_locked=True)
+            )
+            return await self._move_many(
+                conn, list(waiting), S.ENQUEUED, S.TERMINATED, NO_WORKER_KNOWS, {}
+            )
 
     async def scheduled_due_within(self, seconds: float) -> list[datetime]:
         """``run_at`` of Scheduled instances due within ``seconds`` (the leader's timers)."""
@@ -278,11 +350,16 @@ class SweepStore(SqlBase):
             result = await conn.execute(query.limit(limit))
             return [rows.instance_from_row(r._mapping) for r in result]
 
-    async def mark_dead_workers(self, silent_for_s: float) -> list[str]:
+    @retry_conflicts
+    async def mark_dead_workers(
+        self, silent_for_s: float, *, fence: LeaderLease | None = None
+    ) -> list[str]:
         """Workers with no heartbeat for ``silent_for_s`` are marked stopped, and the slots
         still held by runaway code of any stopped worker are given back (its process is gone,
-        and its threads with it), in the same transaction."""
+        and its threads with it), in the same transaction. With ``fence`` (the leader's
+        lease), a deposed leader writes nothing (:class:`NotLeaderError`)."""
         async with self._write() as conn:
+            await self._fence(conn, fence)
             cutoff = await self._now(conn) - timedelta(seconds=silent_for_s)
             result = await conn.execute(
                 update(workers)
@@ -305,11 +382,16 @@ class SweepStore(SqlBase):
                 )
             return dead
 
-    async def delete_finished_before(self, before: datetime, limit: int = 1000) -> int:
+    @retry_conflicts
+    async def delete_finished_before(
+        self, before: datetime, limit: int = 1000, *, fence: LeaderLease | None = None
+    ) -> int:
         """Retention: delete up to ``limit`` terminal instances finished before ``before``,
-        with their history. Returns how many went (call again until 0)."""
+        with their history. Returns how many went (call again until 0). Fenced by ``fence``
+        like every leader write."""
         terminal = [s.value for s in S if s.is_terminal]
         async with self._write() as conn:
+            await self._fence(conn, fence)
             ids = (
                 (
                     await conn.execute(
@@ -332,4 +414,4 @@ class SweepStore(SqlBase):
             return len(ids)
 
 
-__all__ = ["EXHAUSTED", "LEASE_EXPIRED", "NotLeaderError", "SweepStore"]
+__all__ = ["EXHAUSTED", "LEASE_EXPIRED", "NO_WORKER_KNOWS", "NotLeaderError", "SweepStore"]

@@ -6,7 +6,7 @@ from datetime import datetime, timedelta
 from typing import Annotated
 from uuid import UUID
 
-from fastapi import APIRouter, Query, status
+from fastapi import APIRouter, Header, Query, status
 
 from jobplane.dispatch import trigger_request
 from jobplane.domain.models import InstanceFilter, InstanceSource, NewInstance
@@ -208,9 +208,15 @@ async def run_instance(
     dependencies=[Operator],
 )
 async def retry_instance(
-    dispatcher: DispatcherDep, store: StoreDep, instance_id: UUID
+    dispatcher: DispatcherDep,
+    store: StoreDep,
+    instance_id: UUID,
+    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ) -> InstanceOut:
-    """A new instance linked by ``retry_of``; the old one's history is never rewritten."""
+    """A new instance linked by ``retry_of``; the old one's history is never rewritten.
+    Replaying an ``Idempotency-Key`` (a client retrying this POST) returns the first retry
+    instead of creating another; the key reused for another request (a retry of another
+    instance, or a trigger) is a 409 and creates nothing."""
     old = await store.get_instance(instance_id)
     if not old.state.is_terminal:
         raise IllegalTransitionError(old.state, "retry (only terminal instances)")
@@ -222,6 +228,7 @@ async def retry_instance(
                 source=InstanceSource.RETRY,
                 priority=old.priority,
                 retry_of=old.id,
+                idempotency_key=idempotency_key,
                 actor="api",
             )
         ]

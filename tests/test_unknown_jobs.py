@@ -1,0 +1,116 @@
+"""Instances of a job no live worker knows: their messages are not multiplied by the sweep,
+and they end Terminated ("no worker knows the job") after the configured time."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from jobplane import App
+from jobplane.bus.abc import Bus
+from jobplane.dispatch import Dispatcher
+from jobplane.domain.models import WorkerInfo
+from jobplane.domain.states import InstanceState as S
+from jobplane.store.sql import SqlStore
+from jobplane.store.sweeps import NO_WORKER_KNOWS
+from tests.scheduler_helpers import running_scheduler
+from tests.store_helpers import define, enqueue
+from tests.worker_helpers import running_worker, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+BACKLOG = 40
+
+other = App("other")
+
+
+@other.triggered(key="known")
+async def known() -> None: ...
+
+
+async def _stream_length(bus: Bus) -> int:
+    return sum((await bus.stream_lengths("default")).values())
+
+
+@pytest.mark.parametrize("with_worker", [False, True], ids=["no-worker", "worker-without-it"])
+async def test_a_backlog_of_an_unknown_job_never_grows_the_stream(
+    store: SqlStore, bus: Bus, caplog: pytest.LogCaptureFixture, with_worker: bool
+) -> None:
+    """The sweep republishes unclaimed instances every ``republish_after_s`` (1 s here); one
+    whose message is still in its stream (unread, or put back by a worker that does not know
+    its job) is not published again."""
+    caplog.set_level(logging.INFO, logger="jobplane_worker.worker")
+    await define(store, "orphan", max_concurrency=1000)
+    dispatcher = Dispatcher(store, bus)
+    made = [await dispatcher.trigger("orphan") for _ in range(BACKLOG)]
+    assert await _stream_length(bus) == BACKLOG
+    lengths = []
+    async with running_scheduler(store, bus):
+        if with_worker:
+            async with running_worker(other, store, bus):
+                for _ in range(16):  # four republish intervals, ~80 sweeps
+                    await asyncio.sleep(0.25)
+                    lengths.append(await _stream_length(bus))
+        else:
+            for _ in range(16):
+                await asyncio.sleep(0.25)
+                lengths.append(await _stream_length(bus))
+    assert max(lengths) <= BACKLOG, lengths
+    assert {(await store.get_instance(i.id)).state for i in made} == {S.ENQUEUED}
+    put_back = [r for r in caplog.records if getattr(r, "action", "") == "worker.unknown_job"]
+    assert len(put_back) <= 1  # rate-limited: one line per job per minute
+
+
+async def test_an_unknown_jobs_instance_ends_terminated(store: SqlStore, bus: Bus) -> None:
+    await define(store, "orphan", max_concurrency=10)
+    await define(store, "known", max_concurrency=10)
+    [lost] = await enqueue(store, "orphan")
+    [kept] = await enqueue(store, "known")
+
+    async def terminated() -> bool:
+        return (await store.get_instance(lost.id)).state is S.TERMINATED
+
+    async with (
+        running_worker(other, store, bus),
+        running_scheduler(store, bus, unknown_job_timeout_s=0.5),
+    ):
+        await wait_for(terminated, timeout_s=15, what="the orphan terminated")
+    ended = await store.get_instance(lost.id)
+    assert ended.reason == NO_WORKER_KNOWS
+    steps = [(t.from_state, t.to_state, t.reason) for t in await store.transitions(lost.id)]
+    assert steps[-1] == (S.ENQUEUED, S.TERMINATED, NO_WORKER_KNOWS)
+    assert (await store.get_instance(kept.id)).state is S.SUCCEEDED
+
+
+async def test_terminate_unknown_jobs_waits_for_the_timeout_and_for_recent_workers(
+    store: SqlStore,
+) -> None:
+    await define(store, "orphan", max_concurrency=10)
+    await define(store, "gone", max_concurrency=10)
+    await define(store, "known", max_concurrency=10)
+    live = WorkerInfo(
+        id="live", host="h", pid=1, queues=("default",), capacity=1, version="x", jobs=("known",)
+    )
+    left = WorkerInfo(
+        id="left", host="h", pid=2, queues=("default",), capacity=1, version="x", jobs=("gone",)
+    )
+    await store.register_worker(live)
+    await store.register_worker(left)
+    lease = await store.acquire_leadership(0, "s1", 30)
+    assert lease is not None
+    [orphan] = await enqueue(store, "orphan")
+    [gone] = await enqueue(store, "gone")
+    [known] = await enqueue(store, "known")
+    assert await store.terminate_unknown_jobs(lease, 0.3) == []  # too young
+    await asyncio.sleep(0.2)
+    await store.worker_stopped("left")  # "gone" was known until now
+    await asyncio.sleep(0.2)
+    [ended] = await store.terminate_unknown_jobs(lease, 0.3)
+    assert ended.id == orphan.id and ended.state is S.TERMINATED
+    assert ended.reason == NO_WORKER_KNOWS
+    await asyncio.sleep(0.3)
+    [later] = await store.terminate_unknown_jobs(lease, 0.3)
+    assert later.id == gone.id
+    assert (await store.get_instance(known.id)).state is S.ENQUEUED
