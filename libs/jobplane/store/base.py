@@ -53,8 +53,9 @@ class StoreConflictError(StoreUnavailableError):
 
 
 #: SQLSTATEs of a transaction rolled back because of a concurrent one: deadlock detected,
-#: serialization failure, lock not available (``lock_timeout``).
-CONFLICT_SQLSTATES = frozenset({"40P01", "40001", "55P03"})
+#: serialization failure, lock not available (``lock_timeout``), and a statement cancelled by
+#: ``statement_timeout`` (the session limits every role sets): nothing of it was written.
+CONFLICT_SQLSTATES = frozenset({"40P01", "40001", "55P03", "57014"})
 #: Tries of a transaction that lost to a concurrent one (the first included).
 CONFLICT_TRIES = 5
 
