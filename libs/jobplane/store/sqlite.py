@@ -3,6 +3,7 @@ serialised and the generic statements of :class:`SqlStore` cannot race."""
 
 from __future__ import annotations
 
+import sqlite3
 from datetime import UTC, datetime
 from typing import Any
 
@@ -22,7 +23,26 @@ class SqliteStore(SqlStore):
         return literal(datetime.now(UTC), UtcDateTime)
 
 
+class _RollbackOnClose(sqlite3.Connection):
+    """A connection that ends its transaction before it closes.
+
+    SQLAlchemy closes a connection whose statement was cancelled (a task cancelled mid-query:
+    a stopping role). If a cursor of it is still alive, ``sqlite3_close_v2`` only makes it a
+    zombie, which keeps its open transaction - and the file's write lock - until that cursor
+    is collected: every other connection's ``BEGIN IMMEDIATE`` then waits out the busy
+    timeout. Rolling back first releases the lock whatever still refers to the connection.
+    """
+
+    def close(self) -> None:
+        try:
+            if self.in_transaction:
+                self.rollback()
+        finally:
+            super().close()
+
+
 def sqlite_engine(url: str, **kwargs: Any) -> AsyncEngine:
+    kwargs.setdefault("connect_args", {})["factory"] = _RollbackOnClose
     engine = create_async_engine(url, **kwargs)
 
     @event.listens_for(engine.sync_engine, "connect")
