@@ -19,6 +19,7 @@ from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import NewInstance, Outcome
 from jobplane.domain.states import InstanceState as S
+from jobplane.settings import SessionLimits
 from jobplane.store.factory import open_store
 from jobplane.store.sql import SqlStore
 from jobplane_api.main import create_app
@@ -148,6 +149,39 @@ async def test_a_real_deadlock_is_retried_by_the_store(
     assert kept == {first: False, second: False}
     retries = _conflict_retries(caplog)
     assert retries and "deadlock" in retries[0]
+
+
+async def test_a_statement_cancelled_by_its_timeout_is_retried_by_the_store(
+    pg_store: SqlStore, pg_database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A heartbeat whose statement outlives the session's ``statement_timeout`` (it waits on a
+    row another session holds) is rolled back by the server: the store runs it again instead
+    of handing the role a database error."""
+    caplog.set_level(logging.WARNING, logger="jobplane.store")
+    await define(pg_store, "job")
+    made = await pg_store.create_instances([NewInstance(job_key="job")])
+    claimed = (await pg_store.claim([made[0].id], "w1", 30, ["job"])).claimed
+    leases = [(c.instance.id, c.instance.claim_token or 0) for c in claimed]
+    limits = SessionLimits(
+        lock_timeout_s=30, idle_in_transaction_timeout_s=30, statement_timeout_s=0.2, keepalive_s=5
+    )
+    timed = open_store(pg_database_url, pool_size=1, limits=limits)
+    other = open_store(pg_database_url, pool_size=1)
+    try:
+        async with other.engine.connect() as conn:
+            await conn.execute(
+                text("SELECT 1 FROM job_instances WHERE id = :id FOR UPDATE"), {"id": made[0].id}
+            )
+            beat = asyncio.create_task(timed.heartbeat(leases, 30))
+            await asyncio.sleep(0.3)  # the first try has timed out by now
+            await conn.commit()
+        kept = await asyncio.wait_for(beat, 30)
+    finally:
+        await timed.close()
+        await other.close()
+    assert kept == {made[0].id: False}
+    retries = _conflict_retries(caplog)
+    assert retries and "statement timeout" in retries[0]
 
 
 async def _refuse_marks(store: SqlStore) -> None:
