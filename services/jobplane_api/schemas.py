@@ -6,7 +6,7 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from jobplane.domain.attempts import Attempt, attempts_of
 from jobplane.domain.models import (
@@ -23,6 +23,7 @@ from jobplane.domain.models import (
 )
 from jobplane.domain.options import PRIORITY_MAX, PRIORITY_MIN, JobOptions
 from jobplane.domain.states import InstanceState
+from jobplane_api.inputs import Args, DueTime, FilterTime, IdempotencyKey, ShortText
 
 #: Versions are stored as 32-bit integers.
 VERSION_MAX = 2**31 - 1
@@ -181,28 +182,32 @@ class RollbackIn(BaseModel):
 
 
 class TriggerIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    args: Any = Field(default=None, description="JSON arguments, validated against the job.")
-    run_at: AwareDatetime | None = Field(
+    args: Args = Field(
+        default=None,
+        description="JSON arguments, validated against the job: at most 64 levels deep and "
+        "1 MiB encoded, finite numbers, text without NUL.",
+    )
+    run_at: DueTime | None = Field(
         default=None, description="Run at this time (with a UTC offset; not with delay_s)."
     )
     delay_s: float | None = Field(
         default=None, ge=0, le=MAX_DELAY_S, description="Run after this many seconds."
     )
     priority: int | None = Field(default=None, ge=PRIORITY_MIN, le=PRIORITY_MAX)
-    pinned_worker: str | None = Field(
-        default=None, max_length=200, description="Only this worker may run it."
+    pinned_worker: ShortText | None = Field(
+        default=None, description="Only this worker may run it."
     )
 
 
 class BatchTriggerItem(TriggerIn):
-    job_key: str
-    idempotency_key: str | None = Field(
+    job_key: ShortText
+    idempotency_key: IdempotencyKey | None = Field(
         default=None,
-        max_length=200,
         description="As the Idempotency-Key header of a single trigger: a replay returns the "
-        "first instance; the key reused with a different request is a 409.",
+        "first instance; the key reused with a different request is a 409. Keys starting "
+        "with `retry-of:` are reserved.",
     )
 
 
@@ -398,6 +403,11 @@ class StatsOut(BaseModel):
     )
 
 
+#: How the time filters read their values.
+TIME_FILTER = (
+    "ISO 8601; with a UTC offset, or without one and then UTC (`2026-01-01` is midnight UTC)."
+)
+
 #: The most instances one bulk cancel or retry examines.
 BULK_LIMIT_MAX = 10_000
 
@@ -407,16 +417,16 @@ class BulkFilterIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    job: str | None = Field(default=None, description="Job key.")
+    job: ShortText | None = Field(default=None, description="Job key.")
     states: list[InstanceState] | None = Field(
         default=None,
         description="States to select; omitted: every state the operation applies to.",
     )
-    created_after: AwareDatetime | None = None
-    created_before: AwareDatetime | None = None
-    scheduled_after: AwareDatetime | None = Field(default=None, description="Cron tick from.")
-    scheduled_before: AwareDatetime | None = None
-    worker: str | None = Field(default=None, description="Worker id.")
+    created_after: FilterTime | None = Field(default=None, description=TIME_FILTER)
+    created_before: FilterTime | None = None
+    scheduled_after: FilterTime | None = Field(default=None, description="Cron tick from.")
+    scheduled_before: FilterTime | None = None
+    worker: ShortText | None = Field(default=None, description="Worker id.")
     limit: int = Field(
         default=1000, ge=1, le=BULK_LIMIT_MAX, description="At most this many instances."
     )

@@ -13,6 +13,7 @@ from jobplane.domain.models import JobDefinition, JobSummary
 from jobplane.domain.options import JobKind
 from jobplane.errors import InvalidOptionsError
 from jobplane_api.deps import BusDep, DispatcherDep, StoreDep
+from jobplane_api.inputs import IdempotencyKey
 from jobplane_api.schemas import (
     PROBLEM_RESPONSES,
     InstanceOut,
@@ -192,7 +193,7 @@ async def trigger_job(
     key: str,
     body: TriggerIn,
     principal: Annotated[Principal, Operator],
-    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+    idempotency_key: Annotated[IdempotencyKey | None, Header()] = None,
 ) -> InstanceOut:
     """Create an instance with validated arguments, now or later (``run_at`` or ``delay_s``),
     optionally pinned to one worker. Replaying an ``Idempotency-Key`` with the same request

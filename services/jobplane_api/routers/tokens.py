@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jobplane.auth import Role, TokenInfo
 from jobplane_api.deps import StoreDep
+from jobplane_api.inputs import ShortText
 from jobplane_api.schemas import PROBLEM_RESPONSES
 from jobplane_api.security import Admin, Principal, actor_of
 
@@ -42,7 +43,7 @@ class TokenOut(BaseModel):
 class TokenIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, max_length=200)
+    name: ShortText = Field(min_length=1)
     role: Role
 
 
