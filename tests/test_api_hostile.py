@@ -272,3 +272,12 @@ async def test_argument_size_is_bounded() -> None:
         check_json({"a": [1, {"b": object()}]})
     assert refused.value.field == "args.a.1.b"
     assert json.dumps(nested(MAX_JSON_DEPTH))  # the limit itself is plain JSON
+
+
+async def test_a_result_that_could_not_be_read_back_fails_the_attempt() -> None:
+    from jobplane_worker.isolation import _ok_message
+
+    assert _ok_message({"ok": nested(10)}) == {"kind": "ok", "result": {"ok": nested(10)}}
+    for bad in (nested(MAX_JSON_DEPTH + 1), {"x": float("inf")}, "a\x00b"):
+        message = _ok_message(bad)
+        assert message["kind"] == "error" and "not JSON serialisable" in str(message), bad

@@ -22,6 +22,8 @@ from jobplane.errors import InvalidOptionsError
 MAX_JSON_DEPTH = 64
 #: Encoded size (UTF-8 JSON) above which arguments are refused.
 MAX_ARGS_BYTES = 1_048_576
+#: Encoded size above which a job's result is refused (the attempt fails, saying why).
+MAX_RESULT_BYTES = 16 * 1_048_576
 #: Postgres ``integer`` columns (max_concurrency, priority, attempt counters).
 INT32_MAX = 2**31 - 1
 #: Idempotency keys starting with these are Jobplane's own (a bulk retry uses
