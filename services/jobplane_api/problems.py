@@ -14,12 +14,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jobplane.dispatch import JobDisabledError
 from jobplane.errors import (
+    BusUnavailableError,
     DefinitionVersionNotFoundError,
     IdempotencyConflictError,
     IllegalTransitionError,
     InstanceNotFoundError,
     InvalidOptionsError,
     JobNotFoundError,
+    LastAdminError,
     UnavailableError,
 )
 
@@ -54,6 +56,7 @@ STATUS_OF: list[tuple[type[Exception], int, str]] = [
     (IllegalTransitionError, 409, "Illegal state transition"),
     (JobDisabledError, 409, "Job disabled"),
     (IdempotencyConflictError, 409, "Idempotency-Key reused with a different request"),
+    (LastAdminError, 409, "Last admin token"),
 ]
 
 
@@ -106,8 +109,10 @@ async def _not_utf8(request: Request, exc: UnicodeEncodeError) -> JSONResponse:
 
 
 async def _unavailable(request: Request, exc: UnavailableError) -> JSONResponse:
+    # The detail (host, port) goes to the log only.
     logger.warning("%s", exc, extra={"action": "api.unavailable"})
-    return problem(503, "Service unavailable", str(exc), request=request)
+    what = "redis" if isinstance(exc, BusUnavailableError) else "database"
+    return problem(503, "Service unavailable", f"{what}: unavailable", request=request)
 
 
 async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

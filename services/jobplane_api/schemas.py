@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from typing import Any
 from uuid import UUID
@@ -24,6 +25,9 @@ from jobplane.domain.models import (
 from jobplane.domain.options import PRIORITY_MAX, PRIORITY_MIN, JobOptions
 from jobplane.domain.states import InstanceState
 from jobplane_api.inputs import Args, DueTime, FilterTime, IdempotencyKey, ShortText
+
+#: Values larger than this (encoded JSON bytes) are left out of instance lists.
+LIST_VALUE_MAX = 1024
 
 #: Versions are stored as 32-bit integers.
 VERSION_MAX = 2**31 - 1
@@ -304,6 +308,31 @@ class InstanceOut(BaseModel):
         description="The attempts, oldest first, derived from the transitions (instance "
         "detail only).",
     )
+    omitted: list[str] = Field(
+        default_factory=list,
+        description="In lists: the fields left out (null here) because they are larger than "
+        f"{LIST_VALUE_MAX} bytes (`args`, `checkpoint`, `result`) or long (`error.traceback`); "
+        "read the instance for them.",
+    )
+
+    @classmethod
+    def brief(cls, i: Instance) -> InstanceOut:
+        """For a list: large values left out (named in ``omitted``), so that a page of 500
+        instances stays a few megabytes whatever the jobs carry."""
+        out = cls.of(i)
+        omitted = []
+        for name in ("args", "checkpoint", "result"):
+            value = getattr(out, name)
+            if value is not None and len(json.dumps(value).encode()) > LIST_VALUE_MAX:
+                setattr(out, name, None)
+                omitted.append(name)
+        if out.error is not None and out.error.traceback is not None:
+            out.error.traceback = None
+            omitted.append("error.traceback")
+        if out.error is not None and len(out.error.message) > LIST_VALUE_MAX:
+            out.error.message = out.error.message[:LIST_VALUE_MAX] + "…"
+        out.omitted = omitted
+        return out
 
     @classmethod
     def of(cls, i: Instance, transitions: list[Transition] | None = None) -> InstanceOut:

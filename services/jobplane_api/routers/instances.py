@@ -51,7 +51,9 @@ async def list_instances(
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     before: Annotated[UUID | None, Query(description="Cursor from the previous page.")] = None,
 ) -> InstancePage:
-    """Newest first, keyset-paginated: pass ``next_cursor`` back as ``before``."""
+    """Newest first, keyset-paginated: pass ``next_cursor`` back as ``before``. Arguments,
+    checkpoint and result larger than 1 KiB, and error tracebacks, are left out (named in
+    each item's ``omitted``): read the instance for them."""
     page = await store.list_instances(
         InstanceFilter(
             job_key=job,
@@ -65,7 +67,9 @@ async def list_instances(
         limit=limit,
         before=before,
     )
-    return InstancePage(items=[InstanceOut.of(i) for i in page.items], next_cursor=page.next_cursor)
+    return InstancePage(
+        items=[InstanceOut.brief(i) for i in page.items], next_cursor=page.next_cursor
+    )
 
 
 BATCH_EXAMPLE = {
