@@ -22,6 +22,7 @@ from jobplane_api import docs, problems
 from jobplane_api.authn import AuthenticateFirst, Authenticator
 from jobplane_api.metrics import MetricsCache
 from jobplane_api.routers import instances, jobs, system, tokens
+from jobplane_api.security import document_roles
 from jobplane_api.settings import ApiSettings
 
 logger = logging.getLogger(__name__)
@@ -85,8 +86,10 @@ def create_app(
         app.add_middleware(AuthenticateFirst, authenticator=app.state.authenticator)
     app.add_middleware(SecurityHeaders)
 
-    for module in (jobs, instances, system, tokens):
-        app.include_router(module.router)
+    routers = [module.router for module in (jobs, instances, system, tokens)]
+    for router in routers:
+        app.include_router(router)
+    document_roles(app, routers)
     return app
 
 

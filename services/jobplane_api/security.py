@@ -9,10 +9,11 @@ the principal found, or authenticates itself for a route outside ``/api/``.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Annotated
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Annotated, Any
 
-from fastapi import Depends, HTTPException, Request, status
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, status
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from jobplane.auth import Role, TokenInfo
@@ -21,7 +22,17 @@ from jobplane_api.deps import SettingsDep, StoreDep
 
 Principal = TokenInfo | None  # None: auth is disabled (jobplane dev)
 
-__all__ = ["CHALLENGE", "Admin", "Operator", "Principal", "Viewer", "actor_of", "require"]
+__all__ = [
+    "CHALLENGE",
+    "ROLE_EXTENSION",
+    "Admin",
+    "Operator",
+    "Principal",
+    "Viewer",
+    "actor_of",
+    "document_roles",
+    "require",
+]
 
 #: Declares the bearer scheme in OpenAPI (the docs page's "Authorize" button); the check
 #: itself is ours, so that every refusal is problem+json.
@@ -68,3 +79,47 @@ Admin = Depends(require(Role.ADMIN))
 
 def actor_of(principal: Principal) -> str:
     return f"token:{principal.name}" if principal else "api"
+
+
+ROLE_EXTENSION = "x-jobplane-role"
+
+
+def document_roles(app: FastAPI, routers: Iterable[APIRouter]) -> None:
+    """Have ``app``'s OpenAPI document say the role each operation of ``routers`` needs: an
+    ``x-jobplane-role`` field and a sentence in its description, read from the route's own
+    ``require`` dependency (so the document cannot disagree with the code). The
+    authorization matrix test is generated from this."""
+    routes = [route for router in routers for route in router.routes]
+    default = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        document = default()
+        for route in routes:
+            if not isinstance(route, APIRoute) or not route.include_in_schema:
+                continue
+            role = _role_of(route)
+            operations = document["paths"].get(route.path_format, {})
+            for method in route.methods or ():
+                operation = operations.get(method.lower())
+                if operation is None or role is None:
+                    continue
+                operation[ROLE_EXTENSION] = role.value
+                needs = f"Needs the **{role.value}** role (or higher)."
+                operation["description"] = f"{operation.get('description', '')}\n\n{needs}".strip()
+        app.openapi_schema = document
+        return document
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _role_of(route: APIRoute) -> Role | None:
+    pending = list(route.dependant.dependencies)
+    while pending:
+        dependant = pending.pop()
+        name = getattr(dependant.call, "__name__", "")
+        if name.startswith("require_"):
+            return Role(name.removeprefix("require_"))
+        pending.extend(dependant.dependencies)
+    return None
