@@ -250,3 +250,18 @@ async def test_metrics_cost_one_statement_and_are_cached(
     assert 'jobplane_instances{job="sleepy",state="enqueued"} 2.0' in first.text
     assert 'jobplane_instances{job="always_fails",state="enqueued"} 1.0' in first.text
     assert "jobplane_workers 0.0" in first.text
+
+
+async def test_a_role_too_low_is_403_before_the_body_is_validated(
+    client: httpx.AsyncClient, pg_store: SqlStore
+) -> None:
+    _, viewer = await pg_store.create_token("v", Role.VIEWER, "test")
+    url = "/api/v1/jobs/echo/instances"
+    invalid = await client.post(url, json={"args": "x", "nope": 1}, headers=bearer(viewer))
+    assert invalid.status_code == 403, invalid.text
+    # A body that is not JSON at all is refused while it is read, before any role check.
+    garbage = await client.post(
+        url, content=b"{oops", headers={**bearer(viewer), "content-type": "application/json"}
+    )
+    assert garbage.status_code == 422, garbage.text
+    assert garbage.json()["detail"] == "JSON decode error"

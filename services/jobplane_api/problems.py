@@ -96,10 +96,16 @@ async def _unstorable(request: Request, exc: DBAPIError) -> JSONResponse:
     # The database refused a value the schema let through (NUL in text, an escape jsonb
     # rejects, a date out of range: SQLSTATE class 22): bad input, not a server fault.
     # Anything else is a real fault and stays a 500.
+    # The edge validates every field (jobplane_api.inputs), so this is a fallback: the
+    # driver's wording (query arguments, types) goes to the log, not to the client.
     if not _sqlstate(exc).startswith("22"):
         raise exc
-    reason = str(exc.orig).strip().splitlines()[-1] if exc.orig else "value cannot be stored"
-    return problem(422, "Invalid request", reason, request=request)
+    logger.warning(
+        "the database refused a value: %s",
+        str(exc.orig).strip().splitlines()[-1] if exc.orig else exc,
+        extra={"action": "api.unstorable"},
+    )
+    return problem(422, "Invalid request", "a value cannot be stored", request=request)
 
 
 async def _not_utf8(request: Request, exc: UnicodeEncodeError) -> JSONResponse:
