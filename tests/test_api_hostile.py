@@ -281,3 +281,28 @@ async def test_a_result_that_could_not_be_read_back_fails_the_attempt() -> None:
     for bad in (nested(MAX_JSON_DEPTH + 1), {"x": float("inf")}, "a\x00b"):
         message = _ok_message(bad)
         assert message["kind"] == "error" and "not JSON serialisable" in str(message), bad
+
+
+async def test_checkpoints_and_progress_that_could_not_be_stored_are_refused_in_the_job() -> None:
+    from jobplane.context import JobContext
+
+    saved: list[Any] = []
+
+    async def saver(data: Any) -> bool:
+        saved.append(data)
+        return True
+
+    ctx = JobContext(
+        instance_id=uuid4(), job_key="j", attempt=1, scheduled_at=None, worker_id="w", saver=saver
+    )
+    await ctx.checkpoint({"done": nested(5)})
+    for bad in (nested(MAX_JSON_DEPTH + 1), {"x": float("nan")}, {"x": "\x00"}):
+        with pytest.raises(InvalidOptionsError) as refused:
+            await ctx.checkpoint(bad)
+        assert refused.value.field.startswith("checkpoint")
+    assert saved == [{"done": nested(5)}]  # nothing unreadable reached the saver
+    ctx.progress(0.5, "half way")
+    for message in ("a\x00b", "m" * 1001):
+        with pytest.raises(InvalidOptionsError):
+            ctx.progress(0.6, message)
+    assert ctx.pending_progress == (0.5, "half way")
