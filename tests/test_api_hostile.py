@@ -306,3 +306,19 @@ async def test_checkpoints_and_progress_that_could_not_be_stored_are_refused_in_
         with pytest.raises(InvalidOptionsError):
             ctx.progress(0.6, message)
     assert ctx.pending_progress == (0.5, "half way")
+
+
+async def test_values_stored_before_the_limits_never_break_reads(
+    live: LiveApi, api: httpx.AsyncClient
+) -> None:
+    from jobplane.domain.models import NewInstance
+
+    # As an older version stored them: straight into the store, past every entrance's check.
+    [poisoned] = await live.store.create_instances(
+        [NewInstance(job_key="too_slow", args={"deep": nested(300)})]
+    )
+    one = await api.get(f"/api/v1/instances/{poisoned.id}")
+    assert one.status_code == 200, one.text
+    assert one.json()["args"] is None and one.json()["omitted"] == ["args"]
+    page = await api.get("/api/v1/instances", params={"job": "too_slow"})
+    assert page.status_code == 200 and page.json()["items"][0]["omitted"] == ["args"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from datetime import datetime
 from typing import Any
 from uuid import UUID
@@ -10,6 +9,7 @@ from uuid import UUID
 from pydantic import BaseModel, ConfigDict, Field
 
 from jobplane.domain.attempts import Attempt, attempts_of
+from jobplane.domain.limits import MAX_RESULT_BYTES, check_json
 from jobplane.domain.models import (
     Bucket,
     BulkCancel,
@@ -24,6 +24,7 @@ from jobplane.domain.models import (
 )
 from jobplane.domain.options import PRIORITY_MAX, PRIORITY_MIN, JobOptions
 from jobplane.domain.states import InstanceState
+from jobplane.errors import InvalidOptionsError
 from jobplane_api.inputs import Args, DueTime, FilterTime, IdempotencyKey, ShortText
 
 #: Values larger than this (encoded JSON bytes) are left out of instance lists.
@@ -348,33 +349,46 @@ class InstanceOut(BaseModel):
     )
     omitted: list[str] = Field(
         default_factory=list,
-        description="In lists: the fields left out (null here) because they are larger than "
-        f"{LIST_VALUE_MAX} bytes (`args`, `checkpoint`, `result`) or long (`error.traceback`); "
-        "read the instance for them.",
+        description="The fields left out (null here). In lists: `args`, `checkpoint` or "
+        f"`result` larger than {LIST_VALUE_MAX} bytes, and `error.traceback`; read the instance "
+        "for them. Anywhere: a value stored by an older version that cannot be serialised "
+        "(nested too deep).",
     )
 
     @classmethod
     def brief(cls, i: Instance) -> InstanceOut:
         """For a list: large values left out (named in ``omitted``), so that a page of 500
         instances stays a few megabytes whatever the jobs carry."""
-        out = cls.of(i)
-        omitted = []
-        for name in ("args", "checkpoint", "result"):
-            value = getattr(out, name)
-            if value is not None and len(json.dumps(value).encode()) > LIST_VALUE_MAX:
-                setattr(out, name, None)
-                omitted.append(name)
+        out = cls.of(i, max_bytes=LIST_VALUE_MAX)
         if out.error is not None and out.error.traceback is not None:
             out.error.traceback = None
-            omitted.append("error.traceback")
+            out.omitted.append("error.traceback")
         if out.error is not None and len(out.error.message) > LIST_VALUE_MAX:
             out.error.message = out.error.message[:LIST_VALUE_MAX] + "…"
-        out.omitted = omitted
         return out
 
+    def _leave_out_unreadable(self, max_bytes: int) -> None:
+        # Values over ``max_bytes``, and values stored before the entrances checked them
+        # (nested too deep to serialise, NaN), are left out instead of failing the answer.
+        for name in ("args", "checkpoint", "result"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            try:
+                check_json(value, name, max_bytes=max_bytes)
+            except InvalidOptionsError:
+                setattr(self, name, None)
+                self.omitted.append(name)
+
     @classmethod
-    def of(cls, i: Instance, transitions: list[Transition] | None = None) -> InstanceOut:
-        return cls(
+    def of(
+        cls,
+        i: Instance,
+        transitions: list[Transition] | None = None,
+        *,
+        max_bytes: int = MAX_RESULT_BYTES,
+    ) -> InstanceOut:
+        out = cls(
             id=i.id,
             job_key=i.job_key,
             state=i.state,
@@ -405,6 +419,8 @@ class InstanceOut(BaseModel):
             if transitions
             else None,
         )
+        out._leave_out_unreadable(max_bytes)
+        return out
 
 
 class InstancePage(BaseModel):
