@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from enum import StrEnum
 from uuid import UUID
 
@@ -34,6 +35,8 @@ class TokenInfo:
     created_at: datetime
     created_by: str
     revoked_at: datetime | None = None
+    expires_at: datetime | None = None
+    last_used_at: datetime | None = None
 
 
 def new_secret() -> str:
@@ -48,3 +51,15 @@ def hash_secret(secret: str) -> str:
     *hash* matched a stored one, and SHA-256 of an attacker's guess tells nothing about the
     preimage of a stored hash (finding a secret from it is a preimage search on 256 bits)."""
     return hashlib.sha256(secret.encode()).hexdigest()
+
+
+_DURATION = re.compile(r"^(\d{1,6})([smhd])$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> timedelta:
+    """``90s``, ``15m``, ``12h`` or ``30d`` as a timedelta; ValueError otherwise."""
+    match = _DURATION.match(text.strip())
+    if match is None:
+        raise ValueError(f"{text!r} is not a duration like 90s, 15m, 12h or 30d")
+    return timedelta(seconds=int(match[1]) * _UNIT_S[match[2]])

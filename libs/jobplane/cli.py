@@ -277,21 +277,30 @@ def _parse_trigger(text: str) -> tuple[str, Any]:
 def token_create(
     role: Annotated[str, typer.Option("--role", help="viewer, operator or admin.")],
     name: Annotated[str, typer.Option("--name", help="What the token is for.")] = "cli",
+    expires_in: Annotated[
+        str | None,
+        typer.Option("--expires-in", help="Lifetime: 90m, 12h, 30d… (default: until revoked)."),
+    ] = None,
 ) -> None:
-    """Create a token and print its secret (the only time it is shown)."""
-    from jobplane.auth import Role
+    """Create a token and print its secret (the only time it is shown). Straight from the
+    database: this is also how an admin token is recovered when none is left."""
+    from jobplane.auth import Role, parse_duration
 
     try:
         chosen = Role(role)
     except ValueError:
         raise typer.BadParameter("role must be viewer, operator or admin") from None
+    try:
+        lifetime = parse_duration(expires_in) if expires_in is not None else None
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--expires-in") from None
     settings = CommonSettings()
 
     async def go() -> None:
         from jobplane.runtime import open_checked_store
 
         async with open_checked_store(settings) as store:
-            info, secret = await store.create_token(name, chosen, "cli")
+            info, secret = await store.create_token(name, chosen, "cli", expires_in=lifetime)
         typer.echo(f"created {info.role.value} token {info.id} ({info.name}); secret:", err=True)
         typer.echo(secret)
 
@@ -309,7 +318,10 @@ def token_ls() -> None:
         async with open_checked_store(settings) as store:
             for t in await store.list_tokens():
                 state = f"revoked {t.revoked_at:%Y-%m-%d}" if t.revoked_at else "live"
-                typer.echo(f"{t.id}  {t.role.value:<8} {t.hint}…  {t.name}  ({state})")
+                if t.expires_at and not t.revoked_at:
+                    state += f", expires {t.expires_at:%Y-%m-%d %H:%M}"
+                used = f"{t.last_used_at:%Y-%m-%d %H:%M}" if t.last_used_at else "never"
+                typer.echo(f"{t.id}  {t.role.value:<8} {t.hint}…  {t.name}  ({state}; used {used})")
 
     run(go, settings.log_level)
 

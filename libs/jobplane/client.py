@@ -21,6 +21,7 @@ from typing import Any, Self, TypeVar
 
 import httpx
 
+from jobplane.domain.limits import check_json
 from jobplane.domain.states import TERMINAL_STATES
 from jobplane.errors import JobplaneError
 
@@ -58,6 +59,8 @@ def _trigger_body(
     run_at: datetime | None = None,
     pinned_worker: str | None = None,
 ) -> JSONDict:
+    # Refused here as the API would refuse it (InvalidOptionsError naming ``args``).
+    check_json(args, "args")
     body: JSONDict = {"args": args}
     if delay_s is not None:
         body["delay_s"] = delay_s
@@ -154,7 +157,9 @@ class AsyncClient:
     ) -> JSONDict:
         """Create an instance now, after ``delay_s``, or at ``run_at`` (timezone-aware), on
         any worker or only on ``pinned_worker``. A replayed ``idempotency_key`` returns the
-        first instance; reused with a different request it is an :class:`ApiError` 409."""
+        first instance; reused with a different request it is an :class:`ApiError` 409.
+        Arguments the API would refuse (nested deeper than 64 levels, over 1 MiB, NaN, NUL)
+        raise :class:`~jobplane.errors.InvalidOptionsError` before anything is sent."""
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         return await self._call(  # type: ignore[no-any-return]
             "POST",
@@ -167,6 +172,8 @@ class AsyncClient:
         """Create up to 1,000 instances, all or none. Each item has ``job_key`` and the fields
         of a trigger (``args``, ``delay_s`` or ``run_at``, ``priority``, ``pinned_worker``,
         ``idempotency_key``); datetimes are sent as ISO 8601."""
+        for n, item in enumerate(items):
+            check_json(item.get("args"), f"items.{n}.args")
         body = {"items": [_batch_item(item) for item in items]}
         return await self._call("POST", "/api/v1/instances/batch", json=body)  # type: ignore[no-any-return]
 

@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
+from jobplane.domain.limits import MAX_RESULT_BYTES, check_json, check_text
 from jobplane.errors import JobplaneError, StoreUnavailableError
 
 #: The cancellation reason of a cancel requested by an operator (API, CLI, client).
@@ -94,6 +95,10 @@ class _InstanceLogger(logging.LoggerAdapter[logging.Logger]):
         return f"[{extra['job_key']} {extra['instance_id']}] {msg}", kwargs
 
 
+#: Progress messages longer than this are refused.
+PROGRESS_MESSAGE_MAX = 1000
+
+
 @dataclass
 class JobContext:
     """Handed to a job function that asks for it (a parameter annotated ``JobContext``)."""
@@ -137,6 +142,9 @@ class JobContext:
         is written with the attempt's next heartbeat."""
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"progress fraction must be within [0, 1], got {fraction}")
+        if message is not None:
+            # Refused here, in the job, rather than by the database in the heartbeat's write.
+            check_text(message, "progress message", max_length=PROGRESS_MESSAGE_MAX)
         self.pending_progress = (fraction, message)
         if self.on_progress is not None:
             self.on_progress(fraction, message)
@@ -146,7 +154,9 @@ class JobContext:
         :attr:`last_checkpoint`. While the store is unreachable the write is retried with
         backoff as long as this attempt's lease may still hold, then
         :class:`CheckpointNotSavedError` is raised. Raises :class:`LeaseLostError` if this
-        attempt was fenced (not retried)."""
+        attempt was fenced (not retried). Data that could not be read back (see
+        :func:`~jobplane.domain.limits.check_json`) raises InvalidOptionsError."""
+        check_json(data, "checkpoint", max_bytes=MAX_RESULT_BYTES)
         if self.saver is None:
             raise RuntimeError("checkpoint() is only available inside a worker")
         if not await self.saver(data):
@@ -156,6 +166,7 @@ class JobContext:
     def checkpoint_sync(self, data: Any) -> None:
         """:meth:`checkpoint` for sync jobs (they run in a pool thread, or in a child process
         with ``isolation="process"``)."""
+        check_json(data, "checkpoint", max_bytes=MAX_RESULT_BYTES)
         if self.sync_saver is not None:
             if not self.sync_saver(data):
                 raise LeaseLostError(f"instance {self.instance_id}: checkpoint refused, lease lost")

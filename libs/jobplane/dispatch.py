@@ -20,6 +20,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from jobplane.bus.abc import Bus
 from jobplane.bus.envelope import Envelope, Event, EventKind
+from jobplane.domain.limits import check_json
 from jobplane.domain.models import (
     BulkCancel,
     Instance,
@@ -115,6 +116,7 @@ class Dispatcher:
             d.key: d for d in await self.store.list_definitions({r.job_key for r in requests})
         }
         for request in requests:
+            check_json(request.args, "args")
             definition = definitions.get(request.job_key)
             if definition is None:
                 continue  # create_instances raises JobNotFoundError with the key

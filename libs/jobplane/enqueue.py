@@ -36,6 +36,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
 from jobplane.dispatch import JobDisabledError, validate_args
+from jobplane.domain.limits import check_idempotency_key, check_json, to_utc
 from jobplane.domain.models import InstanceSource
 from jobplane.domain.options import JobKind, JobOptions
 from jobplane.domain.states import InstanceState
@@ -159,12 +160,15 @@ def _plan(
     options = JobOptions.from_stored(definition.options)
     if options.disabled:
         raise JobDisabledError(key)
+    check_json(args, "args")
     if definition.args_schema is not None:
         validate_args(definition.args_schema, args)
     if run_at is not None and delay is not None:
         raise InvalidOptionsError("delay", "give run_at or delay, not both")
-    if run_at is not None and run_at.tzinfo is None:
-        raise InvalidOptionsError("run_at", "must be timezone-aware")
+    if run_at is not None:
+        run_at = to_utc(run_at, "run_at", naive_is_utc=False)
+    if idempotency_key is not None:
+        check_idempotency_key(idempotency_key)
     instance_id = new_id()
     now = _clock(dialect)
     due: datetime | ColumnElement[datetime] | None = run_at

@@ -89,3 +89,12 @@ class IdempotencyConflictError(JobplaneError):
     def __init__(self, key: str) -> None:
         super().__init__(f"Idempotency-Key {key!r} was used before with a different request")
         self.key = key
+
+
+class LastAdminError(JobplaneError):
+    """Revoking this token would leave no live admin token: refused, since only database
+    access could then mint a new one."""
+
+    def __init__(self, token_id: UUID) -> None:
+        super().__init__(f"token {token_id} is the last live admin token; create another first")
+        self.token_id = token_id

@@ -9,7 +9,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
-from starlette.datastructures import Headers
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jobplane import __version__
@@ -18,8 +18,11 @@ from jobplane.dispatch import Dispatcher
 from jobplane.runtime import backends
 from jobplane.serving import serve_until
 from jobplane.store.sql import SqlStore
-from jobplane_api import problems
+from jobplane_api import docs, problems
+from jobplane_api.authn import AuthenticateFirst, Authenticator
+from jobplane_api.metrics import MetricsCache
 from jobplane_api.routers import instances, jobs, system, tokens
+from jobplane_api.security import document_roles
 from jobplane_api.settings import ApiSettings
 
 logger = logging.getLogger(__name__)
@@ -28,6 +31,16 @@ DESCRIPTION = """
 Jobplane's REST API: job definitions, instances and their history, workers and the scheduler.
 
 Errors are RFC 9457 `application/problem+json`; validation errors name the field at fault.
+
+Authentication: every `/api/v1` route needs `Authorization: Bearer <token>` (use the
+"Authorize" button). Roles: **viewer** reads, **operator** triggers, cancels, retries, pauses
+and resumes, **admin** edits options and manages tokens. A request is authenticated before its
+body is read: without a valid token the answer is 401 whatever the body; too many failed
+authentications from one client in a minute get 429. `/healthz`, `/readyz` and `/metrics` are
+open (they carry no job data), as are these docs.
+
+Lists return instances without their arguments, result, checkpoint and error: read one
+instance for those.
 """
 
 
@@ -55,13 +68,28 @@ def create_app(
         version=__version__,
         description=DESCRIPTION,
         lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
     )
     problems.install(app)
+    docs.install(app)
 
+    # The last added runs first: headers on every answer, then authentication (before any
+    # body is read), then the input guard.
     app.add_middleware(InputGuard, max_body_bytes=settings.max_body_bytes)
+    app.state.metrics = MetricsCache(settings.metrics_cache_s)
+    app.state.authenticator = Authenticator(
+        failures_per_minute=settings.auth_failures_per_minute,
+        negative_ttl_s=settings.auth_negative_cache_s,
+    )
+    if settings.auth_enabled:
+        app.add_middleware(AuthenticateFirst, authenticator=app.state.authenticator)
+    app.add_middleware(SecurityHeaders)
 
-    for module in (jobs, instances, system, tokens):
-        app.include_router(module.router)
+    routers = [module.router for module in (jobs, instances, system, tokens)]
+    for router in routers:
+        app.include_router(router)
+    document_roles(app, routers)
     return app
 
 
@@ -124,6 +152,36 @@ class InputGuard:
 
 
 NUL_REFUSED = "NUL characters are not allowed"
+
+#: For HTML answers that set no policy of their own: nothing from elsewhere, no inline script.
+DEFAULT_CSP = (
+    "default-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'; "
+    "form-action 'self'"
+)
+
+
+class SecurityHeaders:
+    """``X-Content-Type-Options: nosniff`` on every answer, and :data:`DEFAULT_CSP` on HTML
+    answers that carry no ``Content-Security-Policy`` of their own."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                headers["X-Content-Type-Options"] = "nosniff"
+                html = headers.get("content-type", "").startswith("text/html")
+                if html and "content-security-policy" not in headers:
+                    headers["Content-Security-Policy"] = DEFAULT_CSP
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
 
 
 async def run_api(settings: ApiSettings, stop: asyncio.Event) -> None:

@@ -14,12 +14,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jobplane.dispatch import JobDisabledError
 from jobplane.errors import (
+    BusUnavailableError,
     DefinitionVersionNotFoundError,
     IdempotencyConflictError,
     IllegalTransitionError,
     InstanceNotFoundError,
     InvalidOptionsError,
     JobNotFoundError,
+    LastAdminError,
     UnavailableError,
 )
 
@@ -54,6 +56,7 @@ STATUS_OF: list[tuple[type[Exception], int, str]] = [
     (IllegalTransitionError, 409, "Illegal state transition"),
     (JobDisabledError, 409, "Job disabled"),
     (IdempotencyConflictError, 409, "Idempotency-Key reused with a different request"),
+    (LastAdminError, 409, "Last admin token"),
 ]
 
 
@@ -93,10 +96,16 @@ async def _unstorable(request: Request, exc: DBAPIError) -> JSONResponse:
     # The database refused a value the schema let through (NUL in text, an escape jsonb
     # rejects, a date out of range: SQLSTATE class 22): bad input, not a server fault.
     # Anything else is a real fault and stays a 500.
+    # The edge validates every field (jobplane_api.inputs), so this is a fallback: the
+    # driver's wording (query arguments, types) goes to the log, not to the client.
     if not _sqlstate(exc).startswith("22"):
         raise exc
-    reason = str(exc.orig).strip().splitlines()[-1] if exc.orig else "value cannot be stored"
-    return problem(422, "Invalid request", reason, request=request)
+    logger.warning(
+        "the database refused a value: %s",
+        str(exc.orig).strip().splitlines()[-1] if exc.orig else exc,
+        extra={"action": "api.unstorable"},
+    )
+    return problem(422, "Invalid request", "a value cannot be stored", request=request)
 
 
 async def _not_utf8(request: Request, exc: UnicodeEncodeError) -> JSONResponse:
@@ -106,8 +115,10 @@ async def _not_utf8(request: Request, exc: UnicodeEncodeError) -> JSONResponse:
 
 
 async def _unavailable(request: Request, exc: UnavailableError) -> JSONResponse:
+    # The detail (host, port) goes to the log only.
     logger.warning("%s", exc, extra={"action": "api.unavailable"})
-    return problem(503, "Service unavailable", str(exc), request=request)
+    what = "redis" if isinstance(exc, BusUnavailableError) else "database"
+    return problem(503, "Service unavailable", f"{what}: unavailable", request=request)
 
 
 async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

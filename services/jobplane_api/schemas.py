@@ -6,9 +6,10 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from jobplane.domain.attempts import Attempt, attempts_of
+from jobplane.domain.limits import MAX_RESULT_BYTES, check_json
 from jobplane.domain.models import (
     Bucket,
     BulkCancel,
@@ -23,43 +24,23 @@ from jobplane.domain.models import (
 )
 from jobplane.domain.options import PRIORITY_MAX, PRIORITY_MIN, JobOptions
 from jobplane.domain.states import InstanceState
+from jobplane.errors import InvalidOptionsError
+from jobplane_api.inputs import Args, DueTime, FilterTime, IdempotencyKey, ShortText
+
+# Re-exported (explicitly): the routers document their answers with these.
+from jobplane_api.responses import INSTANCE_LINKS as INSTANCE_LINKS
+from jobplane_api.responses import JOB_LIST_LINKS as JOB_LIST_LINKS
+from jobplane_api.responses import PROBLEM_RESPONSES as PROBLEM_RESPONSES
+from jobplane_api.responses import Problem as Problem
+
+#: Values larger than this (encoded JSON bytes) are left out of instance lists.
+LIST_VALUE_MAX = 1024
 
 #: Versions are stored as 32-bit integers.
 VERSION_MAX = 2**31 - 1
 
 #: Ten years: a longer delay is a mistake, not a schedule.
 MAX_DELAY_S = 10 * 365 * 24 * 3600
-
-
-class Problem(BaseModel):
-    """RFC 9457 problem details."""
-
-    type: str = "about:blank"
-    title: str
-    status: int
-    detail: str | None = None
-    instance: str | None = None
-    errors: list[dict[str, Any]] | None = Field(
-        default=None, description="Validation errors: JSON path of the field and the reason."
-    )
-
-
-_ERRORS = {
-    401: "No token, or an unknown or revoked one",
-    403: "The token's role is too low",
-    404: "No such job, instance or token",
-    409: "Conflict: an illegal transition, a stale version, a disabled job, an "
-    "Idempotency-Key reused with a different request",
-    413: "Request body too large",
-    422: "Invalid request: the fields at fault are in `errors`",
-    503: "Postgres or Redis unreachable",
-}
-
-#: The problem+json answers every API route may give (documented in OpenAPI).
-PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": Problem, "description": text, "content": {"application/problem+json": {}}}
-    for code, text in _ERRORS.items()
-}
 
 
 class OutcomeOut(BaseModel):
@@ -181,28 +162,32 @@ class RollbackIn(BaseModel):
 
 
 class TriggerIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    args: Any = Field(default=None, description="JSON arguments, validated against the job.")
-    run_at: AwareDatetime | None = Field(
+    args: Args = Field(
+        default=None,
+        description="JSON arguments, validated against the job: at most 64 levels deep and "
+        "1 MiB encoded, finite numbers, text without NUL.",
+    )
+    run_at: DueTime | None = Field(
         default=None, description="Run at this time (with a UTC offset; not with delay_s)."
     )
     delay_s: float | None = Field(
         default=None, ge=0, le=MAX_DELAY_S, description="Run after this many seconds."
     )
     priority: int | None = Field(default=None, ge=PRIORITY_MIN, le=PRIORITY_MAX)
-    pinned_worker: str | None = Field(
-        default=None, max_length=200, description="Only this worker may run it."
+    pinned_worker: ShortText | None = Field(
+        default=None, description="Only this worker may run it."
     )
 
 
 class BatchTriggerItem(TriggerIn):
-    job_key: str
-    idempotency_key: str | None = Field(
+    job_key: ShortText
+    idempotency_key: IdempotencyKey | None = Field(
         default=None,
-        max_length=200,
         description="As the Idempotency-Key header of a single trigger: a replay returns the "
-        "first instance; the key reused with a different request is a 409.",
+        "first instance; the key reused with a different request is a 409. Keys starting "
+        "with `retry-of:` are reserved.",
     )
 
 
@@ -299,10 +284,48 @@ class InstanceOut(BaseModel):
         description="The attempts, oldest first, derived from the transitions (instance "
         "detail only).",
     )
+    omitted: list[str] = Field(
+        default_factory=list,
+        description="The fields left out (null here). In lists: `args`, `checkpoint` or "
+        f"`result` larger than {LIST_VALUE_MAX} bytes, and `error.traceback`; read the instance "
+        "for them. Anywhere: a value stored by an older version that cannot be serialised "
+        "(nested too deep).",
+    )
 
     @classmethod
-    def of(cls, i: Instance, transitions: list[Transition] | None = None) -> InstanceOut:
-        return cls(
+    def brief(cls, i: Instance) -> InstanceOut:
+        """For a list: large values left out (named in ``omitted``), so that a page of 500
+        instances stays a few megabytes whatever the jobs carry."""
+        out = cls.of(i, max_bytes=LIST_VALUE_MAX)
+        if out.error is not None and out.error.traceback is not None:
+            out.error.traceback = None
+            out.omitted.append("error.traceback")
+        if out.error is not None and len(out.error.message) > LIST_VALUE_MAX:
+            out.error.message = out.error.message[:LIST_VALUE_MAX] + "…"
+        return out
+
+    def _leave_out_unreadable(self, max_bytes: int) -> None:
+        # Values over ``max_bytes``, and values stored before the entrances checked them
+        # (nested too deep to serialise, NaN), are left out instead of failing the answer.
+        for name in ("args", "checkpoint", "result"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            try:
+                check_json(value, name, max_bytes=max_bytes)
+            except InvalidOptionsError:
+                setattr(self, name, None)
+                self.omitted.append(name)
+
+    @classmethod
+    def of(
+        cls,
+        i: Instance,
+        transitions: list[Transition] | None = None,
+        *,
+        max_bytes: int = MAX_RESULT_BYTES,
+    ) -> InstanceOut:
+        out = cls(
             id=i.id,
             job_key=i.job_key,
             state=i.state,
@@ -333,6 +356,8 @@ class InstanceOut(BaseModel):
             if transitions
             else None,
         )
+        out._leave_out_unreadable(max_bytes)
+        return out
 
 
 class InstancePage(BaseModel):
@@ -398,6 +423,11 @@ class StatsOut(BaseModel):
     )
 
 
+#: How the time filters read their values.
+TIME_FILTER = (
+    "ISO 8601; with a UTC offset, or without one and then UTC (`2026-01-01` is midnight UTC)."
+)
+
 #: The most instances one bulk cancel or retry examines.
 BULK_LIMIT_MAX = 10_000
 
@@ -407,16 +437,16 @@ class BulkFilterIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    job: str | None = Field(default=None, description="Job key.")
+    job: ShortText | None = Field(default=None, description="Job key.")
     states: list[InstanceState] | None = Field(
         default=None,
         description="States to select; omitted: every state the operation applies to.",
     )
-    created_after: AwareDatetime | None = None
-    created_before: AwareDatetime | None = None
-    scheduled_after: AwareDatetime | None = Field(default=None, description="Cron tick from.")
-    scheduled_before: AwareDatetime | None = None
-    worker: str | None = Field(default=None, description="Worker id.")
+    created_after: FilterTime | None = Field(default=None, description=TIME_FILTER)
+    created_before: FilterTime | None = None
+    scheduled_after: FilterTime | None = Field(default=None, description="Cron tick from.")
+    scheduled_before: FilterTime | None = None
+    worker: ShortText | None = Field(default=None, description="Worker id.")
     limit: int = Field(
         default=1000, ge=1, le=BULK_LIMIT_MAX, description="At most this many instances."
     )

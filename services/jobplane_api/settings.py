@@ -14,5 +14,12 @@ class ApiSettings(CommonSettings):
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
     #: Bearer tokens are required unless this is off (``jobplane dev`` turns it off).
     auth_enabled: bool = True
+    #: Failed authentications one client (IP address) may make in a minute before getting
+    #: 429 until the minute ends (0: no limit). Behind a proxy every client shares its address.
+    auth_failures_per_minute: int = Field(default=30, ge=0)
+    #: How long a secret found unknown is answered 401 without asking the database again.
+    auth_negative_cache_s: float = Field(default=10.0, ge=0, le=3600)
+    #: A /metrics answer is reused this long (one database statement per refresh).
+    metrics_cache_s: float = Field(default=5.0, ge=0, le=300)
     #: Requests in flight each hold a connection: a bigger pool than the other roles'.
     db_pool_size: int = Field(default=32, ge=1, le=1000)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import random
 import traceback
@@ -16,6 +15,7 @@ from pydantic import BaseModel
 
 from jobplane.app import JobSpec, Resources
 from jobplane.context import CANCEL_REQUESTED, JobContext
+from jobplane.domain.limits import MAX_RESULT_BYTES, check_json
 from jobplane.domain.models import Claim, ErrorInfo, Outcome
 from jobplane.domain.options import Isolation
 from jobplane.domain.states import InstanceState
@@ -182,7 +182,8 @@ def _succeeded(claim: Claim, result: Any) -> Outcome:
     if isinstance(result, BaseModel):
         result = result.model_dump(mode="json")
     try:
-        json.dumps(result)
+        # Nothing stored that cannot be read back: depth, NaN and NUL checked as for args.
+        check_json(result, "result", max_bytes=MAX_RESULT_BYTES)
     except (TypeError, ValueError) as exc:
         return _failed(claim, TypeError(f"job result is not JSON serialisable: {exc}"))
     return Outcome(claim.instance.id, claim.token, InstanceState.SUCCEEDED, result=result)

@@ -44,6 +44,7 @@ from pydantic import BaseModel
 
 from jobplane.app import App, JobSpec
 from jobplane.context import JobContext, LeaseLostError
+from jobplane.domain.limits import MAX_RESULT_BYTES, check_json
 from jobplane.errors import JobplaneError, StoreUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -329,7 +330,8 @@ def _ok_message(result: Any) -> Message:
     if isinstance(result, BaseModel):
         result = result.model_dump(mode="json")
     try:
-        json.dumps(result)
+        # Nothing stored that cannot be read back: depth, NaN and NUL checked as for args.
+        check_json(result, "result", max_bytes=MAX_RESULT_BYTES)
     except (TypeError, ValueError) as exc:
         return _error_message(TypeError(f"job result is not JSON serialisable: {exc}"))
     return {"kind": "ok", "result": result}

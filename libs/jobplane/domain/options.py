@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from jobplane.cron import validate_cron, validate_timezone
+from jobplane.domain.limits import INT32_MAX, check_text, to_utc
 from jobplane.errors import InvalidOptionsError
 
 PRIORITY_MIN = 0
@@ -30,6 +31,11 @@ PRIORITY_MAX = 9
 PRIORITY_DEFAULT = 5
 
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,199}$")
+#: Stored in every version of a definition: bounded so that versions stay cheap.
+NAME_MAX = 200
+DESCRIPTION_MAX = 4000
+#: Ten years: a longer timeout or delay is a mistake, not a setting.
+SECONDS_MAX = 10 * 365 * 24 * 3600.0
 # Queue names become part of Redis keys inside a hash tag: no braces, no colons, no spaces.
 QUEUE_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_.\-]{0,63}$")
 
@@ -77,12 +83,12 @@ class BackoffKind(StrEnum):
 class Backoff(BaseModel):
     """Delay before a retry: none, fixed, or exponential with optional jitter, capped."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     kind: BackoffKind = BackoffKind.EXPONENTIAL
-    delay_s: float = Field(default=1.0, ge=0)
-    factor: float = Field(default=2.0, ge=1)
-    max_delay_s: float = Field(default=300.0, ge=0)
+    delay_s: float = Field(default=1.0, ge=0, le=SECONDS_MAX)
+    factor: float = Field(default=2.0, ge=1, le=1000)
+    max_delay_s: float = Field(default=300.0, ge=0, le=SECONDS_MAX)
     jitter: bool = True
 
     def delay_for(self, retry_number: int, random_fraction: float = 1.0) -> float:
@@ -103,7 +109,7 @@ class Backoff(BaseModel):
 class JobOptions(BaseModel):
     """Every option of a job definition. Frozen: an edit produces a new value."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     key: str
     kind: JobKind
@@ -111,12 +117,12 @@ class JobOptions(BaseModel):
     description: str = ""
     queue: str = "default"
     priority: int = Field(default=PRIORITY_DEFAULT, ge=PRIORITY_MIN, le=PRIORITY_MAX)
-    max_concurrency: int = Field(default=1, ge=1)
+    max_concurrency: int = Field(default=1, ge=1, le=INT32_MAX)
     on_limit: OnLimit = OnLimit.SKIP
-    retries: int = Field(default=0, ge=0)
+    retries: int = Field(default=0, ge=0, le=INT32_MAX)
     backoff: Backoff = Backoff()
-    max_unexpected_retries: int = Field(default=3, ge=0)
-    timeout_s: float = Field(default=3600.0, gt=0)
+    max_unexpected_retries: int = Field(default=3, ge=0, le=INT32_MAX)
+    timeout_s: float = Field(default=3600.0, gt=0, le=SECONDS_MAX)
     isolation: Isolation = Isolation.NONE
     #: A retry runs on the worker that ran the failed attempt (pinned to it).
     retry_on_same_worker: bool = False
@@ -128,7 +134,7 @@ class JobOptions(BaseModel):
     start_at: datetime | None = None
     end_at: datetime | None = None
     misfire: MisfirePolicy = MisfirePolicy.FIRE_ONCE
-    misfire_max: int = Field(default=100, ge=1)
+    misfire_max: int = Field(default=100, ge=1, le=INT32_MAX)
     #: A tick later than this (seconds) is a misfire and follows ``misfire``, whoever fires it:
     #: a new leader after a failover, or a sitting leader that fell behind.
     misfire_grace_s: float = Field(default=1.0, ge=0, le=86_400)
@@ -142,6 +148,18 @@ class JobOptions(BaseModel):
                 "starting with a letter or digit"
             )
         return value
+
+    @field_validator("name", "description")
+    @classmethod
+    def _text(cls, value: str, info: ValidationInfo) -> str:
+        # Stored values are read back as they are, even if saved before these bounds.
+        if _stored(info):
+            return value
+        limit = NAME_MAX if info.field_name == "name" else DESCRIPTION_MAX
+        try:
+            return check_text(value, str(info.field_name), max_length=limit)
+        except InvalidOptionsError as exc:
+            raise ValueError(exc.reason) from None
 
     @field_validator("queue")
     @classmethod
@@ -169,10 +187,10 @@ class JobOptions(BaseModel):
 
     @field_validator("start_at", "end_at")
     @classmethod
-    def _aware(cls, value: datetime | None) -> datetime | None:
-        if value is not None and value.tzinfo is None:
-            raise ValueError("must be timezone-aware (e.g. 2026-01-01T00:00:00Z)")
-        return value
+    def _aware(cls, value: datetime | None, info: ValidationInfo) -> datetime | None:
+        if value is None or _stored(info):
+            return value
+        return to_utc(value, str(info.field_name), naive_is_utc=False)
 
     @model_validator(mode="after")
     def _coherent(self) -> Self:

@@ -9,7 +9,7 @@ transaction. A write that matches nothing changed nothing and left no history: c
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Protocol
 from uuid import UUID
 
@@ -126,6 +126,10 @@ class Store(Protocol):
 
     async def count_by_state(self, job_key: str | None = None) -> dict[InstanceState, int]:
         """Number of instances in each state."""
+
+    async def gauges(self) -> tuple[dict[tuple[str, InstanceState], int], int]:
+        """Instances by (job, state), and how many workers have not stopped, in one
+        statement."""
 
     async def job_summaries(
         self, keys: Collection[str] | None = None, *, window_s: float = 86400.0
@@ -307,13 +311,18 @@ class Store(Protocol):
 
     # -- API tokens ------------------------------------------------------------------------
 
-    async def create_token(self, name: str, role: Role, actor: str) -> tuple[TokenInfo, str]:
-        """A new token and its secret: the only time the secret exists outside the caller."""
+    async def create_token(
+        self, name: str, role: Role, actor: str, *, expires_in: timedelta | None = None
+    ) -> tuple[TokenInfo, str]:
+        """A new token and its secret: the only time the secret exists outside the caller.
+        With ``expires_in`` it stops working that long after now (the database's clock)."""
 
     async def authenticate(self, secret: str) -> TokenInfo | None:
-        """The live token whose secret this is, if any (matched on its SHA-256)."""
+        """The live token whose secret this is, if any (matched on its SHA-256): not revoked,
+        not expired. Records its use (``last_used_at``), at most about once a minute."""
 
     async def list_tokens(self) -> list[TokenInfo]: ...
 
     async def revoke_token(self, token_id: UUID) -> bool:
-        """Revoke at once; ``False`` if unknown or already revoked."""
+        """Revoke at once; ``False`` if unknown or already revoked. Raises LastAdminError
+        instead of revoking the last live admin token."""

@@ -10,13 +10,13 @@ import math
 from collections.abc import Collection, Sequence
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import Integer, and_, case, cast, func, select
+from sqlalchemy import Integer, String, and_, case, cast, func, literal, select, union_all
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobplane.domain.models import Bucket, JobSummary
 from jobplane.domain.states import TERMINAL_STATES
 from jobplane.store.base import I, S, SqlBase
-from jobplane.store.tables import instance_transitions, job_instances
+from jobplane.store.tables import instance_transitions, job_instances, workers
 
 TERMINAL = sorted(s.value for s in TERMINAL_STATES)
 
@@ -43,6 +43,25 @@ def percentile_cont(values: Sequence[float], fraction: float) -> float | None:
 
 class StatsStore(SqlBase):
     """Job summaries and throughput (generic; Postgres overrides them)."""
+
+    async def gauges(self) -> tuple[dict[tuple[str, S], int], int]:
+        """Instances by (job, state) and the workers that have not stopped, in one
+        statement (what a metrics scrape reads)."""
+        by_job = select(I.job_key, I.state, func.count().label("n")).group_by(I.job_key, I.state)
+        live = select(
+            literal(None, String).label("job_key"),
+            literal(None, String).label("state"),
+            func.count().label("n"),
+        ).where(workers.c.stopped_at.is_(None))
+        counts: dict[tuple[str, S], int] = {}
+        live_workers = 0
+        async with self._read() as conn:
+            for job_key, state, n in await conn.execute(union_all(by_job, live)):
+                if job_key is None:
+                    live_workers = n
+                else:
+                    counts[(job_key, S(state))] = n
+        return counts, live_workers
 
     async def job_summaries(
         self, keys: Collection[str] | None = None, *, window_s: float = DAY_S

@@ -284,5 +284,8 @@ api_tokens = Table(
     Column("created_at", UtcDateTime, nullable=False),
     Column("created_by", String(200), nullable=False),
     Column("revoked_at", UtcDateTime, nullable=True),
+    Column("expires_at", UtcDateTime, nullable=True),
+    # Written at most about once a minute per token (see TokenStore.authenticate).
+    Column("last_used_at", UtcDateTime, nullable=True),
     CheckConstraint("role IN ('viewer', 'operator', 'admin')", name="role_valid"),
 )

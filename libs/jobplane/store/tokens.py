@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
-from sqlalchemy import select, update
+from sqlalchemy import ColumnElement, or_, select, update
 
 from jobplane.auth import Role, TokenInfo, hash_secret, new_secret
+from jobplane.errors import LastAdminError
 from jobplane.ids import new_id
-from jobplane.store.base import SqlBase
+from jobplane.store.base import SqlBase, _aware
 from jobplane.store.tables import api_tokens
 
 T = api_tokens.c
+
+#: ``last_used_at`` is written when it is older than this: a token used all the time costs
+#: one write a minute, not one per request.
+TOUCH_EVERY = timedelta(seconds=60)
 
 
 def _info(row: Mapping[Any, Any]) -> TokenInfo:
@@ -25,14 +31,20 @@ def _info(row: Mapping[Any, Any]) -> TokenInfo:
         created_at=row["created_at"],
         created_by=row["created_by"],
         revoked_at=row["revoked_at"],
+        expires_at=row["expires_at"],
+        last_used_at=row["last_used_at"],
     )
 
 
 class TokenStore(SqlBase):
-    async def create_token(self, name: str, role: Role, actor: str) -> tuple[TokenInfo, str]:
-        """A new token; returns its info and the secret (the only time it is available)."""
+    async def create_token(
+        self, name: str, role: Role, actor: str, *, expires_in: timedelta | None = None
+    ) -> tuple[TokenInfo, str]:
+        """A new token, valid for ``expires_in`` from now (the database's clock) or until
+        revoked; returns its info and the secret (the only time it is available)."""
         secret = new_secret()
         async with self._write() as conn:
+            now = await self._now(conn)
             row = (
                 await conn.execute(
                     api_tokens.insert()
@@ -42,25 +54,39 @@ class TokenStore(SqlBase):
                         role=role.value,
                         token_hash=hash_secret(secret),
                         hint=secret[:7],
-                        created_at=await self._now(conn),
+                        created_at=now,
                         created_by=actor,
+                        expires_at=now + expires_in if expires_in is not None else None,
                     )
                     .returning(*api_tokens.c)
                 )
             ).one()
         return _info(row._mapping), secret
 
+    def _live(self) -> ColumnElement[bool]:
+        return T.revoked_at.is_(None) & or_(T.expires_at.is_(None), T.expires_at > self._clock())
+
     async def authenticate(self, secret: str) -> TokenInfo | None:
-        """The live (not revoked) token with this secret, if any."""
-        async with self._read() as conn:
+        """The live token (not revoked, not expired) with this secret, if any. Notes its use
+        when the last note is older than :data:`TOUCH_EVERY`."""
+        async with self._write() as conn:
             row = (
                 await conn.execute(
-                    select(api_tokens).where(
-                        T.token_hash == hash_secret(secret), T.revoked_at.is_(None)
+                    select(api_tokens, self._clock().label("now")).where(
+                        T.token_hash == hash_secret(secret), self._live()
                     )
                 )
             ).first()
-        return _info(row._mapping) if row else None
+            if row is None:
+                return None
+            info = _info(row._mapping)
+            now: datetime = row.now
+            if info.last_used_at is None or _aware(now) - info.last_used_at >= TOUCH_EVERY:
+                # Two processes may both write it in the same minute: harmless.
+                await conn.execute(
+                    update(api_tokens).where(T.id == info.id).values(last_used_at=self._clock())
+                )
+        return info
 
     async def list_tokens(self) -> list[TokenInfo]:
         async with self._read() as conn:
@@ -68,7 +94,25 @@ class TokenStore(SqlBase):
             return [_info(r._mapping) for r in result]
 
     async def revoke_token(self, token_id: UUID) -> bool:
+        """Revoke a live token; False if there is none with this id. Raises LastAdminError
+        rather than revoke the last live admin token."""
         async with self._write() as conn:
+            # Lock every live admin token (in id order, the one lock order), so that two
+            # admins revoking each other at once cannot both succeed and leave none.
+            admins = (
+                (
+                    await conn.execute(
+                        select(T.id)
+                        .where(T.role == Role.ADMIN.value, self._live())
+                        .order_by(T.id)
+                        .with_for_update()
+                    )
+                )
+                .scalars()
+                .all()
+            )
+            if list(admins) == [token_id]:
+                raise LastAdminError(token_id)
             result = await conn.execute(
                 update(api_tokens)
                 .where(T.id == token_id, T.revoked_at.is_(None))

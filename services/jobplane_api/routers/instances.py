@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Annotated
 from uuid import UUID
 
@@ -13,8 +13,10 @@ from jobplane.domain.models import InstanceFilter, InstanceSource, NewInstance
 from jobplane.domain.states import InstanceState
 from jobplane.errors import IllegalTransitionError, InvalidOptionsError
 from jobplane_api.deps import DispatcherDep, StoreDep
+from jobplane_api.inputs import FilterTime, IdempotencyKey, ShortText
 from jobplane_api.schemas import (
     PROBLEM_RESPONSES,
+    TIME_FILTER,
     BatchTriggerIn,
     BulkCancelOut,
     BulkFilterIn,
@@ -39,17 +41,19 @@ CANCELLABLE = (
 @router.get("", summary="List instances", response_model=InstancePage, dependencies=[Viewer])
 async def list_instances(
     store: StoreDep,
-    job: str | None = None,
+    job: ShortText | None = None,
     state: Annotated[list[InstanceState] | None, Query()] = None,
-    created_after: datetime | None = None,
-    created_before: datetime | None = None,
-    scheduled_after: datetime | None = None,
-    scheduled_before: datetime | None = None,
-    worker: str | None = None,
+    created_after: Annotated[FilterTime | None, Query(description=TIME_FILTER)] = None,
+    created_before: Annotated[FilterTime | None, Query(description=TIME_FILTER)] = None,
+    scheduled_after: Annotated[FilterTime | None, Query(description=TIME_FILTER)] = None,
+    scheduled_before: Annotated[FilterTime | None, Query(description=TIME_FILTER)] = None,
+    worker: ShortText | None = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     before: Annotated[UUID | None, Query(description="Cursor from the previous page.")] = None,
 ) -> InstancePage:
-    """Newest first, keyset-paginated: pass ``next_cursor`` back as ``before``."""
+    """Newest first, keyset-paginated: pass ``next_cursor`` back as ``before``. Arguments,
+    checkpoint and result larger than 1 KiB, and error tracebacks, are left out (named in
+    each item's ``omitted``): read the instance for them."""
     page = await store.list_instances(
         InstanceFilter(
             job_key=job,
@@ -63,7 +67,9 @@ async def list_instances(
         limit=limit,
         before=before,
     )
-    return InstancePage(items=[InstanceOut.of(i) for i in page.items], next_cursor=page.next_cursor)
+    return InstancePage(
+        items=[InstanceOut.brief(i) for i in page.items], next_cursor=page.next_cursor
+    )
 
 
 BATCH_EXAMPLE = {
@@ -211,7 +217,7 @@ async def retry_instance(
     dispatcher: DispatcherDep,
     store: StoreDep,
     instance_id: UUID,
-    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+    idempotency_key: Annotated[IdempotencyKey | None, Header()] = None,
 ) -> InstanceOut:
     """A new instance linked by ``retry_of``; the old one's history is never rewritten.
     Replaying an ``Idempotency-Key`` (a client retrying this POST) returns the first retry

@@ -13,7 +13,10 @@ from jobplane.domain.models import JobDefinition, JobSummary
 from jobplane.domain.options import JobKind
 from jobplane.errors import InvalidOptionsError
 from jobplane_api.deps import BusDep, DispatcherDep, StoreDep
+from jobplane_api.inputs import IdempotencyKey
 from jobplane_api.schemas import (
+    INSTANCE_LINKS,
+    JOB_LIST_LINKS,
     PROBLEM_RESPONSES,
     InstanceOut,
     JobOut,
@@ -52,7 +55,13 @@ async def _out(store: StoreDep, definition: JobDefinition, fires: int) -> JobOut
     return _out_of(definition, await store.now(), fires, summaries.get(definition.key))
 
 
-@router.get("", summary="List jobs", response_model=list[JobOut], dependencies=[Viewer])
+@router.get(
+    "",
+    summary="List jobs",
+    response_model=list[JobOut],
+    dependencies=[Viewer],
+    responses=JOB_LIST_LINKS,  # type: ignore[arg-type]
+)
 async def list_jobs(
     store: StoreDep,
     kind: JobKind | None = None,
@@ -185,6 +194,7 @@ async def rollback_job(
     summary="Trigger a job",
     status_code=status.HTTP_201_CREATED,
     response_model=InstanceOut,
+    responses=INSTANCE_LINKS,  # type: ignore[arg-type]
     openapi_extra={"requestBody": {"content": {"application/json": {"example": TRIGGER_EXAMPLE}}}},
 )
 async def trigger_job(
@@ -192,7 +202,7 @@ async def trigger_job(
     key: str,
     body: TriggerIn,
     principal: Annotated[Principal, Operator],
-    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+    idempotency_key: Annotated[IdempotencyKey | None, Header()] = None,
 ) -> InstanceOut:
     """Create an instance with validated arguments, now or later (``run_at`` or ``delay_s``),
     optionally pinned to one worker. Replaying an ``Idempotency-Key`` with the same request

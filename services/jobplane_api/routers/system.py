@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+import logging
+
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import PlainTextResponse
 
 from jobplane.domain.models import InstanceFilter
 from jobplane.domain.states import InstanceState
 from jobplane.errors import UnavailableError
 from jobplane_api.deps import BusDep, StoreDep
-from jobplane_api.metrics import render_metrics
+from jobplane_api.metrics import MetricsCache
 from jobplane_api.problems import problem
 from jobplane_api.schemas import (
     PROBLEM_RESPONSES,
@@ -19,6 +21,8 @@ from jobplane_api.schemas import (
     WorkerOut,
 )
 from jobplane_api.security import Viewer
+
+logger = logging.getLogger(__name__)
 
 router = APIRouter(tags=["system"], responses=PROBLEM_RESPONSES)
 
@@ -81,12 +85,16 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz", summary="Readiness", tags=["health"], response_model=None)
 async def readyz(store: StoreDep, bus: BusDep) -> dict[str, str] | Response:
-    """Postgres and Redis are reachable."""
-    try:
-        await store.ping()
-        await bus.ping()
-    except UnavailableError as exc:
-        return problem(503, "Not ready", str(exc))
+    """Postgres and Redis are reachable. The answer names what is down, never where it is
+    (hosts and ports go to the log only: this route is open)."""
+    for name, ping in (("database", store.ping), ("redis", bus.ping)):
+        try:
+            await ping()
+        except UnavailableError as exc:
+            logger.warning(
+                "not ready: %s unavailable: %s", name, exc, extra={"action": "api.not_ready"}
+            )
+            return problem(503, "Not ready", f"{name}: unavailable")
     return {"status": "ready"}
 
 
@@ -97,7 +105,9 @@ async def readyz(store: StoreDep, bus: BusDep) -> dict[str, str] | Response:
     response_class=PlainTextResponse,
     responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
 )
-async def metrics(store: StoreDep) -> Response:
-    """Instance counts by state and job, in the Prometheus text format."""
-    body, content_type = await render_metrics(store)
+async def metrics(store: StoreDep, request: Request) -> Response:
+    """Instance counts by state and job, in the Prometheus text format: one database
+    statement per scrape, reused for ``JOBPLANE_METRICS_CACHE_S`` seconds."""
+    cache: MetricsCache = request.app.state.metrics
+    body, content_type = await cache.render(store)
     return Response(body, media_type=content_type)

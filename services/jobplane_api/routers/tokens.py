@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Annotated
 from uuid import UUID
 
-from fastapi import APIRouter, HTTPException, status
+from fastapi import APIRouter, HTTPException, Response, status
 from pydantic import BaseModel, ConfigDict, Field
 
 from jobplane.auth import Role, TokenInfo
 from jobplane_api.deps import StoreDep
+from jobplane_api.inputs import ShortText
 from jobplane_api.schemas import PROBLEM_RESPONSES
 from jobplane_api.security import Admin, Principal, actor_of
+
+#: Ten years.
+MAX_TOKEN_LIFETIME_S = 10 * 365 * 24 * 3600
 
 router = APIRouter(prefix="/api/v1/tokens", tags=["tokens"], responses=PROBLEM_RESPONSES)
 
@@ -25,6 +29,10 @@ class TokenOut(BaseModel):
     created_at: datetime
     created_by: str
     revoked_at: datetime | None
+    expires_at: datetime | None = Field(description="Null: valid until revoked.")
+    last_used_at: datetime | None = Field(
+        description="When it last authenticated a request (updated about once a minute)."
+    )
 
     @classmethod
     def of(cls, t: TokenInfo) -> TokenOut:
@@ -36,14 +44,22 @@ class TokenOut(BaseModel):
             created_at=t.created_at,
             created_by=t.created_by,
             revoked_at=t.revoked_at,
+            expires_at=t.expires_at,
+            last_used_at=t.last_used_at,
         )
 
 
 class TokenIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, max_length=200)
+    name: ShortText = Field(min_length=1)
     role: Role
+    expires_in_s: int | None = Field(
+        default=None,
+        ge=60,
+        le=MAX_TOKEN_LIFETIME_S,
+        description="Seconds until it stops working; omitted: until revoked.",
+    )
 
 
 class NewTokenOut(TokenOut):
@@ -56,7 +72,7 @@ async def list_tokens(store: StoreDep) -> list[TokenOut]:
     return [TokenOut.of(t) for t in await store.list_tokens()]
 
 
-TOKEN_EXAMPLE = {"name": "ci-deploy", "role": "operator"}
+TOKEN_EXAMPLE = {"name": "ci-deploy", "role": "operator", "expires_in_s": 2592000}
 
 
 @router.post(
@@ -67,10 +83,15 @@ TOKEN_EXAMPLE = {"name": "ci-deploy", "role": "operator"}
     openapi_extra={"requestBody": {"content": {"application/json": {"example": TOKEN_EXAMPLE}}}},
 )
 async def create_token(
-    store: StoreDep, body: TokenIn, principal: Annotated[Principal, Admin]
+    store: StoreDep, body: TokenIn, principal: Annotated[Principal, Admin], response: Response
 ) -> NewTokenOut:
-    """A new bearer token with a role; the secret is returned in this answer only."""
-    info, secret = await store.create_token(body.name, body.role, actor_of(principal))
+    """A new bearer token with a role, valid until revoked or for ``expires_in_s``; the
+    secret is returned in this answer only (marked ``Cache-Control: no-store``)."""
+    expires_in = timedelta(seconds=body.expires_in_s) if body.expires_in_s else None
+    info, secret = await store.create_token(
+        body.name, body.role, actor_of(principal), expires_in=expires_in
+    )
+    response.headers["Cache-Control"] = "no-store"
     return NewTokenOut(**TokenOut.of(info).model_dump(), secret=secret)
 
 
@@ -81,6 +102,7 @@ async def create_token(
     dependencies=[Admin],
 )
 async def revoke_token(store: StoreDep, token_id: UUID) -> None:
-    """Revoked at once: the next request with it is refused."""
+    """Revoked at once: the next request with it is refused. Revoking the last live admin
+    token is a 409 (create another admin token first)."""
     if not await store.revoke_token(token_id):
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no live token {token_id}")

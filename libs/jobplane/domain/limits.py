@@ -1,0 +1,115 @@
+"""What every entrance checks, so that nothing is stored that cannot be read back.
+
+The API, the HTTP client and :func:`~jobplane.enqueue.enqueue` all call these before a value
+reaches the store: arguments nested too deep or too large, text the database cannot hold (NUL,
+lone surrogates), numbers JSON cannot carry (NaN, infinities), idempotency keys in the
+namespace Jobplane keeps for itself, and datetimes outside what the store can represent. Each
+raises :class:`~jobplane.errors.InvalidOptionsError` naming the field at fault.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import UTC, datetime
+from typing import Any
+
+from jobplane.errors import InvalidOptionsError
+
+#: Arguments (and results) nested deeper than this are refused. Every read path serialises
+#: an instance inside a page inside a response, each adding levels; the serialisers stop at a
+#: few hundred, so the margin is wide.
+MAX_JSON_DEPTH = 64
+#: Encoded size (UTF-8 JSON) above which arguments are refused.
+MAX_ARGS_BYTES = 1_048_576
+#: Encoded size above which a job's result is refused (the attempt fails, saying why).
+MAX_RESULT_BYTES = 16 * 1_048_576
+#: Postgres ``integer`` columns (max_concurrency, priority, attempt counters).
+INT32_MAX = 2**31 - 1
+#: Idempotency keys starting with these are Jobplane's own (a bulk retry uses
+#: ``retry-of:<instance id>``); a client may not take them.
+RESERVED_KEY_PREFIXES = ("retry-of:",)
+IDEMPOTENCY_KEY_MAX = 200
+
+
+def check_json(
+    value: Any,
+    field: str = "args",
+    *,
+    max_depth: int = MAX_JSON_DEPTH,
+    max_bytes: int = MAX_ARGS_BYTES,
+) -> None:
+    """Raise InvalidOptionsError unless ``value`` is plain JSON the store can keep and give
+    back: objects with string keys, arrays, finite numbers, text without NUL or lone
+    surrogates, at most ``max_depth`` levels deep and ``max_bytes`` long encoded. The field
+    named is the JSON path of the first fault (``args.items.3``)."""
+    # Iterative, so that a value nested thousands deep cannot exhaust the stack here.
+    stack: list[tuple[Any, str, int]] = [(value, field, 1)]
+    while stack:
+        node, path, depth = stack.pop()
+        if isinstance(node, dict | list):
+            if depth > max_depth:
+                # The top field is named: the path down there is as long as the nesting.
+                raise InvalidOptionsError(field, f"nested deeper than {max_depth} levels")
+            items = node.items() if isinstance(node, dict) else enumerate(node)
+            for key, child in items:
+                if not isinstance(key, str | int):
+                    raise InvalidOptionsError(path, "object keys must be text")
+                name = key[:40] if isinstance(key, str) else key
+                if isinstance(key, str):
+                    check_text(key, f"{path}.{name}")
+                stack.append((child, f"{path}.{name}", depth + 1))
+        elif isinstance(node, str):
+            check_text(node, path)
+        elif isinstance(node, float) and not math.isfinite(node):
+            raise InvalidOptionsError(path, "numbers must be finite (no NaN or Infinity)")
+        elif node is not None and not isinstance(node, bool | int | float):
+            raise InvalidOptionsError(path, f"not a JSON value ({type(node).__name__})")
+    size = len(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode())
+    if size > max_bytes:
+        raise InvalidOptionsError(field, f"{size} bytes encoded; the limit is {max_bytes}")
+
+
+def check_text(value: str, field: str, *, max_length: int | None = None) -> str:
+    """``value`` if the database can store it: no NUL, no lone surrogate, not too long."""
+    if max_length is not None and len(value) > max_length:
+        raise InvalidOptionsError(field, f"at most {max_length} characters")
+    if "\x00" in value:
+        raise InvalidOptionsError(field, "NUL characters are not allowed")
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise InvalidOptionsError(field, "must be valid Unicode (no lone surrogates)") from None
+    return value
+
+
+def check_idempotency_key(key: str, field: str = "idempotency_key") -> str:
+    """A client's idempotency key: 1-200 characters of storable text, not in a namespace
+    Jobplane reserves for its own keys."""
+    if not key.strip():
+        raise InvalidOptionsError(field, "must not be empty")
+    check_text(key, field, max_length=IDEMPOTENCY_KEY_MAX)
+    for prefix in RESERVED_KEY_PREFIXES:
+        if key.startswith(prefix):
+            raise InvalidOptionsError(field, f"keys starting with {prefix!r} are reserved")
+    return key
+
+
+def check_int32(value: int, field: str) -> int:
+    if not -INT32_MAX - 1 <= value <= INT32_MAX:
+        raise InvalidOptionsError(field, f"must be at most {INT32_MAX}")
+    return value
+
+
+def to_utc(value: datetime, field: str, *, naive_is_utc: bool = True) -> datetime:
+    """``value`` in UTC. A naive value is taken as UTC (or refused when not
+    ``naive_is_utc``); one whose UTC time falls outside years 1-9999 is refused (an offset can
+    push ``0001-01-01T00:00+01:00`` before year 1)."""
+    if value.tzinfo is None or value.utcoffset() is None:
+        if not naive_is_utc:
+            raise InvalidOptionsError(field, "must carry a UTC offset (e.g. 2026-01-01T00:00Z)")
+        return value.replace(tzinfo=UTC)
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:
+        raise InvalidOptionsError(field, "out of range (years 1 to 9999 in UTC)") from None

@@ -1,0 +1,70 @@
+"""Field types for what the API accepts: each runs a check of :mod:`jobplane.domain.limits`
+while the request is validated, so a bad value is a 422 naming its field (``body.args``,
+``query.created_after``, ``header.idempotency-key``) before anything reaches the store."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+from typing import Annotated, Any, TypeVar
+
+from pydantic import AfterValidator, AwareDatetime, Field
+from pydantic_core import PydanticCustomError
+
+from jobplane.domain.limits import (
+    IDEMPOTENCY_KEY_MAX,
+    check_idempotency_key,
+    check_json,
+    check_text,
+    to_utc,
+)
+from jobplane.errors import InvalidOptionsError
+
+T = TypeVar("T")
+
+
+def _as_validation(check: Callable[[T], Any], base: str) -> Callable[[T], T]:
+    """``check`` as a pydantic validator: its InvalidOptionsError becomes a validation error
+    at the field being validated; a deeper path it names (``args.a.b``) is kept in the
+    message."""
+
+    def validate(value: T) -> T:
+        try:
+            check(value)
+        except InvalidOptionsError as exc:
+            reason = exc.reason if exc.field == base else f"{exc.field}: {exc.reason}"
+            raise PydanticCustomError("invalid_value", reason) from None
+        return value
+
+    return validate
+
+
+def _utc(naive_is_utc: bool) -> Callable[[datetime], datetime]:
+    def validate(value: datetime) -> datetime:
+        try:
+            return to_utc(value, "value", naive_is_utc=naive_is_utc)
+        except InvalidOptionsError as exc:
+            raise PydanticCustomError("invalid_datetime", exc.reason) from None
+
+    return validate
+
+
+def _text(value: str) -> None:
+    check_text(value, "text")
+
+
+#: Trigger arguments: plain JSON, bounded in depth and size (see ``check_json``).
+Args = Annotated[Any, AfterValidator(_as_validation(check_json, "args"))]
+#: Storable text (no NUL, no lone surrogates) of at most 200 characters: names, keys, ids.
+ShortText = Annotated[str, Field(max_length=200), AfterValidator(_as_validation(_text, "text"))]
+#: A client's idempotency key: not empty, not in a reserved namespace.
+IdempotencyKey = Annotated[
+    str,
+    Field(max_length=IDEMPOTENCY_KEY_MAX),
+    AfterValidator(_as_validation(check_idempotency_key, "idempotency_key")),
+]
+#: A filter bound: with a UTC offset, or naive and then taken as UTC; ``2026-01-01`` is
+#: midnight UTC. Normalised to UTC; values that fall outside years 1-9999 are refused.
+FilterTime = Annotated[datetime, AfterValidator(_utc(True))]
+#: A time something should happen: a UTC offset is required (a naive time is ambiguous).
+DueTime = Annotated[AwareDatetime, AfterValidator(_utc(False))]

@@ -1,0 +1,267 @@
+"""Authentication first, failed-auth throttle and negative cache, token lifecycle (expiry,
+last use, the last admin, recovery from the database), security headers and local docs.
+Real Postgres and Redis."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from uuid import uuid4
+
+import httpx
+import pytest
+from sqlalchemy import text
+
+from jobplane.auth import Role, hash_secret, new_secret, parse_duration
+from jobplane.bus.abc import Bus
+from jobplane.errors import LastAdminError
+from jobplane.store.sql import SqlStore
+from jobplane_api.authn import Authenticator, Refusal
+from jobplane_api.main import DEFAULT_CSP, create_app
+from jobplane_api.settings import ApiSettings
+from tests.apps.basic import app as jobs_app
+from tests.cli_helpers import run_cli
+
+
+@pytest.fixture
+async def client(pg_store: SqlStore, redis_bus: Bus) -> AsyncIterator[httpx.AsyncClient]:
+    for spec in jobs_app.jobs.values():
+        await pg_store.register_definition(spec.options, spec.args_schema(), "test")
+    settings = ApiSettings(auth_enabled=True, auth_failures_per_minute=5, max_body_bytes=4096)
+    api = create_app(settings, store=pg_store, bus=redis_bus)
+    async with api.router.lifespan_context(api):
+        transport = httpx.ASGITransport(app=api)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as c:
+            c.app = api  # type: ignore[attr-defined]
+            yield c
+
+
+def bearer(secret: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"}
+
+
+async def test_no_token_is_401_whatever_the_body(client: httpx.AsyncClient) -> None:
+    url = "/api/v1/jobs/echo/instances"
+    for request in (
+        {"content": b"{not json", "headers": {"content-type": "application/json"}},
+        {"content": b"x" * 10_000},  # over the body limit
+        {"json": {"args": [[[[1]]]], "unknown": True}},  # invalid
+    ):
+        response = await client.post(url, **request)  # type: ignore[arg-type]
+        assert response.status_code == 401, response.text
+        assert response.headers["www-authenticate"] == "Bearer"
+    assert (await client.get("/api/v1/instances/%00")).status_code == 401
+
+
+async def test_failed_authentications_are_throttled_per_client(
+    client: httpx.AsyncClient, pg_store: SqlStore
+) -> None:
+    _, good = await pg_store.create_token("ops", Role.OPERATOR, "test")
+    for _ in range(5):
+        assert (await client.get("/api/v1/jobs", headers=bearer(new_secret()))).status_code == 401
+    throttled = await client.get("/api/v1/jobs", headers=bearer(new_secret()))
+    assert throttled.status_code == 429, throttled.text
+    assert 1 <= int(throttled.headers["retry-after"]) <= 60
+    assert throttled.headers["content-type"].startswith("application/problem+json")
+    # The limit is on this client (address), for the rest of the minute: a good token too.
+    assert (await client.get("/api/v1/jobs", headers=bearer(good))).status_code == 429
+
+
+async def test_unknown_secrets_are_remembered_briefly(pg_store: SqlStore) -> None:
+    now = [1000.0]
+    auth = Authenticator(failures_per_minute=0, negative_ttl_s=10, clock=lambda: now[0])
+    secret = new_secret()
+    with pytest.raises(Refusal):
+        await auth.authenticate(pg_store, f"Bearer {secret}", "c1")
+    # The secret becomes valid behind the cache's back (as if created for it just now).
+    info, _ = await pg_store.create_token("late", Role.VIEWER, "test")
+    async with pg_store.engine.begin() as conn:
+        await conn.execute(
+            text("UPDATE api_tokens SET token_hash = :h WHERE id = :id"),
+            {"h": hash_secret(secret), "id": info.id},
+        )
+    with pytest.raises(Refusal) as cached:
+        await auth.authenticate(pg_store, f"Bearer {secret}", "c1")
+    assert cached.value.status == 401  # answered from the cache: no lookup
+    now[0] += 11
+    assert (await auth.authenticate(pg_store, f"Bearer {secret}", "c1")).id == info.id
+
+
+async def test_expired_tokens_are_refused_and_last_use_is_noted_cheaply(
+    client: httpx.AsyncClient, pg_store: SqlStore
+) -> None:
+    _, admin = await pg_store.create_token("root", Role.ADMIN, "test")
+    created = await client.post(
+        "/api/v1/tokens",
+        json={"name": "short", "role": "viewer", "expires_in_s": 3600},
+        headers=bearer(admin),
+    )
+    assert created.status_code == 201 and created.headers["cache-control"] == "no-store"
+    token = created.json()
+    expires = datetime.fromisoformat(token["expires_at"])
+    assert timedelta(minutes=59) < expires - datetime.now(UTC) <= timedelta(hours=1)
+    assert token["last_used_at"] is None
+    viewer = bearer(token["secret"])
+    assert (await client.get("/api/v1/jobs", headers=viewer)).status_code == 200
+
+    async def last_used() -> datetime | None:
+        [t] = [t for t in await pg_store.list_tokens() if t.name == "short"]
+        return t.last_used_at
+
+    first = await last_used()
+    assert first is not None
+    assert (await client.get("/api/v1/jobs", headers=viewer)).status_code == 200
+    assert await last_used() == first  # not written again within the minute
+    async with pg_store.engine.begin() as conn:
+        await conn.execute(
+            text("UPDATE api_tokens SET last_used_at = now() - interval '2 minutes'")
+        )
+    assert (await client.get("/api/v1/jobs", headers=viewer)).status_code == 200
+    later = await last_used()
+    assert later is not None and later > first - timedelta(minutes=1)
+
+    async with pg_store.engine.begin() as conn:
+        await conn.execute(
+            text(
+                "UPDATE api_tokens SET expires_at = now() - interval '1 second'"
+                " WHERE name = 'short'"
+            )
+        )
+    refused = await client.get("/api/v1/jobs", headers=viewer)
+    assert refused.status_code == 401 and "expired" in refused.json()["detail"]
+    bad = await client.post(
+        "/api/v1/tokens", json={"name": "x", "role": "viewer", "expires_in_s": 1},
+        headers=bearer(admin),
+    )  # fmt: skip
+    assert bad.status_code == 422
+
+
+async def test_the_last_admin_token_cannot_be_revoked(
+    client: httpx.AsyncClient, pg_store: SqlStore
+) -> None:
+    first, first_secret = await pg_store.create_token("root", Role.ADMIN, "test")
+    await pg_store.create_token("ops", Role.OPERATOR, "test")
+    refused = await client.delete(f"/api/v1/tokens/{first.id}", headers=bearer(first_secret))
+    assert refused.status_code == 409, refused.text
+    assert "last live admin" in refused.json()["detail"]
+    second, second_secret = await pg_store.create_token("root2", Role.ADMIN, "test")
+    done = await client.delete(f"/api/v1/tokens/{first.id}", headers=bearer(second_secret))
+    assert done.status_code == 204
+    with pytest.raises(LastAdminError):
+        await pg_store.revoke_token(second.id)
+    unknown = await client.delete(f"/api/v1/tokens/{uuid4()}", headers=bearer(second_secret))
+    assert unknown.status_code == 404
+
+
+def test_an_admin_token_is_recovered_from_the_database(pg_database_url: str) -> None:
+    env = {"JOBPLANE_DATABASE_URL": pg_database_url}
+    made = run_cli("token", "create", "--role", "admin", "--name", "recovery",
+                   "--expires-in", "2h", **env)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    assert made.stdout.strip().startswith("jp_")
+    listed = run_cli("token", "ls", **env)
+    assert "recovery" in listed.stdout and "expires" in listed.stdout, listed.stdout
+    bad = run_cli("token", "create", "--role", "admin", "--expires-in", "soon", **env)
+    assert bad.returncode == 2 and "--expires-in" in bad.stderr
+
+
+def test_durations() -> None:
+    assert parse_duration("90s") == timedelta(seconds=90)
+    assert parse_duration("30d") == timedelta(days=30)
+    for bad in ("", "1w", "-5m", "5"):
+        with pytest.raises(ValueError):
+            parse_duration(bad)
+
+
+async def test_security_headers_and_local_docs(client: httpx.AsyncClient) -> None:
+    for path in ("/healthz", "/api/v1/jobs", "/openapi.json", "/docs"):
+        assert (await client.get(path)).headers["x-content-type-options"] == "nosniff"
+    docs = await client.get("/docs")
+    assert docs.status_code == 200
+    policy = docs.headers["content-security-policy"]
+    assert "script-src 'self' 'sha256-" in policy and "unsafe-inline" not in policy.split(";")[1]
+    assert "https://" not in docs.text and "cdn" not in docs.text
+    for page in ("/redoc", "/docs/oauth2-redirect"):
+        response = await client.get(page)
+        assert response.status_code == 200 and "https://" not in response.text.split("<body")[0]
+        assert "content-security-policy" in response.headers
+    for asset in ("swagger-ui-bundle.js", "swagger-ui.css", "redoc.standalone.js"):
+        served = await client.get(f"/docs/assets/{asset}")
+        assert served.status_code == 200 and len(served.content) > 10_000, asset
+
+    from fastapi.responses import HTMLResponse
+
+    api = client.app  # type: ignore[attr-defined]
+    api.add_api_route("/plain-html", lambda: HTMLResponse("<p>hi</p>"), include_in_schema=False)
+    plain = await client.get("/plain-html")
+    assert plain.headers["content-security-policy"] == DEFAULT_CSP
+
+
+async def test_openapi_declares_the_bearer_scheme(client: httpx.AsyncClient) -> None:
+    document = (await client.get("/openapi.json")).json()
+    assert document["components"]["securitySchemes"]["bearer"] == {
+        "type": "http",
+        "scheme": "bearer",
+        "description": document["components"]["securitySchemes"]["bearer"]["description"],
+    }
+    for path, operations in document["paths"].items():
+        for method, operation in operations.items():
+            protected = path.startswith("/api/")
+            assert (operation.get("security") == [{"bearer": []}]) == protected, (method, path)
+
+
+async def test_lists_leave_large_values_out(client: httpx.AsyncClient, pg_store: SqlStore) -> None:
+    _, ops = await pg_store.create_token("ops", Role.OPERATOR, "test")
+    big = {"blob": "x" * 3000}  # over the list limit, under the body limit
+    made = [
+        (await client.post("/api/v1/jobs/sleepy/instances", json={"args": a},
+                           headers=bearer(ops))).json()["id"]
+        for a in (big, {"small": 1})
+    ]  # fmt: skip
+    page = (await client.get("/api/v1/instances", headers=bearer(ops))).json()["items"]
+    by_id = {i["id"]: i for i in page}
+    assert by_id[made[0]]["args"] is None and by_id[made[0]]["omitted"] == ["args"]
+    assert by_id[made[1]]["args"] == {"small": 1} and by_id[made[1]]["omitted"] == []
+    one = (await client.get(f"/api/v1/instances/{made[0]}", headers=bearer(ops))).json()
+    assert one["args"] == big and one["omitted"] == []
+
+
+async def test_metrics_cost_one_statement_and_are_cached(
+    client: httpx.AsyncClient, pg_store: SqlStore
+) -> None:
+    from sqlalchemy import event
+
+    _, ops = await pg_store.create_token("ops", Role.OPERATOR, "test")
+    for job in ("sleepy", "sleepy", "always_fails"):
+        await client.post(f"/api/v1/jobs/{job}/instances", json={}, headers=bearer(ops))
+    statements: list[str] = []
+
+    def count(_c: object, _cur: object, statement: str, *_: object) -> None:
+        statements.append(statement)
+
+    event.listen(pg_store.engine.sync_engine, "before_cursor_execute", count)
+    try:
+        first = await client.get("/metrics")
+        assert len(statements) == 1, statements
+        again = await client.get("/metrics")
+        assert len(statements) == 1 and again.text == first.text  # cached
+    finally:
+        event.remove(pg_store.engine.sync_engine, "before_cursor_execute", count)
+    assert 'jobplane_instances{job="sleepy",state="enqueued"} 2.0' in first.text
+    assert 'jobplane_instances{job="always_fails",state="enqueued"} 1.0' in first.text
+    assert "jobplane_workers 0.0" in first.text
+
+
+async def test_a_role_too_low_is_403_before_the_body_is_validated(
+    client: httpx.AsyncClient, pg_store: SqlStore
+) -> None:
+    _, viewer = await pg_store.create_token("v", Role.VIEWER, "test")
+    url = "/api/v1/jobs/echo/instances"
+    invalid = await client.post(url, json={"args": "x", "nope": 1}, headers=bearer(viewer))
+    assert invalid.status_code == 403, invalid.text
+    # A body that is not JSON at all is refused while it is read, before any role check.
+    garbage = await client.post(
+        url, content=b"{oops", headers={**bearer(viewer), "content-type": "application/json"}
+    )
+    assert garbage.status_code == 422, garbage.text
+    assert garbage.json()["detail"] == "JSON decode error"
