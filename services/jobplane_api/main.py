@@ -18,7 +18,7 @@ from jobplane.dispatch import Dispatcher
 from jobplane.runtime import backends
 from jobplane.serving import serve_until
 from jobplane.store.sql import SqlStore
-from jobplane_api import problems
+from jobplane_api import dashboard, problems
 from jobplane_api.routers import instances, jobs, system, tokens
 from jobplane_api.settings import ApiSettings
 
@@ -62,6 +62,7 @@ def create_app(
 
     for module in (jobs, instances, system, tokens):
         app.include_router(module.router)
+    dashboard.mount(app)
     return app
 
 

@@ -1,0 +1,70 @@
+"""The Overview page: instances by state, throughput, the leader, workers, recent failures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse
+
+from jobplane.domain.models import Bucket, InstanceFilter
+from jobplane.domain.states import InstanceState
+from jobplane_api.dashboard.cluster import cluster_view
+from jobplane_api.dashboard.render import render
+from jobplane_api.dashboard.session import ViewerDep
+from jobplane_api.deps import StoreDep
+
+router = APIRouter(include_in_schema=False)
+
+FAILURES_SHOWN = 8
+FAILED = (InstanceState.FAILED, InstanceState.TERMINATED)
+#: Drawing area of the throughput chart, in SVG user units.
+CHART_W, CHART_H = 600, 120
+
+
+@dataclass(frozen=True, slots=True)
+class Bar:
+    x: float
+    width: float
+    ok_h: float
+    bad_h: float
+    label: str
+
+
+def bars(buckets: list[Bucket]) -> tuple[list[Bar], int]:
+    """Stacked bars (succeeded below, failed + terminated above), scaled to the busiest."""
+    peak = max((b.succeeded + b.failed + b.terminated for b in buckets), default=0)
+    scale = CHART_H / peak if peak else 0.0
+    step = CHART_W / max(len(buckets), 1)
+    out = []
+    for n, b in enumerate(buckets):
+        bad = b.failed + b.terminated
+        label = f"{b.start:%H:%M} UTC: {b.succeeded} succeeded, {bad} failed"
+        out.append(Bar(n * step + 1, max(step - 2, 1), b.succeeded * scale, bad * scale, label))
+    return out, peak
+
+
+@router.get("/", response_class=HTMLResponse)
+async def overview(
+    request: Request, session: ViewerDep, store: StoreDep, partial: bool = False
+) -> HTMLResponse:
+    counts = await store.count_by_state()
+    per_minute = await store.throughput(60, 60)
+    failures = await store.list_instances(InstanceFilter(states=FAILED), limit=FAILURES_SHOWN)
+    chart, peak = bars(per_minute)
+    context: dict[str, Any] = {
+        "nav": "overview",
+        "counts": {s: counts.get(s, 0) for s in InstanceState},
+        "total": sum(counts.values()),
+        "chart": chart,
+        "chart_w": CHART_W,
+        "chart_h": CHART_H,
+        "peak": peak,
+        "hour_ok": sum(b.succeeded for b in per_minute),
+        "hour_bad": sum(b.failed + b.terminated for b in per_minute),
+        "failures": failures.items,
+        **await cluster_view(store),
+    }
+    name = "_overview.html" if partial else "overview.html"
+    return await render(request, session, name, context)

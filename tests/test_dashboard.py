@@ -1,0 +1,61 @@
+"""The dashboard in a real browser (Debian chromium, headless, driven by Playwright) against a
+real `jobplane api`, worker and scheduler on Postgres and Redis, with authentication on.
+
+Every page is saved at desktop and phone width into the test's output directory."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+from playwright.sync_api import Browser, expect
+
+from tests.fixtures.dashboard import DESKTOP, Cluster, screenshot
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_login_overview_logout(browser: Browser, cluster: Cluster) -> None:
+    context = browser.new_context(viewport=DESKTOP, base_url=cluster.url)
+    page = context.new_page()
+    page.goto("/")
+    expect(page).to_have_url(re.compile(r"/login\?next=/$"))
+    screenshot(page, cluster, "login")
+    page.get_by_label("API token").fill("jp_not-a-token")
+    page.get_by_role("button", name="Sign in").click()
+    expect(page.get_by_role("alert")).to_have_text("Unknown or revoked token.")
+    page.get_by_label("API token").fill(cluster.tokens["operator"])
+    page.get_by_role("button", name="Sign in").click()
+    expect(page.get_by_role("heading", name="Overview")).to_be_visible()
+    cookie = next(c for c in context.cookies() if c["name"] == "jp_session")
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Lax"
+    expect(page.locator(".role")).to_have_text("operator")
+    # The scheduler leads and the worker is online (both started with the cluster).
+    expect(page.get_by_text("Workers online")).to_be_visible()
+    expect(page.locator(".facts code").first).not_to_be_empty()
+    expect(page.locator(".facts")).to_contain_text(re.compile(r"Workers online\s*1"))
+    screenshot(page, cluster, "overview")
+    page.get_by_role("button", name="Sign out").click()
+    expect(page).to_have_url(re.compile(r"/login$"))
+    page.goto("/")
+    expect(page).to_have_url(re.compile(r"/login"))
+    context.close()
+
+
+def test_forged_posts_are_refused(cluster: Cluster) -> None:
+    """Without the CSRF token, or with another session's, a POST is 403 and changes nothing."""
+    with httpx.Client(base_url=cluster.url) as client:
+        form = client.get("/login")
+        csrf = re.search(r'name="csrf" value="([0-9a-f]+)"', form.text)
+        assert csrf is not None
+        forged = client.post("/login", data={"token": cluster.tokens["admin"]})
+        assert forged.status_code == 403
+        assert "jp_session" not in forged.headers.get("set-cookie", "")
+        with httpx.Client(base_url=cluster.url) as other:
+            stolen = other.post("/login", data={"token": cluster.tokens["admin"], "csrf": csrf[1]})
+            assert stolen.status_code == 403
+        signed = client.post("/login", data={"token": cluster.tokens["admin"], "csrf": csrf[1]})
+        assert signed.status_code == 303 and signed.headers["location"] == "/"
+        assert client.post("/logout").status_code == 403
+        assert client.get("/").status_code == 200  # still signed in
