@@ -1,0 +1,222 @@
+"""Jobs: the list (filters by queue, kind, state, text) and a job's page (schedule, next fire
+times, pause/resume, trigger form, its instances, version history).
+
+Reads and actions go through the REST routes' own functions, so the dashboard applies exactly
+the API's validation and bookkeeping."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Annotated, Any
+from zoneinfo import ZoneInfo
+
+from fastapi import APIRouter, Form, Request
+from fastapi.responses import HTMLResponse, RedirectResponse
+from pydantic import ValidationError
+from starlette.responses import Response
+
+from jobplane.dispatch import JobDisabledError
+from jobplane.domain.models import InstanceFilter
+from jobplane.domain.options import JobKind
+from jobplane.errors import IdempotencyConflictError, InvalidOptionsError, JobNotFoundError
+from jobplane_api.dashboard.render import render, set_flash
+from jobplane_api.dashboard.session import OperatorDep, Session, ViewerDep
+from jobplane_api.deps import BusDep, DispatcherDep, StoreDep
+from jobplane_api.routers import jobs as api
+from jobplane_api.schemas import JobOut, TriggerIn
+
+router = APIRouter(include_in_schema=False)
+
+INSTANCES_SHOWN = 15
+VERSIONS_SHOWN = 10
+#: Form fields of the trigger form, as the API's TriggerIn names them.
+TRIGGER_FIELDS = ("args", "delay_s", "priority", "idempotency_key")
+
+
+@router.get("/jobs", response_class=HTMLResponse)
+async def list_jobs(
+    request: Request,
+    session: ViewerDep,
+    store: StoreDep,
+    q: str = "",
+    queue: str = "",
+    kind: str = "",
+    paused: str = "",
+) -> HTMLResponse:
+    chosen_kind = JobKind(kind) if kind in set(JobKind) else None
+    chosen_paused = {"yes": True, "no": False}.get(paused)
+    found = await api.list_jobs(store, chosen_kind, queue or None, chosen_paused, q or None)
+    queues = sorted({d.options.queue for d in await store.list_definitions()})
+    context: dict[str, Any] = {
+        "nav": "jobs",
+        "jobs": found,
+        "queues": queues,
+        "kinds": list(JobKind),
+        "f": {"q": q, "queue": queue, "kind": kind, "paused": paused},
+        "now": await store.now(),
+    }
+    return await render(request, session, "jobs.html", context)
+
+
+@dataclass(frozen=True, slots=True)
+class Fire:
+    at: datetime
+    local: str
+    dst_shift: str | None  # "+1 h" when the zone's offset changed since the previous fire
+
+
+def fires_of(job: JobOut) -> list[Fire]:
+    """The next fire times in the job's zone, marking those after a daylight-saving shift."""
+    zone = ZoneInfo(job.options.timezone)
+    out: list[Fire] = []
+    previous: timedelta | None = None
+    for at in job.next_fire_times:
+        local = at.astimezone(zone)
+        offset = local.utcoffset()
+        shift = None
+        if previous is not None and offset is not None and offset != previous:
+            hours = (offset - previous).total_seconds() / 3600
+            shift = f"{hours:+g} h"
+        previous = offset
+        out.append(Fire(at, local.strftime("%a %Y-%m-%d %H:%M:%S %Z"), shift))
+    return out
+
+
+def args_skeleton(schema: dict[str, Any] | None) -> str:
+    """A starting point for the args field: each property with its default or an empty value
+    of its type."""
+    if not schema or schema.get("type") != "object":
+        return ""
+    empty = {"integer": 0, "number": 0, "string": "", "boolean": False, "array": [], "object": {}}
+    out = {}
+    for name, prop in (schema.get("properties") or {}).items():
+        if isinstance(prop, dict):
+            out[name] = prop.get("default", empty.get(str(prop.get("type"))))
+    return json.dumps(out, indent=2) if out else "{}"
+
+
+def schema_fields(schema: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The top-level argument fields, for the form's help: name, type, required."""
+    if not schema:
+        return []
+    required = set(schema.get("required") or ())
+    return [
+        {"name": n, "type": p.get("type", "any"), "required": n in required}
+        for n, p in (schema.get("properties") or {}).items()
+        if isinstance(p, dict)
+    ]
+
+
+async def _job_page(
+    request: Request,
+    session: Session,
+    store: StoreDep,
+    key: str,
+    *,
+    form: dict[str, str] | None = None,
+    errors: dict[str, str] | None = None,
+    status: int = 200,
+) -> HTMLResponse:
+    try:
+        job = await api.get_job(store, key)
+    except JobNotFoundError:
+        missing = {"title": "No such job", "detail": f"There is no job with key {key!r}."}
+        return await render(request, session, "error.html", missing, status=404)
+    page = await store.list_instances(InstanceFilter(job_key=key), limit=INSTANCES_SHOWN)
+    versions = (await store.definition_history(key))[:VERSIONS_SHOWN]
+    context: dict[str, Any] = {
+        "nav": "jobs",
+        "job": job,
+        "fires": fires_of(job),
+        "instances": page.items,
+        "more_instances": page.next_cursor is not None,
+        "versions": versions,
+        "fields": schema_fields(job.args_schema),
+        "form": form or {"args": args_skeleton(job.args_schema)},
+        "errors": errors or {},
+        "now": await store.now(),
+    }
+    partial = request.query_params.get("partial") == "instances"
+    name = "_job_instances.html" if partial else "job.html"
+    return await render(request, session, name, context, status=status)
+
+
+@router.get("/jobs/{key}", response_class=HTMLResponse)
+async def job_page(request: Request, session: ViewerDep, store: StoreDep, key: str) -> Response:
+    return await _job_page(request, session, store, key)
+
+
+@router.post("/jobs/{key}/pause")
+async def pause(session: OperatorDep, store: StoreDep, bus: BusDep, key: str) -> Response:
+    await api.pause_job(store, bus, key, session.token)
+    return _back(key, f"Paused {key}: it does not fire until resumed.")
+
+
+@router.post("/jobs/{key}/resume")
+async def resume(session: OperatorDep, store: StoreDep, bus: BusDep, key: str) -> Response:
+    await api.resume_job(store, bus, key, session.token)
+    return _back(key, f"Resumed {key}.")
+
+
+def _back(key: str, message: str) -> Response:
+    response = RedirectResponse(f"/jobs/{key}", status_code=303)
+    set_flash(response, "ok", message)
+    return response
+
+
+@router.post("/jobs/{key}/trigger", response_class=HTMLResponse)
+async def trigger(
+    request: Request,
+    session: OperatorDep,
+    store: StoreDep,
+    dispatcher: DispatcherDep,
+    key: str,
+    args: Annotated[str, Form(max_length=200_000)] = "",
+    delay_s: Annotated[str, Form(max_length=40)] = "",
+    priority: Annotated[str, Form(max_length=40)] = "",
+    idempotency_key: Annotated[str, Form(max_length=200)] = "",
+) -> Response:
+    """Trigger from the form; what the API refuses is shown next to the field at fault."""
+    form = {"args": args, "delay_s": delay_s, "priority": priority}
+    form["idempotency_key"] = idempotency_key
+    errors: dict[str, str] = {}
+    body = _trigger_body(form, errors)
+    if body is not None:
+        try:
+            made = await api.trigger_job(
+                dispatcher, key, body, session.token, idempotency_key.strip() or None
+            )
+        except InvalidOptionsError as exc:
+            field = exc.field if exc.field in TRIGGER_FIELDS else "args"
+            errors[field] = f"{exc.field}: {exc.reason}" if field == "args" else exc.reason
+        except (JobDisabledError, IdempotencyConflictError) as exc:
+            errors["form"] = str(exc)
+        else:
+            response = RedirectResponse(f"/instances/{made.id}", status_code=303)
+            set_flash(response, "ok", f"Triggered {key}: instance {made.id} is {made.state}.")
+            return response
+    return await _job_page(request, session, store, key, form=form, errors=errors, status=422)
+
+
+def _trigger_body(form: dict[str, str], errors: dict[str, str]) -> TriggerIn | None:
+    """The API's request body from the form's text fields, or None with ``errors`` filled."""
+    raw: dict[str, Any] = {}
+    text = form["args"].strip()
+    if text:
+        try:
+            raw["args"] = json.loads(text)
+        except json.JSONDecodeError as exc:
+            errors["args"] = f"not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
+    for name in ("delay_s", "priority"):
+        if form[name].strip():
+            raw[name] = form[name].strip()
+    try:
+        body = TriggerIn.model_validate(raw)
+    except ValidationError as exc:
+        for error in exc.errors():
+            field = str(error["loc"][0]) if error["loc"] else "form"
+            errors.setdefault(field, error["msg"])
+        return None
+    return None if errors else body
