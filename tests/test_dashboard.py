@@ -5,6 +5,7 @@ Every page is saved at desktop and phone width into the test's output directory.
 
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
@@ -100,6 +101,107 @@ def test_jobs_list_filters_and_job_page(browser: Browser, cluster: Cluster) -> N
     page.get_by_role("button", name="Resume").click()
     expect(fires).to_have_count(10)
     page.context.close()
+
+
+def test_trigger_from_the_form_runs_live_and_escapes_args(
+    browser: Browser, cluster: Cluster
+) -> None:
+    page = sign_in(browser, cluster, "operator")
+    page.goto("/jobs/greet")
+    args = page.get_by_label("Arguments (JSON)")
+    expect(args).to_have_value('{\n  "name": "",\n  "excited": false\n}')
+    args.fill('{"name": ')
+    page.get_by_role("button", name="Trigger greet").click()
+    expect(page.locator("#args-error")).to_contain_text("not valid JSON")
+    args.fill('{"name": ""}')
+    page.get_by_label("Priority").fill("high")
+    page.get_by_role("button", name="Trigger greet").click()
+    expect(page.locator("#args-error")).to_have_count(0)  # priority is checked first
+    expect(page.locator(".field.invalid")).to_contain_text("valid integer")
+    page.get_by_label("Priority").fill("")
+    page.get_by_role("button", name="Trigger greet").click()
+    expect(page.locator("#args-error")).to_contain_text("args.name")
+    payload = {"name": INJECTION, "excited": True}
+    args.fill(json.dumps(payload))
+    page.get_by_label("Idempotency-Key").fill("dash-greet-1")
+    page.get_by_role("button", name="Trigger greet").click()
+    expect(page).to_have_url(re.compile(r"/instances/[0-9a-f-]{36}$"))
+    # The instance page updates itself until the worker has finished.
+    expect(page.locator(".page-head .badge").first).to_have_text("succeeded", timeout=15_000)
+    expect(page.locator("#args")).to_contain_text(INJECTION)
+    expect(page.locator("#result")).to_contain_text(f"Hello, {INJECTION}!")
+    assert page.locator("main img, main script").count() == 0
+    assert page.evaluate("window.pwned") is None
+    expect(page.locator(".timeline li")).to_have_count(3)  # created, claimed, succeeded
+    screenshot(page, cluster, "instance")
+    page.context.close()
+
+
+def test_cancel_a_running_instance(browser: Browser, cluster: Cluster) -> None:
+    with _api(cluster) as api:
+        made = api.post("/api/v1/jobs/crunch/instances", json={})
+        assert made.status_code == 201, made.text
+    page = sign_in(browser, cluster, "operator")
+    page.goto(f"/instances/{made.json()['id']}")
+    expect(page.locator(".page-head .badge").first).to_have_text("processing", timeout=10_000)
+    expect(page.get_by_role("heading", name="Progress")).to_be_visible()
+    expect(page.locator("main")).to_contain_text(re.compile(r"step [1-9]\d* of 600"))
+    screenshot(page, cluster, "instance-running")
+    page.once("dialog", lambda d: d.accept())
+    page.get_by_role("button", name="Cancel").click()
+    expect(page.locator(".page-head .badge").first).to_have_text("cancelled", timeout=10_000)
+    expect(page.get_by_role("button", name="Retry")).to_be_visible()
+    page.context.close()
+
+
+def test_instances_list_updates_live_and_pages(browser: Browser, cluster: Cluster) -> None:
+    page = sign_in(browser, cluster, "viewer")
+    page.goto("/instances?job=greet")
+    rows = page.locator("#instances tbody tr")
+    before = rows.count()
+    with _api(cluster) as api:
+        for n in range(3):
+            made = api.post("/api/v1/jobs/greet/instances", json={"args": {"name": f"n{n}"}})
+            assert made.status_code == 201
+    expect(rows).to_have_count(before + 3, timeout=10_000)  # no reload
+    expect(rows.first).to_contain_text("succeeded", timeout=10_000)
+    screenshot(page, cluster, "instances")
+    page.goto("/instances?job=greet&state=succeeded")
+    expect(page.get_by_label("succeeded")).to_be_checked()
+    expect(rows.filter(has_text="succeeded")).to_have_count(rows.count())
+    page.context.close()
+
+
+def test_viewer_sees_no_controls_and_is_refused(browser: Browser, cluster: Cluster) -> None:
+    with _api(cluster) as api:
+        failed = api.post("/api/v1/jobs/explode/instances", json={}).json()
+    page = sign_in(browser, cluster, "viewer")
+    expect(page.locator(".error-line").first).to_contain_text(
+        "the <b>reactor</b> is not responding", timeout=10_000
+    )
+    page.goto("/jobs/greet")
+    expect(page.get_by_role("heading", name="greet")).to_be_visible()
+    for name in ("Trigger greet", "Pause", "Resume"):
+        expect(page.get_by_role("button", name=name)).to_have_count(0)
+    page.goto(f"/instances/{failed['id']}")
+    expect(page.locator(".page-head .badge").first).to_have_text("terminated", timeout=10_000)
+    for name in ("Cancel", "Retry", "Run now"):
+        expect(page.get_by_role("button", name=name)).to_have_count(0)
+    # A forged POST with the viewer's own session and a valid CSRF token: refused by role.
+    csrf = page.locator("form[action='/logout'] input[name=csrf]").get_attribute("value")
+    assert csrf
+    for path, data in (
+        ("/jobs/greet/trigger", {"args": '{"name": "x"}'}),
+        ("/jobs/monthly_report/pause", {}),
+        (f"/instances/{failed['id']}/retry", {}),
+    ):
+        answer = page.request.post(path, form={**data, "csrf": csrf})
+        assert answer.status == 403, (path, answer.status)
+    page.context.close()
+    with _api(cluster) as api:
+        listed = api.get("/api/v1/instances", params={"job": "greet", "limit": 500}).json()
+        assert all(i["args"] != {"name": "x"} for i in listed["items"])
+        assert api.get("/api/v1/jobs/monthly_report").json()["paused"] is False
 
 
 def test_forged_post_without_csrf_with_operator_session(browser: Browser, cluster: Cluster) -> None:
