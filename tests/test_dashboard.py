@@ -213,3 +213,34 @@ def test_forged_post_without_csrf_with_operator_session(browser: Browser, cluste
     with _api(cluster) as api:
         assert api.get("/api/v1/jobs/monthly_report").json()["paused"] is False
     page.context.close()
+
+
+def test_workers_page_shows_busy_slots_live(browser: Browser, cluster: Cluster) -> None:
+    page = sign_in(browser, cluster, "viewer")
+    page.get_by_role("link", name="Workers", exact=True).click()
+    expect(page.locator(".facts")).to_contain_text(re.compile(r"Term\s*1"))
+    row = page.locator("#workers tbody tr").filter(has_text="dash-w1")
+    expect(row).to_contain_text("online")
+    with _api(cluster) as api:
+        made = api.post("/api/v1/jobs/crunch/instances", json={}).json()
+        expect(row).to_contain_text(re.compile(r"\b1 / \d+"), timeout=10_000)
+        screenshot(page, cluster, "workers")
+        assert api.post(f"/api/v1/instances/{made['id']}/cancel").status_code == 200
+    expect(row).to_contain_text(re.compile(r"\b0 / \d+"), timeout=10_000)
+    page.context.close()
+
+
+def test_instances_keyset_paging(browser: Browser, cluster: Cluster) -> None:
+    with _api(cluster) as api:
+        items = [{"job_key": "explode"} for _ in range(55)]
+        assert api.post("/api/v1/instances/batch", json={"items": items}).status_code == 201
+    page = sign_in(browser, cluster, "viewer")
+    page.goto("/instances?job=explode")
+    rows = page.locator("#instances tbody tr")
+    expect(rows).to_have_count(50)
+    first_page = set(rows.locator("td:first-child").all_inner_texts())
+    page.get_by_role("link", name="Older →").click()
+    expect(page.get_by_role("link", name="← Newest")).to_be_visible()
+    older = set(rows.locator("td:first-child").all_inner_texts())
+    assert len(older) >= 5 and not older & first_page
+    page.context.close()

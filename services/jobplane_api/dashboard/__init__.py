@@ -8,7 +8,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.responses import Response
 
-from jobplane_api.dashboard import access, instances, jobs, overview
+from jobplane_api.dashboard import access, instances, jobs, overview, workers
 from jobplane_api.dashboard.render import HERE, templates
 from jobplane_api.dashboard.session import Forbidden, LoginRequired
 
@@ -20,7 +20,7 @@ LIVE_HEADER = "x-live"
 def mount(app: FastAPI) -> None:
     """Add the dashboard's pages, static files and error pages to ``app``."""
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="dashboard-static")
-    for module in (access, overview, jobs, instances):
+    for module in (access, overview, jobs, instances, workers):
         app.include_router(module.router)
     app.add_exception_handler(LoginRequired, _login_required)  # type: ignore[arg-type]
     app.add_exception_handler(Forbidden, _forbidden)  # type: ignore[arg-type]
