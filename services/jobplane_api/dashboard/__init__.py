@@ -9,7 +9,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.responses import Response
 
 from jobplane_api.dashboard import access, instances, jobs, overview, workers
-from jobplane_api.dashboard.render import HERE, templates
+from jobplane_api.dashboard.render import HEADERS, HERE, templates
 from jobplane_api.dashboard.session import Forbidden, LoginRequired
 
 #: Requests from the pages' own polling script carry this header: a lost session answers 401
@@ -38,6 +38,7 @@ async def _forbidden(request: Request, exc: Forbidden) -> HTMLResponse:
         "error.html",
         {"session": None, "flash": None, "title": "Forbidden", "detail": exc.reason},
         status_code=403,
+        headers=HEADERS,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Annotated
+from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Form, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
@@ -25,10 +26,14 @@ TOKEN_MAX = 200
 
 
 def safe_next(target: str | None) -> str:
-    """Only a path of this site: never an open redirect to another one."""
-    if not target or not target.startswith("/") or target.startswith("//") or "\\" in target:
+    """Only a path of this site: never an open redirect to another one (browsers drop tabs
+    and newlines and read a backslash as a slash: ``/<TAB>/evil`` would be ``//evil``)."""
+    if not target or not target.startswith("/") or len(target) > 2000:
         return "/"
-    return target
+    if any(c.isspace() or ord(c) < 32 or c == "\\" for c in target) or target.startswith("//"):
+        return "/"
+    parts = urlsplit(target)
+    return "/" if parts.scheme or parts.netloc else target
 
 
 @router.get("/login", response_class=HTMLResponse)

@@ -22,6 +22,15 @@ from jobplane_api.dashboard.session import Session, keep
 
 HERE = Path(__file__).parent
 FLASH = "jp_flash"
+#: Every page: scripts, styles and forms of this site only, never framed (clickjacking).
+HEADERS = {
+    "Cache-Control": "no-store",
+    "Content-Security-Policy": "default-src 'self'; base-uri 'none'; object-src 'none'; "
+    "form-action 'self'; frame-ancestors 'none'",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+}
 
 
 def cron_words(expression: str | None) -> str:
@@ -131,7 +140,7 @@ async def render(
         name,
         {"session": session, "flash": flash, **context},
         status_code=status,
-        headers={"Cache-Control": "no-store"},
+        headers=HEADERS,
     )
     if flash is not None:
         response.delete_cookie(FLASH, path="/")
