@@ -36,7 +36,6 @@ def test_login_overview_logout(browser: Browser, cluster: Cluster) -> None:
     expect(page.get_by_text("Workers online")).to_be_visible()
     expect(page.locator(".facts code").first).not_to_be_empty()
     expect(page.locator(".facts")).to_contain_text(re.compile(r"Workers online\s*1"))
-    screenshot(page, cluster, "overview")
     page.get_by_role("button", name="Sign out").click()
     expect(page).to_have_url(re.compile(r"/login$"))
     page.goto("/")
@@ -243,4 +242,17 @@ def test_instances_keyset_paging(browser: Browser, cluster: Cluster) -> None:
     expect(page.get_by_role("link", name="← Newest")).to_be_visible()
     older = set(rows.locator("td:first-child").all_inner_texts())
     assert len(older) >= 5 and not older & first_page
+    page.context.close()
+
+
+def test_overview_after_activity(browser: Browser, cluster: Cluster) -> None:
+    """Last in this module: the overview once the tests above have run jobs."""
+    page = sign_in(browser, cluster, "viewer")
+    page.reload()  # without the "signed in" message
+    expect(page.locator("[data-state-count=succeeded]")).not_to_have_text("0")
+    expect(page.locator("[data-state-count=terminated]")).not_to_have_text("0")
+    expect(page.locator(".chart rect.bar-ok").first).to_be_visible()
+    expect(page.locator(".chart rect.bar-bad").first).to_be_visible()
+    expect(page.locator(".error-line").first).to_contain_text("ValueError")
+    screenshot(page, cluster, "overview")
     page.context.close()

@@ -195,7 +195,7 @@ async def trigger(
             errors["form"] = str(exc)
         else:
             response = RedirectResponse(f"/instances/{made.id}", status_code=303)
-            set_flash(response, "ok", f"Triggered {key}: instance {made.id} is {made.state}.")
+            set_flash(response, "ok", f"Triggered {key}. This page follows the instance live.")
             return response
     return await _job_page(request, session, store, key, form=form, errors=errors, status=422)
 

@@ -33,15 +33,20 @@ class Bar:
 
 
 def bars(buckets: list[Bucket]) -> tuple[list[Bar], int]:
-    """Stacked bars (succeeded below, failed + terminated above), scaled to the busiest."""
-    peak = max((b.succeeded + b.failed + b.terminated for b in buckets), default=0)
+    """Stacked attempts (succeeded below, failed above), scaled to the busiest minute. An
+    instance terminated after a failed attempt would count twice, so terminations are only
+    counted in the legend and the bar's label."""
+    peak = max((b.succeeded + b.failed for b in buckets), default=0)
     scale = CHART_H / peak if peak else 0.0
     step = CHART_W / max(len(buckets), 1)
     out = []
     for n, b in enumerate(buckets):
-        bad = b.failed + b.terminated
-        label = f"{b.start:%H:%M} UTC: {b.succeeded} succeeded, {bad} failed"
-        out.append(Bar(n * step + 1, max(step - 2, 1), b.succeeded * scale, bad * scale, label))
+        label = (
+            f"{b.start:%H:%M} UTC: {b.succeeded} succeeded, {b.failed} failed, "
+            f"{b.terminated} terminated"
+        )
+        ok_h, bad_h = b.succeeded * scale, b.failed * scale
+        out.append(Bar(n * step + 1, max(step - 2, 1), ok_h, bad_h, label))
     return out, peak
 
 
@@ -62,7 +67,8 @@ async def overview(
         "chart_h": CHART_H,
         "peak": peak,
         "hour_ok": sum(b.succeeded for b in per_minute),
-        "hour_bad": sum(b.failed + b.terminated for b in per_minute),
+        "hour_bad": sum(b.failed for b in per_minute),
+        "hour_terminated": sum(b.terminated for b in per_minute),
         "failures": failures.items,
         **await cluster_view(store),
     }
