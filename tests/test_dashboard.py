@@ -245,6 +245,49 @@ def test_instances_keyset_paging(browser: Browser, cluster: Cluster) -> None:
     page.context.close()
 
 
+def test_admin_edits_a_cron_sees_fires_change_and_rolls_back(
+    browser: Browser, cluster: Cluster
+) -> None:
+    page = sign_in(browser, cluster, "admin")
+    page.goto("/jobs/monthly_report")
+    fires = page.locator("ol.fires li")
+    expect(fires.first).to_contain_text("03:00:00")
+    cron = page.get_by_label("Cron", exact=True)
+    cron.fill("0 0 30 2 *")
+    page.get_by_role("button", name="Save options").click()
+    expect(page.locator("#opt-cron-error")).to_contain_text("never fires")
+    expect(cron).to_have_value("0 0 30 2 *")  # the input is kept
+    page.get_by_label("Default priority").fill("12")
+    cron.fill("30 6 * * 1-5")
+    page.get_by_role("button", name="Save options").click()
+    expect(page.locator("#opt-priority-error")).to_contain_text("less than or equal to 9")
+    page.get_by_label("Default priority").fill("5")
+    # Another admin saves meanwhile: this form's version is stale and the save is explained.
+    with _api(cluster, "admin") as api:
+        job = api.get("/api/v1/jobs/monthly_report").json()
+        other = {"version": job["version"], "options": {"retries": 2}}
+        assert api.patch("/api/v1/jobs/monthly_report", json=other).status_code == 200
+    page.get_by_role("button", name="Save options").click()
+    conflict = page.locator("#options .flash-error")
+    expect(conflict).to_contain_text("while you edited it")
+    expect(conflict).to_contain_text("(retries changed)")
+    expect(cron).to_have_value("30 6 * * 1-5")  # mine, on top of the other edit
+    expect(page.get_by_label("Retries")).to_have_value("2")
+    page.get_by_role("button", name="Save options").click()
+    expect(page.locator(".flash-ok")).to_contain_text("(cron)")  # the other edit is kept
+    expect(page.locator(".facts").first).to_contain_text("At 06:30, Monday through Friday")
+    expect(fires.first).to_contain_text("06:30:00")
+    changes = page.locator("#versions tbody tr").first.locator(".changes")
+    expect(changes).to_contain_text("cron 0 3 1 * * → 30 6 * * 1-5")
+    screenshot(page, cluster, "job-admin")
+    page.once("dialog", lambda d: d.accept())
+    page.get_by_role("button", name="Roll back to version 1").click()
+    expect(page.locator(".flash-ok")).to_contain_text("options of version 1")
+    expect(fires.first).to_contain_text("03:00:00")
+    expect(fires).to_have_count(10)
+    page.context.close()
+
+
 def test_overview_after_activity(browser: Browser, cluster: Cluster) -> None:
     """Last in this module: the overview once the tests above have run jobs."""
     page = sign_in(browser, cluster, "viewer")

@@ -104,6 +104,10 @@ async def test_session_cookie_roles_and_revocation(
     csrf = CSRF.search(page.text)[1]  # type: ignore[index]
     refused = await dash.post("/jobs/greet/trigger", data={"args": "{}", "csrf": csrf})
     assert refused.status_code == 403 and "operator role" in refused.text
+    data = {"version": "1", "retries": "3", "csrf": csrf}
+    refused = await dash.post("/jobs/greet/edit", data=data)
+    assert refused.status_code == 403 and "admin role" in refused.text
+    assert (await pg_store.get_definition("greet")).options.retries == 0
     assert await pg_store.revoke_token(info.id)
     after = await dash.get("/", follow_redirects=False)
     assert after.status_code == 303 and after.headers["location"].startswith("/login")

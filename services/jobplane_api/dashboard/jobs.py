@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 from typing import Annotated, Any
 from zoneinfo import ZoneInfo
 
-from fastapi import APIRouter, Form, Request
+from fastapi import APIRouter, Form, HTTPException, Request, status
 from fastapi.responses import HTMLResponse, RedirectResponse
 from pydantic import ValidationError
 from starlette.responses import Response
@@ -21,11 +21,17 @@ from jobplane.dispatch import JobDisabledError
 from jobplane.domain.models import InstanceFilter
 from jobplane.domain.options import JobKind
 from jobplane.errors import IdempotencyConflictError, InvalidOptionsError, JobNotFoundError
+from jobplane_api.dashboard.editing import (
+    changes_from_form,
+    edit_values,
+    editable,
+    versions_with_changes,
+)
 from jobplane_api.dashboard.render import render, set_flash
-from jobplane_api.dashboard.session import OperatorDep, Session, ViewerDep
+from jobplane_api.dashboard.session import AdminDep, OperatorDep, Session, ViewerDep
 from jobplane_api.deps import BusDep, DispatcherDep, StoreDep
 from jobplane_api.routers import jobs as api
-from jobplane_api.schemas import JobOut, TriggerIn
+from jobplane_api.schemas import VERSION_MAX, JobOut, JobPatch, RollbackIn, TriggerIn
 
 router = APIRouter(include_in_schema=False)
 
@@ -109,34 +115,40 @@ def schema_fields(schema: dict[str, Any] | None) -> list[dict[str, Any]]:
     ]
 
 
-async def _job_page(
+async def job_page_response(
     request: Request,
     session: Session,
     store: StoreDep,
     key: str,
     *,
-    form: dict[str, str] | None = None,
-    errors: dict[str, str] | None = None,
     status: int = 200,
+    **overrides: Any,
 ) -> HTMLResponse:
+    """A job's page; ``overrides`` replace context entries (a form re-shown with its input
+    and errors: ``form``/``errors`` for the trigger form, ``edit``/``edit_errors`` for the
+    options form)."""
     try:
         job = await api.get_job(store, key)
     except JobNotFoundError:
         missing = {"title": "No such job", "detail": f"There is no job with key {key!r}."}
         return await render(request, session, "error.html", missing, status=404)
     page = await store.list_instances(InstanceFilter(job_key=key), limit=INSTANCES_SHOWN)
-    versions = (await store.definition_history(key))[:VERSIONS_SHOWN]
+    history = await store.definition_history(key)
     context: dict[str, Any] = {
         "nav": "jobs",
         "job": job,
         "fires": fires_of(job),
         "instances": page.items,
         "more_instances": page.next_cursor is not None,
-        "versions": versions,
+        "versions": versions_with_changes(history)[:VERSIONS_SHOWN],
         "fields": schema_fields(job.args_schema),
-        "form": form or {"args": args_skeleton(job.args_schema)},
-        "errors": errors or {},
+        "form": {"args": args_skeleton(job.args_schema)},
+        "errors": {},
+        "edit": edit_values(job.options),
+        "edit_version": job.version,
+        "edit_errors": {},
         "now": await store.now(),
+        **overrides,
     }
     partial = request.query_params.get("partial") == "instances"
     name = "_job_instances.html" if partial else "job.html"
@@ -145,7 +157,7 @@ async def _job_page(
 
 @router.get("/jobs/{key}", response_class=HTMLResponse)
 async def job_page(request: Request, session: ViewerDep, store: StoreDep, key: str) -> Response:
-    return await _job_page(request, session, store, key)
+    return await job_page_response(request, session, store, key)
 
 
 @router.post("/jobs/{key}/pause")
@@ -197,7 +209,9 @@ async def trigger(
             response = RedirectResponse(f"/instances/{made.id}", status_code=303)
             set_flash(response, "ok", f"Triggered {key}. This page follows the instance live.")
             return response
-    return await _job_page(request, session, store, key, form=form, errors=errors, status=422)
+    return await job_page_response(
+        request, session, store, key, form=form, errors=errors, status=422
+    )
 
 
 def _trigger_body(form: dict[str, str], errors: dict[str, str]) -> TriggerIn | None:
@@ -220,3 +234,97 @@ def _trigger_body(form: dict[str, str], errors: dict[str, str]) -> TriggerIn | N
             errors.setdefault(field, error["msg"])
         return None
     return None if errors else body
+
+
+@router.post("/jobs/{key}/edit", response_class=HTMLResponse)
+async def edit(
+    request: Request, session: AdminDep, store: StoreDep, bus: BusDep, key: str
+) -> Response:
+    """Save the options form through the API's edit: its refusals are shown at the input
+    they name; a version that moved on is explained, with the form kept."""
+    form = {k: v for k, v in (await request.form()).items() if isinstance(v, str)}
+    current = await store.get_definition(key)
+    read_version = int(form["version"]) if form.get("version", "").isdigit() else 0
+    changes = changes_from_form(current.options, form)
+    if not changes:
+        return _back(key, "Nothing to save: no option was changed.")
+    shown = {k: form.get(k, "") for k in editable(current.options.kind)}
+    again = {"edit": shown, "edit_version": read_version}
+    try:
+        patch = JobPatch(version=read_version, options=changes)
+        saved = await api.edit_job(store, bus, key, patch, session.token)
+    except InvalidOptionsError as exc:
+        field = exc.field.split(".")[0]
+        errors = {field if field in shown else "form": exc.reason}
+        return await job_page_response(
+            request, session, store, key, status=422, edit_errors=errors, **again
+        )
+    except HTTPException as exc:
+        if exc.status_code != status.HTTP_409_CONFLICT:
+            raise
+        return await _edit_conflict(request, session, store, key, read_version, form)
+    return _back(key, f"Saved version {saved.version} of {key} ({', '.join(sorted(changes))}).")
+
+
+async def _edit_conflict(
+    request: Request,
+    session: Session,
+    store: StoreDep,
+    key: str,
+    read_version: int,
+    form: dict[str, str],
+) -> HTMLResponse:
+    """The job moved on since the form was read: the form is shown again on the latest
+    version with only this user's changes applied (a save then keeps the other edit), and
+    says what the other edit changed."""
+    latest = await store.get_definition(key)
+    read = next((v for v in await store.definition_history(key) if v.version == read_version), None)
+    base = read.options if read is not None else latest.options
+    mine = changes_from_form(base, form)
+    theirs = [
+        name
+        for name, value in edit_values(latest.options).items()
+        if edit_values(base).get(name) != value
+    ]
+    shown = {**edit_values(latest.options), **{k: form.get(k, "") for k in mine}}
+    detail = (
+        f"{key} was changed by {latest.updated_by or 'someone'} while you edited it: you read "
+        f"version {read_version}, it is now at version {latest.version}"
+        + (f" ({', '.join(theirs)} changed)" if theirs else "")
+        + ". The form now shows that version with your changes "
+        + f"({', '.join(sorted(mine)) or 'none'}) on top; check it and save again."
+    )
+    return await job_page_response(
+        request,
+        session,
+        store,
+        key,
+        status=409,
+        edit=shown,
+        edit_errors={"form": detail},
+        edit_version=latest.version,
+    )
+
+
+@router.post("/jobs/{key}/rollback")
+async def rollback(
+    session: AdminDep,
+    store: StoreDep,
+    bus: BusDep,
+    key: str,
+    to_version: Annotated[int, Form(ge=1, le=VERSION_MAX)],
+    version: Annotated[int, Form(ge=1, le=VERSION_MAX)],
+) -> Response:
+    try:
+        saved = await api.rollback_job(
+            store, bus, key, RollbackIn(to_version=to_version, version=version), session.token
+        )
+    except HTTPException as exc:
+        if exc.status_code != status.HTTP_409_CONFLICT:
+            raise
+        response = RedirectResponse(f"/jobs/{key}", status_code=303)
+        set_flash(response, "error", f"Not rolled back: {exc.detail}. Reload and try again.")
+        return response
+    return _back(
+        key, f"Rolled back: version {saved.version} has the options of version {to_version}."
+    )
