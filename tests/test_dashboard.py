@@ -136,12 +136,11 @@ def test_trigger_from_the_form_runs_live_and_escapes_args(
     page.context.close()
 
 
-def test_cancel_a_running_instance(browser: Browser, cluster: Cluster) -> None:
+def test_cancel_running_instances_one_and_in_bulk(browser: Browser, cluster: Cluster) -> None:
     with _api(cluster) as api:
-        made = api.post("/api/v1/jobs/crunch/instances", json={})
-        assert made.status_code == 201, made.text
+        made = [api.post("/api/v1/jobs/crunch/instances", json={}).json() for _ in range(3)]
     page = sign_in(browser, cluster, "operator")
-    page.goto(f"/instances/{made.json()['id']}")
+    page.goto(f"/instances/{made[0]['id']}")
     expect(page.locator(".page-head .badge").first).to_have_text("processing", timeout=10_000)
     expect(page.get_by_role("heading", name="Progress")).to_be_visible()
     expect(page.locator("main")).to_contain_text(re.compile(r"step [1-9]\d* of 600"))
@@ -150,6 +149,19 @@ def test_cancel_a_running_instance(browser: Browser, cluster: Cluster) -> None:
     page.get_by_role("button", name="Cancel").click()
     expect(page.locator(".page-head .badge").first).to_have_text("cancelled", timeout=10_000)
     expect(page.get_by_role("button", name="Retry")).to_be_visible()
+    # The other two from the list: select them all, and the confirmation counts them.
+    page.goto("/instances?job=crunch&state=processing")
+    rows = page.locator("#instances tbody tr")
+    expect(rows).to_have_count(2, timeout=10_000)
+    page.get_by_label("Select every instance shown").check()
+    asked: list[str] = []
+    page.once("dialog", lambda d: (asked.append(d.message), d.accept()))
+    page.locator("#bulk").get_by_role("button", name="Cancel").click()
+    expect(page.locator(".flash-ok")).to_contain_text("told 2 running to stop")
+    assert asked == ["Cancel 2 selected instance(s)?"]
+    expect(page.locator(".empty")).to_be_visible(timeout=10_000)  # none processing any more
+    page.goto("/instances?job=crunch&state=cancelled")
+    expect(rows).to_have_count(3, timeout=10_000)
     page.context.close()
 
 

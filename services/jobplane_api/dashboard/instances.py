@@ -13,7 +13,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from starlette.responses import Response
 
 from jobplane.domain.attempts import attempts_of
-from jobplane.domain.models import InstanceFilter
+from jobplane.domain.models import Instance, InstanceFilter
 from jobplane.domain.states import InstanceState
 from jobplane.errors import IllegalTransitionError, InstanceNotFoundError, JobplaneError
 from jobplane_api.dashboard.render import render, set_flash
@@ -56,8 +56,10 @@ async def list_instances(
     )
     query = [("state", s.value) for s in states]
     query += [(k, v) for k, v in (("job", job), ("worker", worker), ("since", since)) if v]
+    here = "/instances" + (f"?{request.url.query}" if request.url.query else "")
     context: dict[str, Any] = {
         "nav": "instances",
+        "here": here.replace("&partial=1", "").replace("?partial=1", ""),
         "instances": page.items,
         "next_cursor": page.next_cursor,
         "before": before,
@@ -137,3 +139,63 @@ def _redirect(instance_id: UUID, kind: str, message: str) -> Response:
     response = RedirectResponse(f"/instances/{instance_id}", status_code=303)
     set_flash(response, kind, message)
     return response
+
+
+#: The most instances one bulk action takes (a page of the list is 50).
+BULK_MAX = 500
+
+
+@router.post("/instances/bulk")
+async def bulk(
+    request: Request, session: OperatorDep, dispatcher: DispatcherDep, store: StoreDep
+) -> Response:
+    """Cancel or retry the instances selected in the list (at most ``BULK_MAX``); those an
+    action cannot apply to are skipped and counted, never an error."""
+    form = await request.form()
+    action = form.get("action")
+    back = form.get("back")
+    target = back if isinstance(back, str) and back.startswith("/instances") else "/instances"
+    ids: list[UUID] = []
+    for raw in form.getlist("id")[:BULK_MAX]:
+        try:
+            ids.append(UUID(str(raw)))
+        except ValueError:
+            continue
+    response = RedirectResponse(target, status_code=303)
+    if not ids or action not in ("cancel", "retry"):
+        set_flash(response, "error", "Select instances first, then an action.")
+        return response
+    actor = actor_of(session.token)
+    if action == "cancel":
+        message = await _cancel_each(dispatcher, ids, actor)
+    else:
+        found = [i for i in [await _get(store, n) for n in ids] if i is not None]
+        retried, skipped = await dispatcher.retry_many(found, actor)
+        message = f"Retried {len(retried)} as new instances; skipped {len(skipped)} (not ended)."
+    set_flash(response, "ok", message)
+    return response
+
+
+async def _cancel_each(dispatcher: DispatcherDep, ids: list[UUID], actor: str) -> str:
+    cancelled = requested = skipped = 0
+    for instance_id in ids:
+        try:
+            done = await dispatcher.cancel(instance_id, actor)
+        except (IllegalTransitionError, InstanceNotFoundError):
+            skipped += 1
+            continue
+        if done.state is InstanceState.CANCELLED:
+            cancelled += 1
+        else:
+            requested += 1
+    return (
+        f"Cancelled {cancelled}; told {requested} running to stop; "
+        f"skipped {skipped} (already ended)."
+    )
+
+
+async def _get(store: StoreDep, instance_id: UUID) -> Instance | None:
+    try:
+        return await store.get_instance(instance_id)
+    except InstanceNotFoundError:
+        return None

@@ -22,8 +22,13 @@
   function live(region) {
     var every = parseInt(region.getAttribute("data-every") || "3000", 10);
     var timer = null;
+    // Not while the tab is hidden, a form in it has focus, or rows are selected (checked
+    // again when the answer arrives: the user may have started meanwhile).
+    function busy() {
+      return document.hidden || region.querySelector("form :focus, input[type=checkbox]:checked");
+    }
     function tick() {
-      if (document.hidden || region.contains(document.activeElement) && region.querySelector("form :focus")) {
+      if (busy()) {
         schedule();
         return;
       }
@@ -37,6 +42,10 @@
         return response.ok ? response.text() : "";
       }).then(function (html) {
         if (html === null) return;
+        if (busy()) {
+          schedule();
+          return;
+        }
         if (html) {
           region.innerHTML = html;
           localise(region);
@@ -49,10 +58,32 @@
     if (!region.querySelector("[data-live-stop]")) schedule();
   }
 
-  // <form data-confirm="…">: asks before submitting.
+  // <form data-confirm="…">: asks before submitting. <form data-confirm-selected="{action}
+  // {n} …">: a bulk action on the checkboxes that belong to it (form="id"), with their count.
   document.addEventListener("submit", function (event) {
-    var message = event.target.getAttribute("data-confirm");
+    var form = event.target;
+    var message = form.getAttribute("data-confirm");
     if (message && !window.confirm(message)) event.preventDefault();
+    var selected = form.getAttribute("data-confirm-selected");
+    if (!selected) return;
+    // (form.id would be the checkboxes named "id": a form's named elements shadow it)
+    var n = document.querySelectorAll('input[form="' + form.getAttribute("id") + '"]:checked').length;
+    var verb = event.submitter ? event.submitter.getAttribute("data-verb") : "Act on";
+    if (n === 0) {
+      window.alert("Select instances first.");
+      event.preventDefault();
+    } else if (!window.confirm(selected.replace("{action}", verb).replace("{n}", n))) {
+      event.preventDefault();
+    }
+  });
+
+  // <input data-select-all="form-id">: checks or clears every checkbox of that form.
+  document.addEventListener("change", function (event) {
+    var form = event.target.getAttribute("data-select-all");
+    if (!form) return;
+    document.querySelectorAll('input[form="' + form + '"]').forEach(function (box) {
+      box.checked = event.target.checked;
+    });
   });
 
   document.addEventListener("DOMContentLoaded", function () {
