@@ -20,7 +20,7 @@ router = APIRouter(include_in_schema=False)
 FAILURES_SHOWN = 8
 FAILED = (InstanceState.FAILED, InstanceState.TERMINATED)
 #: Drawing area of the throughput chart, in SVG user units.
-CHART_W, CHART_H = 600, 120
+CHART_W, CHART_H = 600, 90
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +30,32 @@ class Bar:
     ok_h: float
     bad_h: float
     label: str
+
+
+@dataclass(frozen=True, slots=True)
+class Chart:
+    title: str
+    per: str  # "min" or "h"
+    since: str  # the left edge, in words
+    bars: list[Bar]
+    peak: int
+    succeeded: int
+    failed: int
+    terminated: int
+
+    @classmethod
+    def of(cls, title: str, per: str, since: str, buckets: list[Bucket]) -> Chart:
+        drawn, peak = bars(buckets)
+        return cls(
+            title,
+            per,
+            since,
+            drawn,
+            peak,
+            sum(b.succeeded for b in buckets),
+            sum(b.failed for b in buckets),
+            sum(b.terminated for b in buckets),
+        )
 
 
 def bars(buckets: list[Bucket]) -> tuple[list[Bar], int]:
@@ -55,20 +81,18 @@ async def overview(
     request: Request, session: ViewerDep, store: StoreDep, partial: bool = False
 ) -> HTMLResponse:
     counts = await store.count_by_state()
-    per_minute = await store.throughput(60, 60)
+    charts = [
+        Chart.of("Last hour", "min", "60 min ago", await store.throughput(60, 60)),
+        Chart.of("Last day", "h", "24 h ago", await store.throughput(3600, 24)),
+    ]
     failures = await store.list_instances(InstanceFilter(states=FAILED), limit=FAILURES_SHOWN)
-    chart, peak = bars(per_minute)
     context: dict[str, Any] = {
         "nav": "overview",
         "counts": {s: counts.get(s, 0) for s in InstanceState},
         "total": sum(counts.values()),
-        "chart": chart,
+        "charts": charts,
         "chart_w": CHART_W,
         "chart_h": CHART_H,
-        "peak": peak,
-        "hour_ok": sum(b.succeeded for b in per_minute),
-        "hour_bad": sum(b.failed for b in per_minute),
-        "hour_terminated": sum(b.terminated for b in per_minute),
         "failures": failures.items,
         **await cluster_view(store),
     }
