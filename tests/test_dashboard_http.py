@@ -133,3 +133,24 @@ def test_cron_in_words() -> None:
         "Every 15 minutes, between 09:00 and 17:59, Monday through Friday"
     )
     assert cron_words("0 12 * * * 30") == "At 12:00:30"  # the 6th field is seconds
+
+
+async def test_trigger_later_then_run_now(open_dash: httpx.AsyncClient) -> None:
+    csrf = await _csrf(open_dash, "/jobs/greet")
+    form = {"args": '{"name": "Ada"}', "csrf": csrf}
+    both = await open_dash.post(
+        "/jobs/greet/trigger", data={**form, "delay_s": "5", "run_at": "2099-01-01T00:00:00Z"}
+    )
+    assert both.status_code == 422 and "give run_at or delay_s, not both" in both.text
+    naive = await open_dash.post("/jobs/greet/trigger", data={**form, "run_at": "2099-01-01"})
+    assert naive.status_code == 422 and "timezone" in naive.text
+    later = await open_dash.post(
+        "/jobs/greet/trigger", data={**form, "run_at": "2099-01-01T00:00:00+01:00"}
+    )
+    assert later.status_code == 303
+    page = (await open_dash.get(later.headers["location"])).text
+    assert "state-scheduled" in page and "Run now" in page
+    ran = await open_dash.post(f"{later.headers['location']}/run", data={"csrf": csrf})
+    assert ran.status_code == 303
+    page = (await open_dash.get(later.headers["location"])).text
+    assert "Enqueued: it runs now." in page and "Run now" not in page

@@ -38,7 +38,7 @@ router = APIRouter(include_in_schema=False)
 INSTANCES_SHOWN = 15
 VERSIONS_SHOWN = 10
 #: Form fields of the trigger form, as the API's TriggerIn names them.
-TRIGGER_FIELDS = ("args", "delay_s", "priority", "idempotency_key")
+TRIGGER_FIELDS = ("args", "delay_s", "run_at", "priority", "idempotency_key")
 
 
 @router.get("/jobs", response_class=HTMLResponse)
@@ -187,11 +187,12 @@ async def trigger(
     key: str,
     args: Annotated[str, Form(max_length=200_000)] = "",
     delay_s: Annotated[str, Form(max_length=40)] = "",
+    run_at: Annotated[str, Form(max_length=60)] = "",
     priority: Annotated[str, Form(max_length=40)] = "",
     idempotency_key: Annotated[str, Form(max_length=200)] = "",
 ) -> Response:
     """Trigger from the form; what the API refuses is shown next to the field at fault."""
-    form = {"args": args, "delay_s": delay_s, "priority": priority}
+    form = {"args": args, "delay_s": delay_s, "run_at": run_at, "priority": priority}
     form["idempotency_key"] = idempotency_key
     errors: dict[str, str] = {}
     body = _trigger_body(form, errors)
@@ -223,7 +224,7 @@ def _trigger_body(form: dict[str, str], errors: dict[str, str]) -> TriggerIn | N
             raw["args"] = json.loads(text)
         except json.JSONDecodeError as exc:
             errors["args"] = f"not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
-    for name in ("delay_s", "priority"):
+    for name in ("delay_s", "run_at", "priority"):
         if form[name].strip():
             raw[name] = form[name].strip()
     try:
