@@ -52,8 +52,11 @@ async def _csrf(client: httpx.AsyncClient, path: str) -> str:
 async def test_every_page_renders_with_auth_off(open_dash: httpx.AsyncClient) -> None:
     """``jobplane dev``: no login, everyone is admin, but the CSRF check still applies."""
     csrf = await _csrf(open_dash, "/jobs/greet")
-    refused = await open_dash.post("/jobs/greet/trigger", data={"args": '{"name": "x"}'})
-    assert refused.status_code == 403
+    for headers in ({}, {"X-CSRF-Token": ("é" * 64).encode()}, {"X-CSRF-Token": csrf[::-1]}):
+        refused = await open_dash.post(
+            "/jobs/greet/trigger", data={"args": '{"name": "x"}'}, headers=headers
+        )
+        assert refused.status_code == 403, headers
     made = await open_dash.post(
         "/jobs/greet/trigger", data={"args": '{"name": "<b>x</b>"}', "csrf": csrf}
     )

@@ -128,7 +128,8 @@ async def checked(request: Request, session: Session) -> None:
         form = await request.form()
         value = form.get(CSRF_FIELD)
         sent = value if isinstance(value, str) else None
-    if session.new or not sent or not hmac.compare_digest(sent, session.csrf):
+    # Compared as bytes: compare_digest refuses str with non-ASCII characters (a 500).
+    if session.new or not sent or not hmac.compare_digest(sent.encode(), session.csrf.encode()):
         raise Forbidden("the form's security token is missing or stale; reload the page")
 
 
