@@ -3,6 +3,7 @@ every page renders, the session and CSRF rules hold, and the filters the pages u
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import AsyncIterator
 
@@ -14,6 +15,7 @@ from jobplane.bus.abc import Bus
 from jobplane.store.sql import SqlStore
 from jobplane_api.dashboard.access import safe_next
 from jobplane_api.dashboard.render import cron_words
+from jobplane_api.dashboard.shared import Shared
 from jobplane_api.main import create_app
 from jobplane_api.settings import ApiSettings
 from tests.apps.dashboard import app as jobs_app
@@ -157,3 +159,20 @@ async def test_trigger_later_then_run_now(open_dash: httpx.AsyncClient) -> None:
     assert ran.status_code == 303
     page = (await open_dash.get(later.headers["location"])).text
     assert "Enqueued: it runs now." in page and "Run now" not in page
+
+
+async def test_shared_value_is_computed_once_per_ttl() -> None:
+    now = [100.0]
+    shared = Shared[int](2.0, clock=lambda: now[0])
+    calls = []
+
+    async def compute() -> int:
+        calls.append(now[0])
+        await asyncio.sleep(0.01)  # others arrive meanwhile and wait for this one
+        return len(calls)
+
+    assert await asyncio.gather(*(shared.get(compute) for _ in range(5))) == [1] * 5
+    now[0] += 1.9
+    assert await shared.get(compute) == 1
+    now[0] += 0.1
+    assert await shared.get(compute) == 2 and calls == [100.0, 102.0]

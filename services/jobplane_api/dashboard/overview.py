@@ -13,6 +13,7 @@ from jobplane.domain.states import InstanceState
 from jobplane_api.dashboard.cluster import cluster_view
 from jobplane_api.dashboard.render import render
 from jobplane_api.dashboard.session import ViewerDep
+from jobplane_api.dashboard.shared import Shared
 from jobplane_api.deps import StoreDep
 
 router = APIRouter(include_in_schema=False)
@@ -80,7 +81,8 @@ def bars(buckets: list[Bucket]) -> tuple[list[Bar], int]:
 async def overview(
     request: Request, session: ViewerDep, store: StoreDep, partial: bool = False
 ) -> HTMLResponse:
-    counts = await store.count_by_state()
+    shared: Shared[dict[InstanceState, int]] = request.app.state.dashboard_counts
+    counts = await shared.get(store.count_by_state)
     charts = [
         Chart.of("Last hour", "min", "60 min ago", await store.throughput(60, 60)),
         Chart.of("Last day", "h", "24 h ago", await store.throughput(3600, 24)),
