@@ -14,6 +14,7 @@ from jobplane.auth import Role
 from jobplane.bus.abc import Bus
 from jobplane.store.sql import SqlStore
 from jobplane_api.dashboard.access import safe_next
+from jobplane_api.dashboard.argsform import arg_fields, args_from_form, initial_values
 from jobplane_api.dashboard.render import cron_words
 from jobplane_api.dashboard.shared import Shared
 from jobplane_api.main import create_app
@@ -60,7 +61,7 @@ async def test_every_page_renders_with_auth_off(open_dash: httpx.AsyncClient) ->
         )
         assert refused.status_code == 403, headers
     made = await open_dash.post(
-        "/jobs/greet/trigger", data={"args": '{"name": "<b>x</b>"}', "csrf": csrf}
+        "/jobs/greet/trigger", data={"arg.name": "<b>x</b>", "arg.excited": "on", "csrf": csrf}
     )
     assert made.status_code == 303, made.text
     instance = made.headers["location"]
@@ -81,7 +82,9 @@ async def test_every_page_renders_with_auth_off(open_dash: httpx.AsyncClient) ->
         assert page.status_code == 200, (path, page.text[:500])
         assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
         assert "<b>x</b>" not in page.text
-    assert "&lt;b&gt;x&lt;/b&gt;" in (await open_dash.get(instance)).text
+    shown = (await open_dash.get(instance)).text
+    assert "&#34;name&#34;: &#34;&lt;b&gt;x&lt;/b&gt;&#34;" in shown  # as text, quotes too
+    assert "&#34;excited&#34;: true" in shown
     recurring = (await open_dash.get("/jobs?kind=recurring")).text
     assert "monthly_report" in recurring and "/jobs/greet" not in recurring
     missing = await open_dash.get("/jobs/nope")
@@ -142,7 +145,7 @@ def test_cron_in_words() -> None:
 
 async def test_trigger_later_then_run_now(open_dash: httpx.AsyncClient) -> None:
     csrf = await _csrf(open_dash, "/jobs/greet")
-    form = {"args": '{"name": "Ada"}', "csrf": csrf}
+    form = {"arg.name": "Ada", "csrf": csrf}
     both = await open_dash.post(
         "/jobs/greet/trigger", data={**form, "delay_s": "5", "run_at": "2099-01-01T00:00:00Z"}
     )
@@ -176,3 +179,34 @@ async def test_shared_value_is_computed_once_per_ttl() -> None:
     assert await shared.get(compute) == 1
     now[0] += 0.1
     assert await shared.get(compute) == 2 and calls == [100.0, 102.0]
+
+
+def test_argument_inputs_from_a_flat_schema_only() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer"},
+            "ratio": {"type": "number", "default": 0.5},
+            "mode": {"type": "string", "enum": ["fast", "safe"]},
+            "dry": {"type": "boolean", "default": True},
+        },
+        "required": ["n"],
+    }
+    fields = arg_fields(schema)
+    assert fields is not None and [f.name for f in fields] == ["n", "ratio", "mode", "dry"]
+    assert initial_values(fields) == {
+        "arg.n": "",
+        "arg.ratio": "0.5",
+        "arg.mode": "",
+        "arg.dry": "on",
+    }
+    form = {"arg.n": "7", "arg.ratio": "", "arg.mode": "safe"}
+    assert args_from_form(fields, form) == {"n": 7, "mode": "safe", "dry": False}
+    # Text that is not its type's number goes on as text, for the schema to refuse at "n".
+    assert args_from_form(fields, {"arg.n": "7.5", "arg.ratio": "x"}) == {
+        "n": "7.5",
+        "ratio": "x",
+        "dry": False,
+    }
+    nested = {"type": "object", "properties": {"items": {"type": "array"}}}
+    assert arg_fields(nested) is None and arg_fields(None) is None

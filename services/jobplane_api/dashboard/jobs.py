@@ -21,6 +21,13 @@ from jobplane.dispatch import JobDisabledError
 from jobplane.domain.models import InstanceFilter
 from jobplane.domain.options import JobKind
 from jobplane.errors import IdempotencyConflictError, InvalidOptionsError, JobNotFoundError
+from jobplane_api.dashboard.argsform import (
+    PREFIX,
+    ArgField,
+    arg_fields,
+    args_from_form,
+    initial_values,
+)
 from jobplane_api.dashboard.editing import (
     changes_from_form,
     edit_values,
@@ -103,6 +110,13 @@ def args_skeleton(schema: dict[str, Any] | None) -> str:
     return json.dumps(out, indent=2) if out else "{}"
 
 
+def _initial_form(job: JobOut) -> dict[str, str]:
+    fields = arg_fields(job.args_schema)
+    if fields is not None:
+        return initial_values(fields)
+    return {"args": args_skeleton(job.args_schema)}
+
+
 def schema_fields(schema: dict[str, Any] | None) -> list[dict[str, Any]]:
     """The top-level argument fields, for the form's help: name, type, required."""
     if not schema:
@@ -142,7 +156,8 @@ async def job_page_response(
         "more_instances": page.next_cursor is not None,
         "versions": versions_with_changes(history)[:VERSIONS_SHOWN],
         "fields": schema_fields(job.args_schema),
-        "form": {"args": args_skeleton(job.args_schema)},
+        "arg_fields": arg_fields(job.args_schema),
+        "form": _initial_form(job),
         "errors": {},
         "edit": edit_values(job.options),
         "edit_version": job.version,
@@ -194,16 +209,18 @@ async def trigger(
     """Trigger from the form; what the API refuses is shown next to the field at fault."""
     form = {"args": args, "delay_s": delay_s, "run_at": run_at, "priority": priority}
     form["idempotency_key"] = idempotency_key
+    sent = await request.form()
+    form.update({k: v for k, v in sent.items() if k.startswith(PREFIX) and isinstance(v, str)})
+    fields = arg_fields((await store.get_definition(key)).args_schema)
     errors: dict[str, str] = {}
-    body = _trigger_body(form, errors)
+    body = _trigger_body(form, fields, errors)
     if body is not None:
         try:
             made = await api.trigger_job(
                 dispatcher, key, body, session.token, idempotency_key.strip() or None
             )
         except InvalidOptionsError as exc:
-            field = exc.field if exc.field in TRIGGER_FIELDS else "args"
-            errors[field] = f"{exc.field}: {exc.reason}" if field == "args" else exc.reason
+            errors.update(_at_field(exc, fields))
         except (JobDisabledError, IdempotencyConflictError) as exc:
             errors["form"] = str(exc)
         else:
@@ -215,11 +232,26 @@ async def trigger(
     )
 
 
-def _trigger_body(form: dict[str, str], errors: dict[str, str]) -> TriggerIn | None:
+def _at_field(exc: InvalidOptionsError, fields: list[ArgField] | None) -> dict[str, str]:
+    """Where the page shows a refusal: at the generated input of the argument it names, at
+    the trigger field it names, or at the arguments."""
+    names = {f"args.{f.name}": f.input_name for f in fields or ()}
+    if exc.field in names:
+        return {names[exc.field]: exc.reason}
+    if exc.field in TRIGGER_FIELDS:
+        return {exc.field: exc.reason}
+    return {"args": f"{exc.field}: {exc.reason}"}
+
+
+def _trigger_body(
+    form: dict[str, str], fields: list[ArgField] | None, errors: dict[str, str]
+) -> TriggerIn | None:
     """The API's request body from the form's text fields, or None with ``errors`` filled."""
     raw: dict[str, Any] = {}
     text = form["args"].strip()
-    if text:
+    if fields is not None:
+        raw["args"] = args_from_form(fields, form)
+    elif text:
         try:
             raw["args"] = json.loads(text)
         except json.JSONDecodeError as exc:
