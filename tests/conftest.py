@@ -2,4 +2,9 @@
 
 from __future__ import annotations
 
-pytest_plugins = ["tests.fixtures.servers", "tests.fixtures.bus", "tests.fixtures.store"]
+pytest_plugins = [
+    "tests.fixtures.servers",
+    "tests.fixtures.bus",
+    "tests.fixtures.store",
+    "tests.fixtures.dashboard",
+]

@@ -18,7 +18,7 @@ from jobplane.dispatch import Dispatcher
 from jobplane.runtime import backends
 from jobplane.serving import serve_until
 from jobplane.store.sql import SqlStore
-from jobplane_api import docs, problems
+from jobplane_api import dashboard, docs, problems
 from jobplane_api.authn import AuthenticateFirst, Authenticator
 from jobplane_api.metrics import MetricsCache
 from jobplane_api.routers import instances, jobs, system, tokens
@@ -90,6 +90,7 @@ def create_app(
     for router in routers:
         app.include_router(router)
     document_roles(app, routers)
+    dashboard.mount(app)
     return app
 
 

@@ -1,0 +1,77 @@
+"""Login and logout: a token in, a session cookie out."""
+
+from __future__ import annotations
+
+from typing import Annotated
+from urllib.parse import urlsplit
+
+from fastapi import APIRouter, Form, Request
+from fastapi.responses import HTMLResponse, RedirectResponse
+from starlette.responses import Response
+
+from jobplane_api.dashboard.render import render, set_flash
+from jobplane_api.dashboard.session import (
+    Forbidden,
+    SessionDep,
+    checked,
+    new_anonymous,
+    set_cookie,
+)
+from jobplane_api.deps import StoreDep
+
+router = APIRouter(include_in_schema=False)
+
+#: Token secrets are ~46 characters; anything much longer is not one.
+TOKEN_MAX = 200
+
+
+def safe_next(target: str | None) -> str:
+    """Only a path of this site: never an open redirect to another one (browsers drop tabs
+    and newlines and read a backslash as a slash: ``/<TAB>/evil`` would be ``//evil``)."""
+    if not target or not target.startswith("/") or len(target) > 2000:
+        return "/"
+    if any(c.isspace() or ord(c) < 32 or c == "\\" for c in target) or target.startswith("//"):
+        return "/"
+    parts = urlsplit(target)
+    return "/" if parts.scheme or parts.netloc else target
+
+
+@router.get("/login", response_class=HTMLResponse)
+async def login_form(request: Request, session: SessionDep, next: str = "/") -> Response:
+    if session.role is not None:
+        return RedirectResponse(safe_next(next), status_code=303)
+    return await render(request, session, "login.html", {"next": safe_next(next), "error": None})
+
+
+@router.post("/login", response_class=HTMLResponse)
+async def login(
+    request: Request,
+    session: SessionDep,
+    store: StoreDep,
+    token: Annotated[str, Form(max_length=TOKEN_MAX)] = "",
+    next: Annotated[str, Form(max_length=2000)] = "/",
+) -> Response:
+    await checked(request, session)
+    if not session.auth_enabled and session.role is not None:
+        return RedirectResponse(safe_next(next), status_code=303)
+    secret = token.strip()
+    found = await store.authenticate(secret) if secret else None
+    if found is None:
+        # Never echo the secret back, not even into the form.
+        context = {"next": safe_next(next), "error": "Unknown or revoked token."}
+        return await render(request, session, "login.html", context, status=401)
+    response = RedirectResponse(safe_next(next), status_code=303)
+    set_cookie(response, request, secret)
+    set_flash(response, "ok", f"Signed in as {found.name} ({found.role.value}).")
+    return response
+
+
+@router.post("/logout")
+async def logout(request: Request, session: SessionDep) -> Response:
+    await checked(request, session)
+    if session.role is None:
+        raise Forbidden("you are not logged in")
+    response = RedirectResponse("/login", status_code=303)
+    set_cookie(response, request, new_anonymous())
+    set_flash(response, "ok", "Signed out.")
+    return response

@@ -1,0 +1,212 @@
+"""The dashboard over HTTP, in process, on both stores (Postgres and SQLite) and both buses:
+every page renders, the session and CSRF rules hold, and the filters the pages use."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from jobplane.auth import Role
+from jobplane.bus.abc import Bus
+from jobplane.store.sql import SqlStore
+from jobplane_api.dashboard.access import safe_next
+from jobplane_api.dashboard.argsform import arg_fields, args_from_form, initial_values
+from jobplane_api.dashboard.render import cron_words
+from jobplane_api.dashboard.shared import Shared
+from jobplane_api.main import create_app
+from jobplane_api.settings import ApiSettings
+from tests.apps.dashboard import app as jobs_app
+
+CSRF = re.compile(r'name="csrf" value="([0-9a-f]{64})"')
+
+
+async def _client(store: SqlStore, bus: Bus, *, auth: bool) -> AsyncIterator[httpx.AsyncClient]:
+    for spec in jobs_app.jobs.values():
+        await store.register_definition(spec.options, spec.args_schema(), "test")
+    app = create_app(ApiSettings(auth_enabled=auth), store=store, bus=bus)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://dash") as client:
+            yield client
+
+
+@pytest.fixture
+async def open_dash(store: SqlStore, bus: Bus) -> AsyncIterator[httpx.AsyncClient]:
+    async for client in _client(store, bus, auth=False):
+        yield client
+
+
+@pytest.fixture
+async def dash(pg_store: SqlStore, redis_bus: Bus) -> AsyncIterator[httpx.AsyncClient]:
+    async for client in _client(pg_store, redis_bus, auth=True):
+        yield client
+
+
+async def _csrf(client: httpx.AsyncClient, path: str) -> str:
+    found = CSRF.search((await client.get(path)).text)
+    assert found, path
+    return found[1]
+
+
+async def test_every_page_renders_with_auth_off(open_dash: httpx.AsyncClient) -> None:
+    """``jobplane dev``: no login, everyone is admin, but the CSRF check still applies."""
+    csrf = await _csrf(open_dash, "/jobs/greet")
+    for headers in ({}, {"X-CSRF-Token": ("é" * 64).encode()}, {"X-CSRF-Token": csrf[::-1]}):
+        refused = await open_dash.post(
+            "/jobs/greet/trigger", data={"args": '{"name": "x"}'}, headers=headers
+        )
+        assert refused.status_code == 403, headers
+    made = await open_dash.post(
+        "/jobs/greet/trigger", data={"arg.name": "<b>x</b>", "arg.excited": "on", "csrf": csrf}
+    )
+    assert made.status_code == 303, made.text
+    instance = made.headers["location"]
+    for path in (
+        "/",
+        "/?partial=1",
+        "/jobs",
+        "/jobs?kind=recurring&queue=reports&q=month",
+        "/jobs/monthly_report",
+        "/jobs/greet?partial=instances",
+        "/instances",
+        "/instances?state=enqueued&state=processing&job=greet&since=1h&partial=1",
+        instance,
+        f"{instance}?partial=1",
+        "/workers",
+    ):
+        page = await open_dash.get(path)
+        assert page.status_code == 200, (path, page.text[:500])
+        assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
+        assert "<b>x</b>" not in page.text
+    shown = (await open_dash.get(instance)).text
+    assert "&#34;name&#34;: &#34;&lt;b&gt;x&lt;/b&gt;&#34;" in shown  # as text, quotes too
+    assert "&#34;excited&#34;: true" in shown
+    recurring = (await open_dash.get("/jobs?kind=recurring")).text
+    assert "monthly_report" in recurring and "/jobs/greet" not in recurring
+    missing = await open_dash.get("/jobs/nope")
+    assert missing.status_code == 404 and "There is no job" in missing.text
+
+
+async def test_session_cookie_roles_and_revocation(
+    dash: httpx.AsyncClient, pg_store: SqlStore
+) -> None:
+    gate = await dash.get("/instances?state=failed", follow_redirects=False)
+    assert gate.status_code == 303
+    assert gate.headers["location"] == "/login?next=/instances%3Fstate%3Dfailed"
+    live = await dash.get("/", headers={"X-Live": "1"})
+    assert live.status_code == 401  # the polling script shows "signed out"
+    info, secret = await pg_store.create_token("ann", Role.VIEWER, "test")
+    csrf = await _csrf(dash, "/login")
+    signed = await dash.post(
+        "/login", data={"token": secret, "csrf": csrf, "next": "/\t/evil.example"}
+    )
+    assert signed.status_code == 303 and signed.headers["location"] == "/"
+    cookie = signed.headers["set-cookie"]
+    assert "HttpOnly" in cookie and "SameSite=lax" in cookie and "Path=/" in cookie
+    page = await dash.get("/jobs/greet")
+    assert page.status_code == 200 and "Trigger greet" not in page.text
+    csrf = CSRF.search(page.text)[1]  # type: ignore[index]
+    refused = await dash.post("/jobs/greet/trigger", data={"args": "{}", "csrf": csrf})
+    assert refused.status_code == 403 and "operator role" in refused.text
+    data = {"version": "1", "retries": "3", "csrf": csrf}
+    refused = await dash.post("/jobs/greet/edit", data=data)
+    assert refused.status_code == 403 and "admin role" in refused.text
+    assert (await pg_store.get_definition("greet")).options.retries == 0
+    assert await pg_store.revoke_token(info.id)
+    after = await dash.get("/", follow_redirects=False)
+    assert after.status_code == 303 and after.headers["location"].startswith("/login")
+
+
+def test_safe_next_keeps_only_local_paths() -> None:
+    assert safe_next("/instances?state=failed") == "/instances?state=failed"
+    for bad in (
+        None,
+        "",
+        "https://evil.example/",
+        "//evil.example",
+        "/\t/evil.example",
+        "/\\evil.example",
+        "jobs",
+    ):
+        assert safe_next(bad) == "/", bad
+
+
+def test_cron_in_words() -> None:
+    assert cron_words(None) == "Manual trigger only"
+    assert cron_words("*/15 9-17 * * mon-fri") == (
+        "Every 15 minutes, between 09:00 and 17:59, Monday through Friday"
+    )
+    assert cron_words("0 12 * * * 30") == "At 12:00:30"  # the 6th field is seconds
+
+
+async def test_trigger_later_then_run_now(open_dash: httpx.AsyncClient) -> None:
+    csrf = await _csrf(open_dash, "/jobs/greet")
+    form = {"arg.name": "Ada", "csrf": csrf}
+    both = await open_dash.post(
+        "/jobs/greet/trigger", data={**form, "delay_s": "5", "run_at": "2099-01-01T00:00:00Z"}
+    )
+    assert both.status_code == 422 and "give run_at or delay_s, not both" in both.text
+    naive = await open_dash.post("/jobs/greet/trigger", data={**form, "run_at": "2099-01-01"})
+    assert naive.status_code == 422 and "timezone" in naive.text
+    later = await open_dash.post(
+        "/jobs/greet/trigger", data={**form, "run_at": "2099-01-01T00:00:00+01:00"}
+    )
+    assert later.status_code == 303
+    page = (await open_dash.get(later.headers["location"])).text
+    assert "state-scheduled" in page and "Run now" in page
+    ran = await open_dash.post(f"{later.headers['location']}/run", data={"csrf": csrf})
+    assert ran.status_code == 303
+    page = (await open_dash.get(later.headers["location"])).text
+    assert "Enqueued: it runs now." in page and "Run now" not in page
+
+
+async def test_shared_value_is_computed_once_per_ttl() -> None:
+    now = [100.0]
+    shared = Shared[int](2.0, clock=lambda: now[0])
+    calls = []
+
+    async def compute() -> int:
+        calls.append(now[0])
+        await asyncio.sleep(0.01)  # others arrive meanwhile and wait for this one
+        return len(calls)
+
+    assert await asyncio.gather(*(shared.get(compute) for _ in range(5))) == [1] * 5
+    now[0] += 1.9
+    assert await shared.get(compute) == 1
+    now[0] += 0.1
+    assert await shared.get(compute) == 2 and calls == [100.0, 102.0]
+
+
+def test_argument_inputs_from_a_flat_schema_only() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer"},
+            "ratio": {"type": "number", "default": 0.5},
+            "mode": {"type": "string", "enum": ["fast", "safe"]},
+            "dry": {"type": "boolean", "default": True},
+        },
+        "required": ["n"],
+    }
+    fields = arg_fields(schema)
+    assert fields is not None and [f.name for f in fields] == ["n", "ratio", "mode", "dry"]
+    assert initial_values(fields) == {
+        "arg.n": "",
+        "arg.ratio": "0.5",
+        "arg.mode": "",
+        "arg.dry": "on",
+    }
+    form = {"arg.n": "7", "arg.ratio": "", "arg.mode": "safe"}
+    assert args_from_form(fields, form) == {"n": 7, "mode": "safe", "dry": False}
+    # Text that is not its type's number goes on as text, for the schema to refuse at "n".
+    assert args_from_form(fields, {"arg.n": "7.5", "arg.ratio": "x"}) == {
+        "n": "7.5",
+        "ratio": "x",
+        "dry": False,
+    }
+    nested = {"type": "object", "properties": {"items": {"type": "array"}}}
+    assert arg_fields(nested) is None and arg_fields(None) is None
