@@ -132,7 +132,9 @@ def migrate() -> None:
     async def go() -> None:
         from jobplane.runtime import migrate_database
 
-        revision = await migrate_database(settings.database_url)
+        revision = await migrate_database(
+            settings.database_url, settings.startup_timeout_s, stop_on_signals()
+        )
         typer.echo(f"database schema at revision {revision}", err=True)
 
     run(go, settings.log_level)

@@ -49,6 +49,9 @@ class CommonSettings(BaseSettings):
     db_lock_timeout_s: float = Field(default=0, ge=0)
     db_idle_in_transaction_timeout_s: float = Field(default=0, ge=0)
     db_statement_timeout_s: float = Field(default=30.0, gt=0)
+    #: A role that starts while Postgres or Redis does not answer retries for this long
+    #: (logging each try) before it exits 2; 0: one try. Start-up order then does not matter.
+    startup_timeout_s: float = Field(default=60.0, ge=0)
 
     def liveness_lease_s(self) -> float | None:
         """The lease this role's liveness depends on (none for the api)."""

@@ -127,8 +127,11 @@ NUL_REFUSED = "NUL characters are not allowed"
 
 
 async def run_api(settings: ApiSettings, stop: asyncio.Event) -> None:
-    """Serve until ``stop`` is set, with a store and bus of its own."""
-    await serve(settings, stop)
+    """Serve until ``stop`` is set, with a store and bus of its own. They are opened (and
+    waited for) before uvicorn starts, so an unreachable backend is the role's one-line error
+    rather than a failed lifespan inside uvicorn."""
+    async with backends(settings, stop) as (store, bus):
+        await serve(settings, stop, store=store, bus=bus)
 
 
 async def serve(

@@ -11,5 +11,5 @@ from jobplane_scheduler.settings import SchedulerSettings
 
 async def run_scheduler(settings: SchedulerSettings, stop: asyncio.Event) -> None:
     """Run one scheduler replica until ``stop`` is set (it then releases the lease)."""
-    async with backends(settings) as (store, bus):
+    async with backends(settings, stop) as (store, bus):
         await Scheduler(store, bus, settings).run(stop)
