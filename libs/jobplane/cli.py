@@ -15,10 +15,11 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 import typer
+from pydantic import ValidationError
 
 from jobplane.cli_remote import instances_cli, jobs_cli, trigger, workers_cli
 from jobplane.errors import JobplaneError, WorkerEvictedError
-from jobplane.settings import CommonSettings, DevSettings, WorkerSettings
+from jobplane.settings import CommonSettings, DevSettings, MigrateSettings, WorkerSettings
 
 cli = typer.Typer(
     name="jobplane",
@@ -52,7 +53,14 @@ cli.command("trigger")(trigger)
 
 
 def main() -> None:
-    cli()
+    try:
+        cli()
+    except ValidationError as exc:
+        # A bad JOBPLANE_* setting: one line per field, never the value (it may be a secret).
+        for error in exc.errors():
+            name = "JOBPLANE_" + "_".join(str(part) for part in error["loc"]).upper()
+            typer.secho(f"error: {name}: {error['msg']}", err=True, fg=typer.colors.RED)
+        sys.exit(2)
 
 
 def run(coro_factory: Callable[[], Awaitable[Any]], log_level: str) -> None:
@@ -126,15 +134,17 @@ def stop_on_signals() -> asyncio.Event:
 
 @cli.command()
 def migrate() -> None:
-    """Create or upgrade the database schema to the latest revision."""
-    settings = CommonSettings()
+    """Create or upgrade the database schema to the latest revision (and make sure
+    JOBPLANE_BOOTSTRAP_ADMIN_TOKEN, if set, is an admin token)."""
+    settings = MigrateSettings()
 
     async def go() -> None:
-        from jobplane.runtime import migrate_database
+        from jobplane.runtime import ensure_bootstrap_token, migrate_database
 
         revision = await migrate_database(
             settings.database_url, settings.startup_timeout_s, stop_on_signals()
         )
+        await ensure_bootstrap_token(settings)
         typer.echo(f"database schema at revision {revision}", err=True)
 
     run(go, settings.log_level)

@@ -22,7 +22,7 @@ from jobplane.bus.factory import open_bus
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import Instance
 from jobplane.errors import ConfigurationError, SchemaBehindError, StoreUnavailableError
-from jobplane.settings import CommonSettings, DevSettings, WorkerSettings
+from jobplane.settings import CommonSettings, DevSettings, MigrateSettings, WorkerSettings
 from jobplane.startup import wait_until_reachable
 from jobplane.store import migrate
 from jobplane.store.factory import make_engine, open_store, redact
@@ -58,6 +58,34 @@ async def migrate_database(
         raise StoreUnavailableError(f"cannot reach {redact(url)}: {exc}") from exc
     finally:
         await engine.dispose()
+
+
+async def ensure_bootstrap_token(settings: MigrateSettings) -> None:
+    """Make sure ``JOBPLANE_BOOTSTRAP_ADMIN_TOKEN`` (if set) is an admin token."""
+    if settings.bootstrap_admin_token is None:
+        return
+    from jobplane.auth import Role
+
+    async with open_checked_store(settings) as store:
+        info, created = await store.ensure_token(
+            settings.bootstrap_admin_token.get_secret_value(),
+            "bootstrap-admin",
+            Role.ADMIN,
+            "migrate",
+        )
+    if created:
+        logger.info(
+            "created the bootstrap admin token %s (%s…)",
+            info.id,
+            info.hint,
+            extra={"action": "token.bootstrap_created", "token_id": str(info.id)},
+        )
+    elif info.revoked_at is not None:
+        logger.warning(
+            "the bootstrap admin token %s was revoked; it stays revoked",
+            info.id,
+            extra={"action": "token.bootstrap_revoked", "token_id": str(info.id)},
+        )
 
 
 @asynccontextmanager

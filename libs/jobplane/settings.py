@@ -12,7 +12,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_DATABASE_URL = f"sqlite+aiosqlite:///{Path('jobplane.db').absolute()}"
@@ -76,6 +76,26 @@ class CommonSettings(BaseSettings):
     @classmethod
     def _database_url(cls, value: str) -> str:
         return normalise_database_url(value)
+
+
+class MigrateSettings(CommonSettings):
+    """``jobplane migrate``: the schema, and an admin token that a deployment provisions."""
+
+    #: A secret (``jp_`` and at least 32 more URL-safe characters, e.g. from
+    #: ``python -c 'import secrets; print("jp_" + secrets.token_urlsafe(32))'``) that
+    #: ``jobplane migrate`` makes sure is an admin token, so a fresh deployment can be used
+    #: without a manual step. Stored hashed like any token; revoke it once other tokens exist
+    #: (a revoked one is never restored).
+    bootstrap_admin_token: SecretStr | None = None
+
+    @field_validator("bootstrap_admin_token")
+    @classmethod
+    def _bootstrap_admin_token(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None or not value.get_secret_value():
+            return None
+        if not re.fullmatch(r"jp_[A-Za-z0-9_\-]{32,200}", value.get_secret_value()):
+            raise ValueError("must be jp_ followed by at least 32 URL-safe characters")
+        return value
 
 
 def process_worker_id() -> str:
