@@ -185,13 +185,24 @@ def worker(
 
 
 @cli.command()
-def scheduler() -> None:
+def scheduler(
+    health_port: Annotated[
+        int | None,
+        typer.Option(
+            "--health-port",
+            min=0,
+            max=65535,
+            help="Serve /healthz and /readyz on this port (0: off).",
+        ),
+    ] = None,
+) -> None:
     """Run a scheduler replica: one leader fires cron ticks, promotes delayed instances,
     releases expired leases and republishes lost messages; the others stand by."""
     remember_early_sigterm()
     from jobplane_scheduler.settings import SchedulerSettings
 
-    settings = SchedulerSettings()
+    given: dict[str, Any] = {} if health_port is None else {"health_port": health_port}
+    settings = SchedulerSettings(**given)
 
     async def go() -> None:
         from jobplane_scheduler.main import run_scheduler
