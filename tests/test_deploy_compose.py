@@ -17,6 +17,8 @@ import yaml
 
 from jobplane.app import load_app
 from jobplane.settings import WorkerSettings
+from jobplane_api.main import create_app
+from jobplane_api.settings import ApiSettings
 from tests.cli_helpers import ROOT
 from tests.deploy_helpers import (
     IMAGE_APPS,
@@ -143,3 +145,28 @@ def test_dockerfiles_pass_the_linter() -> None:
         [hadolint, "--no-color", *map(str, dockerfiles)], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_readme_quick_start_matches_the_files(compose: dict[str, Any]) -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Deploy with compose") : readme.index("## A job, end to end")]
+    example = (ROOT / ".env.example").read_text()
+    for name in re.findall(r"s/\^(\w+)=", section):  # the secrets the sed lines fill in
+        assert f"\n{name}=\n" in example, name
+    for service in re.findall(r"--scale (\w+)=|logs -f (\w+)", section):
+        assert "".join(service) in compose["services"]
+    [path] = re.findall(r"-X POST http://127\.0\.0\.1:8000(/\S+)", section)
+    job = path.split("/")[4]
+    assert path.replace(f"/{job}/", "/{key}/") in routes_with("post")
+    _, params = parse_command(compose["services"]["worker"]["command"])
+    assert job in load_app(params["app"]).jobs
+    for link in re.findall(r"\]\(([^)#]+)\)", section):
+        assert (ROOT / link).exists(), link
+    deploy = (ROOT / "docs" / "deploy.md").read_text()
+    for link in re.findall(r"\]\((\.\./[^)#]+)\)", deploy):
+        assert (ROOT / "docs" / link).resolve().exists(), link
+
+
+def routes_with(method: str) -> set[str]:
+    paths = create_app(ApiSettings()).openapi()["paths"]
+    return {path for path, operations in paths.items() if method in operations}
