@@ -32,6 +32,7 @@ ENV PATH=/opt/jobplane/bin:$PATH \
     PYTHONPATH=/app \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
+    JOBPLANE_LOG_FORMAT=json \
     HEALTHCHECK_URL=http://127.0.0.1:8000/healthz
 USER 10001:10001
 # 8000: the api; 9100: the probe server of a worker or scheduler (--health-port 9100).

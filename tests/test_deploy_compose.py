@@ -126,6 +126,7 @@ def test_every_setting_named_exists_and_env_example_covers_the_file(
         if ln and not ln.startswith("#")
     }
     assert interpolated <= example, interpolated - example
+    assert "\nJOBPLANE_LOG_FORMAT=json\n" in (ROOT / ".env.example").read_text()
     names = [n for s in compose["services"].values() for n in s.get("environment", {})]
     assert unknown_env_names([*names, *example, *interpolated]) == []
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli_helpers import ROOT, free_port, run_cli
+from tests.deploy_helpers import unknown_env_names
 
 DOCKERFILES = [ROOT / "Dockerfile", ROOT / "examples" / "own_jobs" / "Dockerfile"]
 
@@ -50,6 +51,11 @@ def test_the_image_is_multi_stage_locked_non_root_with_one_entrypoint() -> None:
     assert copied == ["examples"]  # the example apps are in the image
     arg = next(args for op, args in steps if op == "ARG" and args.startswith("PYTHON_IMAGE="))
     assert "python:3.11-slim" in arg
+    env = dict(
+        item.split("=", 1) for op, args in final if op == "ENV" for item in shlex.split(args)
+    )
+    assert env["JOBPLANE_LOG_FORMAT"] == "json"  # containers log one JSON object per line
+    assert unknown_env_names(list(env)) == []
 
 
 def test_dockerignore_keeps_every_file_the_dockerfile_copies() -> None:

@@ -189,6 +189,7 @@ def test_every_setting_named_exists(overlay: str) -> None:
         names += list(secret["stringData"])
         assert {"JOBPLANE_DATABASE_URL", "JOBPLANE_REDIS_URL"} <= set(secret["stringData"])
     assert unknown_env_names(names) == []
+    assert config(overlay)["JOBPLANE_LOG_FORMAT"] == "json"
     assert len(secrets) == (1 if overlay == "dev" else 0)  # prod: created by the operator
 
 

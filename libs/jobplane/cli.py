@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from jobplane.cli_remote import instances_cli, jobs_cli, trigger, workers_cli
 from jobplane.errors import JobplaneError, WorkerEvictedError
+from jobplane.logs import configure_logging
 from jobplane.settings import CommonSettings, DevSettings, MigrateSettings, WorkerSettings
 
 cli = typer.Typer(
@@ -63,14 +64,14 @@ def main() -> None:
         sys.exit(2)
 
 
-def run(coro_factory: Callable[[], Awaitable[Any]], log_level: str) -> None:
-    """Run a role; a JobplaneError (bad setting, unreachable service) is one line, exit 2."""
-    logging.basicConfig(
-        level=log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    logging.getLogger("alembic").setLevel(logging.WARNING)
+def run(
+    coro_factory: Callable[[], Awaitable[Any]],
+    settings: CommonSettings,
+    static: dict[str, Any] | None = None,
+) -> None:
+    """Run a role; a JobplaneError (bad setting, unreachable service) is one line, exit 2.
+    ``static`` fields (the role, its id) are on every JSON log line."""
+    configure_logging(settings.log_level, settings.log_format, static)
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(_main(coro_factory))
@@ -147,7 +148,7 @@ def migrate() -> None:
         await ensure_bootstrap_token(settings)
         typer.echo(f"database schema at revision {revision}", err=True)
 
-    run(go, settings.log_level)
+    run(go, settings, {"role": "migrate"})
 
 
 @cli.command()
@@ -181,7 +182,7 @@ def worker(
 
         await run_worker(app, settings, stop_on_signals())
 
-    run(go, settings.log_level)
+    run(go, settings, {"role": "worker", "worker_id": settings.worker_id})
 
 
 @cli.command()
@@ -209,7 +210,7 @@ def scheduler(
 
         await run_scheduler(settings, stop_on_signals())
 
-    run(go, settings.log_level)
+    run(go, settings, {"role": "scheduler", "scheduler_id": settings.scheduler_id})
 
 
 @cli.command()
@@ -233,7 +234,7 @@ def api(
 
         await run_api(settings, stop_on_signals())
 
-    run(go, settings.log_level)
+    run(go, settings, {"role": "api"})
 
 
 @cli.command()
@@ -267,7 +268,7 @@ def dev(
 
         await run_dev(app, settings, stop_on_signals(), requests, exit_when_done, port)
 
-    run(go, settings.log_level)
+    run(go, settings, {"role": "dev", "worker_id": settings.worker_id})
 
 
 def _given(
@@ -318,7 +319,7 @@ def token_create(
         typer.echo(f"created {info.role.value} token {info.id} ({info.name}); secret:", err=True)
         typer.echo(secret)
 
-    run(go, settings.log_level)
+    run(go, settings)
 
 
 @token_cli.command("ls")
@@ -334,7 +335,7 @@ def token_ls() -> None:
                 state = f"revoked {t.revoked_at:%Y-%m-%d}" if t.revoked_at else "live"
                 typer.echo(f"{t.id}  {t.role.value:<8} {t.hint}…  {t.name}  ({state})")
 
-    run(go, settings.log_level)
+    run(go, settings)
 
 
 @token_cli.command("revoke")
@@ -352,4 +353,4 @@ def token_revoke(token_id: str) -> None:
                 raise JobplaneError(f"no live token {token_id}")
         typer.echo(f"revoked {token_id}", err=True)
 
-    run(go, settings.log_level)
+    run(go, settings)

@@ -15,6 +15,8 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from jobplane.logs import LogFormat
+
 DEFAULT_DATABASE_URL = f"sqlite+aiosqlite:///{Path('jobplane.db').absolute()}"
 
 
@@ -40,6 +42,9 @@ class CommonSettings(BaseSettings):
     #: Prefix of every Redis key (several deployments may share one Redis).
     key_prefix: str = Field(default="jobplane", pattern=r"^[A-Za-z0-9_.:\-]+$")
     log_level: str = "INFO"
+    #: ``text`` for people, ``json`` (one object per line, with every structured field) for
+    #: log collectors; the container image defaults to ``json``.
+    log_format: LogFormat = LogFormat.TEXT
     #: Postgres connections each process keeps open (as many again are opened in bursts).
     db_pool_size: int = Field(default=10, ge=1, le=1000)
     #: Debug: instances triggered for triggered jobs are held (Scheduled with no due time)

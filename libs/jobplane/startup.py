@@ -74,7 +74,7 @@ def _log(what: str, deadline: float) -> Callable[[RetryCallState], None]:
             state.attempt_number,
             state.upcoming_sleep,
             max(0.0, deadline - time.monotonic()),
-            extra={"action": "startup.wait", "backend": what, "attempt": state.attempt_number},
+            extra={"action": "startup.wait", "backend": what, "try": state.attempt_number},
         )
 
     return log

@@ -147,6 +147,7 @@ async def serve(
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),
+        log_config=None,  # uvicorn logs through the role's handler (text or JSON)
         lifespan="on",
     )
     await serve_until(config, stop)
