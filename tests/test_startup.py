@@ -12,6 +12,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 
+import psycopg
 import pytest
 
 from jobplane.store.factory import open_store
@@ -140,3 +141,19 @@ async def test_migrate_and_api_wait_for_postgres_started_late(
         stop_all(procs, sig=signal.SIGTERM)
         assert api.returncode == 0
         procs.clear()
+
+
+def test_a_schema_newer_than_the_code_is_refused_at_once(pg_database_url: str) -> None:
+    """Only a schema behind the code is waited for (a migration may be running); one this
+    version does not know was migrated by a newer release: waiting would not help."""
+    with psycopg.connect(pg_database_url, autocommit=True) as conn:
+        conn.execute("UPDATE alembic_version SET version_num = 'f00dfeedbeef'")
+    began = time.monotonic()
+    result = run_cli(
+        "scheduler", JOBPLANE_DATABASE_URL=pg_database_url, JOBPLANE_STARTUP_TIMEOUT_S="60"
+    )
+    assert result.returncode == 2, result.stderr
+    assert time.monotonic() - began < 20
+    assert "waiting for" not in result.stderr
+    [error] = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
+    assert "f00dfeedbeef" in error and "migrated by a newer Jobplane" in error
