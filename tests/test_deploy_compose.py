@@ -134,6 +134,7 @@ def test_every_setting_named_exists_and_env_example_covers_the_file(
 def test_every_jobplane_service_reads_the_env_file(compose: dict[str, Any]) -> None:
     for role in ROLES:
         assert compose["services"][role]["env_file"] == ".env"
+        assert compose["services"][role]["init"] is True
     assert ".env" in (ROOT / ".gitignore").read_text().splitlines()
 
 
