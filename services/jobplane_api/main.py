@@ -19,6 +19,7 @@ from jobplane.runtime import backends
 from jobplane.serving import serve_until
 from jobplane.store.sql import SqlStore
 from jobplane_api import problems
+from jobplane_api.http_metrics import MeasureRequests, RequestMetrics
 from jobplane_api.routers import instances, jobs, system, tokens
 from jobplane_api.settings import ApiSettings
 
@@ -59,6 +60,9 @@ def create_app(
     problems.install(app)
 
     app.add_middleware(InputGuard, max_body_bytes=settings.max_body_bytes)
+    # Added last, so outermost: it also counts what InputGuard refuses.
+    app.state.request_metrics = RequestMetrics()
+    app.add_middleware(MeasureRequests, metrics=app.state.request_metrics)
 
     for module in (jobs, instances, system, tokens):
         app.include_router(module.router)

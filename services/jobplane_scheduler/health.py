@@ -1,4 +1,4 @@
-"""The scheduler's probe server (``--health-port``): ``/healthz`` and ``/readyz``.
+"""The scheduler's probe server (``--health-port``): ``/healthz``, ``/readyz`` and ``/metrics``.
 
 Readiness never depends on leading: a follower is as ready as the leader (it stands by to
 take over), so an orchestrator keeps both replicas. ``/readyz`` answers 503 only while
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -49,9 +50,32 @@ def health_app(scheduler: Scheduler) -> Starlette:
         }
         return JSONResponse(body, status_code=200 if ready else 503)
 
+    async def metrics(request: Request) -> Response:
+        body, content_type = render_metrics(scheduler)
+        return Response(body, media_type=content_type)
+
     return Starlette(
         routes=[
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
         ]
     )
+
+
+def render_metrics(scheduler: Scheduler) -> tuple[bytes, str]:
+    """Whether this replica leads, and in which term (a fresh registry per scrape: the
+    figures are read from the scheduler, not kept)."""
+    registry = CollectorRegistry()
+    lease = scheduler.lease
+    Gauge(
+        "jobplane_scheduler_leader",
+        "1 while this replica holds the leader lease of its shard",
+        registry=registry,
+    ).set(1 if lease is not None else 0)
+    Gauge(
+        "jobplane_scheduler_leader_term",
+        "Term of the leader lease this replica holds (0 while it follows)",
+        registry=registry,
+    ).set(lease.term if lease is not None else 0)
+    return generate_latest(registry), CONTENT_TYPE_LATEST

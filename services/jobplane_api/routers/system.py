@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import PlainTextResponse
 
 from jobplane.domain.models import InstanceFilter
@@ -97,7 +97,8 @@ async def readyz(store: StoreDep, bus: BusDep) -> dict[str, str] | Response:
     response_class=PlainTextResponse,
     responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
 )
-async def metrics(store: StoreDep) -> Response:
-    """Instance counts by state and job, in the Prometheus text format."""
+async def metrics(request: Request, store: StoreDep) -> Response:
+    """Instance counts by state and job (from the store), and this process's request count
+    and latency by route and status, in the Prometheus text format."""
     body, content_type = await render_metrics(store)
-    return Response(body, media_type=content_type)
+    return Response(body + request.app.state.request_metrics.render(), media_type=content_type)
