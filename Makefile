@@ -10,10 +10,11 @@ demo:  ## install (runtime lock) and run the example on the embedded default
 	  --trigger crunch \
 	  --exit-when-done
 
-test:  ## install (dev lock), check the servers and the browser, lint, type-check, run every test
+test:  ## install (dev lock), check the servers, the browser and kubectl; lint, type-check, run every test
 	@scripts/bootstrap.sh dev
 	@scripts/services.sh
 	@scripts/browser.sh
+	@scripts/k8s-tools.sh
 	$(MAKE) --no-print-directory lint typecheck pytest
 
 lint:

@@ -36,6 +36,7 @@ def test_unreachable_database_is_one_line_not_a_traceback() -> None:
         "--app",
         "tests.apps.basic:app",
         JOBPLANE_DATABASE_URL="postgresql://nobody@127.0.0.1:1/nowhere",
+        JOBPLANE_STARTUP_TIMEOUT_S="0",
     )
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
@@ -49,6 +50,7 @@ def test_unmigrated_database_says_to_migrate(tmp_path: Path) -> None:
         "--app",
         "tests.apps.basic:app",
         JOBPLANE_DATABASE_URL=f"sqlite:///{tmp_path}/empty.db",
+        JOBPLANE_STARTUP_TIMEOUT_S="0",
     )
     assert result.returncode == 2
     assert "run `jobplane migrate`" in result.stderr and "Traceback" not in result.stderr
@@ -63,6 +65,7 @@ def test_unreachable_redis_is_one_line(tmp_path: Path) -> None:
         "tests.apps.basic:app",
         JOBPLANE_DATABASE_URL=url,
         JOBPLANE_REDIS_URL="redis://127.0.0.1:1/0",
+        JOBPLANE_STARTUP_TIMEOUT_S="0",
     )
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr

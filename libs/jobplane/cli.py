@@ -15,10 +15,12 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 import typer
+from pydantic import ValidationError
 
 from jobplane.cli_remote import instances_cli, jobs_cli, trigger, workers_cli
 from jobplane.errors import JobplaneError, WorkerEvictedError
-from jobplane.settings import CommonSettings, DevSettings, WorkerSettings
+from jobplane.logs import configure_logging
+from jobplane.settings import CommonSettings, DevSettings, MigrateSettings, WorkerSettings
 
 cli = typer.Typer(
     name="jobplane",
@@ -52,17 +54,24 @@ cli.command("trigger")(trigger)
 
 
 def main() -> None:
-    cli()
+    try:
+        cli()
+    except ValidationError as exc:
+        # A bad JOBPLANE_* setting: one line per field, never the value (it may be a secret).
+        for error in exc.errors():
+            name = "JOBPLANE_" + "_".join(str(part) for part in error["loc"]).upper()
+            typer.secho(f"error: {name}: {error['msg']}", err=True, fg=typer.colors.RED)
+        sys.exit(2)
 
 
-def run(coro_factory: Callable[[], Awaitable[Any]], log_level: str) -> None:
-    """Run a role; a JobplaneError (bad setting, unreachable service) is one line, exit 2."""
-    logging.basicConfig(
-        level=log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    logging.getLogger("alembic").setLevel(logging.WARNING)
+def run(
+    coro_factory: Callable[[], Awaitable[Any]],
+    settings: CommonSettings,
+    static: dict[str, Any] | None = None,
+) -> None:
+    """Run a role; a JobplaneError (bad setting, unreachable service) is one line, exit 2.
+    ``static`` fields (the role, its id) are on every JSON log line."""
+    configure_logging(settings.log_level, settings.log_format, static)
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(_main(coro_factory))
@@ -126,16 +135,20 @@ def stop_on_signals() -> asyncio.Event:
 
 @cli.command()
 def migrate() -> None:
-    """Create or upgrade the database schema to the latest revision."""
-    settings = CommonSettings()
+    """Create or upgrade the database schema to the latest revision (and make sure
+    JOBPLANE_BOOTSTRAP_ADMIN_TOKEN, if set, is an admin token)."""
+    settings = MigrateSettings()
 
     async def go() -> None:
-        from jobplane.runtime import migrate_database
+        from jobplane.runtime import ensure_bootstrap_token, migrate_database
 
-        revision = await migrate_database(settings.database_url)
+        revision = await migrate_database(
+            settings.database_url, settings.startup_timeout_s, stop_on_signals()
+        )
+        await ensure_bootstrap_token(settings)
         typer.echo(f"database schema at revision {revision}", err=True)
 
-    run(go, settings.log_level)
+    run(go, settings, {"role": "migrate"})
 
 
 @cli.command()
@@ -169,24 +182,35 @@ def worker(
 
         await run_worker(app, settings, stop_on_signals())
 
-    run(go, settings.log_level)
+    run(go, settings, {"role": "worker", "worker_id": settings.worker_id})
 
 
 @cli.command()
-def scheduler() -> None:
+def scheduler(
+    health_port: Annotated[
+        int | None,
+        typer.Option(
+            "--health-port",
+            min=0,
+            max=65535,
+            help="Serve /healthz and /readyz on this port (0: off).",
+        ),
+    ] = None,
+) -> None:
     """Run a scheduler replica: one leader fires cron ticks, promotes delayed instances,
     releases expired leases and republishes lost messages; the others stand by."""
     remember_early_sigterm()
     from jobplane_scheduler.settings import SchedulerSettings
 
-    settings = SchedulerSettings()
+    given: dict[str, Any] = {} if health_port is None else {"health_port": health_port}
+    settings = SchedulerSettings(**given)
 
     async def go() -> None:
         from jobplane_scheduler.main import run_scheduler
 
         await run_scheduler(settings, stop_on_signals())
 
-    run(go, settings.log_level)
+    run(go, settings, {"role": "scheduler", "scheduler_id": settings.scheduler_id})
 
 
 @cli.command()
@@ -210,7 +234,7 @@ def api(
 
         await run_api(settings, stop_on_signals())
 
-    run(go, settings.log_level)
+    run(go, settings, {"role": "api"})
 
 
 @cli.command()
@@ -244,7 +268,7 @@ def dev(
 
         await run_dev(app, settings, stop_on_signals(), requests, exit_when_done, port)
 
-    run(go, settings.log_level)
+    run(go, settings, {"role": "dev", "worker_id": settings.worker_id})
 
 
 def _given(
@@ -304,7 +328,7 @@ def token_create(
         typer.echo(f"created {info.role.value} token {info.id} ({info.name}); secret:", err=True)
         typer.echo(secret)
 
-    run(go, settings.log_level)
+    run(go, settings)
 
 
 @token_cli.command("ls")
@@ -323,7 +347,7 @@ def token_ls() -> None:
                 used = f"{t.last_used_at:%Y-%m-%d %H:%M}" if t.last_used_at else "never"
                 typer.echo(f"{t.id}  {t.role.value:<8} {t.hint}…  {t.name}  ({state}; used {used})")
 
-    run(go, settings.log_level)
+    run(go, settings)
 
 
 @token_cli.command("revoke")
@@ -341,4 +365,4 @@ def token_revoke(token_id: str) -> None:
                 raise JobplaneError(f"no live token {token_id}")
         typer.echo(f"revoked {token_id}", err=True)
 
-    run(go, settings.log_level)
+    run(go, settings)

@@ -129,7 +129,12 @@ class JobContext:
     def __post_init__(self) -> None:
         self.logger = _InstanceLogger(
             logging.getLogger(f"jobplane.jobs.{self.job_key}"),
-            {"instance_id": str(self.instance_id), "job_key": self.job_key},
+            {
+                "instance_id": str(self.instance_id),
+                "job_key": self.job_key,
+                "attempt": self.attempt,
+                "worker_id": self.worker_id,
+            },
         )
 
     @property

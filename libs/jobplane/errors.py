@@ -17,6 +17,11 @@ class ConfigurationError(JobplaneError):
     """A setting is missing or malformed; raised at start, before anything runs."""
 
 
+class SchemaBehindError(ConfigurationError):
+    """The database schema is older than this version needs (``jobplane migrate`` has not
+    run yet, or is running): a starting role waits for it like for an unreachable store."""
+
+
 class InvalidOptionsError(JobplaneError, ValueError):
     """A job option is invalid. ``field`` names the option, ``reason`` says why."""
 

@@ -21,8 +21,9 @@ from jobplane.bus.abc import Bus
 from jobplane.bus.factory import open_bus
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import Instance
-from jobplane.errors import ConfigurationError, StoreUnavailableError
-from jobplane.settings import CommonSettings, DevSettings, WorkerSettings
+from jobplane.errors import ConfigurationError, SchemaBehindError, StoreUnavailableError
+from jobplane.settings import CommonSettings, DevSettings, MigrateSettings, WorkerSettings
+from jobplane.startup import wait_until_reachable
 from jobplane.store import migrate
 from jobplane.store.factory import make_engine, open_store, redact
 from jobplane.store.sql import SqlStore
@@ -32,10 +33,23 @@ logger = logging.getLogger(__name__)
 _COMMON = set(CommonSettings.model_fields)
 
 
-async def migrate_database(url: str) -> str:
-    """Upgrade the schema at ``url`` to the head revision; return it."""
+async def migrate_database(
+    url: str, startup_timeout_s: float = 0, stop: asyncio.Event | None = None
+) -> str:
+    """Upgrade the schema at ``url`` to the head revision; return it. An unreachable database
+    is waited for up to ``startup_timeout_s`` (see :mod:`jobplane.startup`)."""
     engine = make_engine(url)
     try:
+
+        async def reach() -> None:
+            try:
+                await migrate.current_revision(engine)
+            except StoreUnavailableError:
+                raise
+            except OSError as exc:
+                raise StoreUnavailableError(f"cannot reach {redact(url)}: {exc}") from exc
+
+        await wait_until_reachable(reach, "the database", startup_timeout_s, stop)
         await migrate.upgrade(engine)
         return await migrate.current_revision(engine) or "base"
     except StoreUnavailableError:
@@ -46,19 +60,56 @@ async def migrate_database(url: str) -> str:
         await engine.dispose()
 
 
+async def ensure_bootstrap_token(settings: MigrateSettings) -> None:
+    """Make sure ``JOBPLANE_BOOTSTRAP_ADMIN_TOKEN`` (if set) is an admin token."""
+    if settings.bootstrap_admin_token is None:
+        return
+    from jobplane.auth import Role
+
+    async with open_checked_store(settings) as store:
+        info, created = await store.ensure_token(
+            settings.bootstrap_admin_token.get_secret_value(),
+            "bootstrap-admin",
+            Role.ADMIN,
+            "migrate",
+        )
+    if created:
+        logger.info(
+            "created the bootstrap admin token %s (%s…)",
+            info.id,
+            info.hint,
+            extra={"action": "token.bootstrap_created", "token_id": str(info.id)},
+        )
+    elif info.revoked_at is not None:
+        logger.warning(
+            "the bootstrap admin token %s was revoked; it stays revoked",
+            info.id,
+            extra={"action": "token.bootstrap_revoked", "token_id": str(info.id)},
+        )
+
+
 @asynccontextmanager
-async def backends(settings: CommonSettings) -> AsyncIterator[tuple[SqlStore, Bus]]:
-    """The store and the bus, checked reachable and migrated; closed on exit."""
+async def backends(
+    settings: CommonSettings, stop: asyncio.Event | None = None
+) -> AsyncIterator[tuple[SqlStore, Bus]]:
+    """The store and the bus, checked reachable and migrated; closed on exit. Each is waited
+    for up to ``settings.startup_timeout_s`` (or until ``stop`` is set) before the last error
+    is raised."""
     store = open_store(
         settings.database_url,
         pool_size=settings.db_pool_size,
         limits=settings.session_limits(),
     )
-    try:
+    timeout = settings.startup_timeout_s
+
+    async def check_store() -> None:
         await _check_store(store, settings.database_url)
+
+    try:
+        await wait_until_reachable(check_store, "the database", timeout, stop)
         bus = open_bus(settings.redis_url, settings.key_prefix)
         try:
-            await bus.ping()
+            await wait_until_reachable(bus.ping, "redis", timeout, stop)
             yield store, bus
         finally:
             await bus.close()
@@ -88,11 +139,17 @@ async def _check_store(store: SqlStore, url: str) -> None:
     except StoreUnavailableError as exc:
         raise StoreUnavailableError(f"cannot reach the database {redact(url)}: {exc}") from exc
     head = migrate.head_revision()
-    if revision != head:
-        raise ConfigurationError(
+    if revision == head:
+        return
+    if revision is None or migrate.is_ancestor(revision):
+        raise SchemaBehindError(
             f"database {redact(url)} is at schema revision {revision or 'none'}, "
             f"this version needs {head}: run `jobplane migrate`"
         )
+    raise ConfigurationError(
+        f"database {redact(url)} is at schema revision {revision}, unknown to this version "
+        f"(which needs {head}): it was migrated by a newer Jobplane"
+    )
 
 
 async def run_worker(app_path: str, settings: WorkerSettings, stop: asyncio.Event) -> None:
@@ -105,7 +162,7 @@ async def run_worker(app_path: str, settings: WorkerSettings, stop: asyncio.Even
             "in this process (use `jobplane dev` for that)",
             extra={"action": "worker.memory_bus"},
         )
-    async with backends(settings) as (store, bus):
+    async with backends(settings, stop) as (store, bus):
         await Worker(app, store, bus, settings).run(stop)
 
 
@@ -124,8 +181,8 @@ async def run_dev(
     from jobplane_worker.worker import Worker
 
     app = load_app(app_path)
-    await migrate_database(settings.database_url)
-    async with backends(settings) as (store, bus):
+    await migrate_database(settings.database_url, settings.startup_timeout_s, stop)
+    async with backends(settings, stop) as (store, bus):
         worker = Worker(app, store, bus, settings)
         running = asyncio.create_task(worker.run(stop))
         scheduling: asyncio.Task[None] | None = None

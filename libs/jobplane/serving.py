@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from jobplane.errors import ConfigurationError
 
@@ -53,3 +55,33 @@ async def serve_until(
         if not serving.done():
             serving.cancel()
             await asyncio.gather(serving, return_exceptions=True)
+
+
+@asynccontextmanager
+async def probe_server(app: ASGIApp, host: str, port: int, log_level: str) -> AsyncIterator[None]:
+    """Serve ``app`` (a role's probes) on ``host:port`` while the block runs. The port is bound
+    before the block starts, so a port in use fails the role at once; on exit the server gets
+    :data:`PROBE_STOP_TIMEOUT_S` to finish its requests."""
+    sock = bind(host, port)
+    stop = asyncio.Event()
+    config = uvicorn.Config(
+        app,
+        log_config=None,  # the role's logging stays as the CLI set it up
+        access_log=False,
+        lifespan="off",
+        log_level=log_level.lower(),
+    )
+    task = asyncio.create_task(serve_until(config, stop, [sock]), name="jobplane-probes")
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait({task}, timeout=PROBE_STOP_TIMEOUT_S)
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        sock.close()
+
+
+#: How long a probe server gets to finish its requests when its role stops.
+PROBE_STOP_TIMEOUT_S = 5.0

@@ -12,8 +12,10 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from jobplane.logs import LogFormat
 
 DEFAULT_DATABASE_URL = f"sqlite+aiosqlite:///{Path('jobplane.db').absolute()}"
 
@@ -40,6 +42,9 @@ class CommonSettings(BaseSettings):
     #: Prefix of every Redis key (several deployments may share one Redis).
     key_prefix: str = Field(default="jobplane", pattern=r"^[A-Za-z0-9_.:\-]+$")
     log_level: str = "INFO"
+    #: ``text`` for people, ``json`` (one object per line, with every structured field) for
+    #: log collectors; the container image defaults to ``json``.
+    log_format: LogFormat = LogFormat.TEXT
     #: Postgres connections each process keeps open (as many again are opened in bursts).
     db_pool_size: int = Field(default=10, ge=1, le=1000)
     #: Debug: instances triggered for triggered jobs are held (Scheduled with no due time)
@@ -49,6 +54,9 @@ class CommonSettings(BaseSettings):
     db_lock_timeout_s: float = Field(default=0, ge=0)
     db_idle_in_transaction_timeout_s: float = Field(default=0, ge=0)
     db_statement_timeout_s: float = Field(default=30.0, gt=0)
+    #: A role that starts while Postgres or Redis does not answer retries for this long
+    #: (logging each try) before it exits 2; 0: one try. Start-up order then does not matter.
+    startup_timeout_s: float = Field(default=60.0, ge=0)
 
     def liveness_lease_s(self) -> float | None:
         """The lease this role's liveness depends on (none for the api)."""
@@ -73,6 +81,26 @@ class CommonSettings(BaseSettings):
     @classmethod
     def _database_url(cls, value: str) -> str:
         return normalise_database_url(value)
+
+
+class MigrateSettings(CommonSettings):
+    """``jobplane migrate``: the schema, and an admin token that a deployment provisions."""
+
+    #: A secret (``jp_`` and at least 32 more URL-safe characters, e.g. from
+    #: ``python -c 'import secrets; print("jp_" + secrets.token_urlsafe(32))'``) that
+    #: ``jobplane migrate`` makes sure is an admin token, so a fresh deployment can be used
+    #: without a manual step. Stored hashed like any token; revoke it once other tokens exist
+    #: (a revoked one is never restored).
+    bootstrap_admin_token: SecretStr | None = None
+
+    @field_validator("bootstrap_admin_token")
+    @classmethod
+    def _bootstrap_admin_token(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None or not value.get_secret_value():
+            return None
+        if not re.fullmatch(r"jp_[A-Za-z0-9_\-]{32,200}", value.get_secret_value()):
+            raise ValueError("must be jp_ followed by at least 32 URL-safe characters")
+        return value
 
 
 def process_worker_id() -> str:

@@ -20,6 +20,7 @@ from jobplane.serving import serve_until
 from jobplane.store.sql import SqlStore
 from jobplane_api import dashboard, docs, problems
 from jobplane_api.authn import AuthenticateFirst, Authenticator
+from jobplane_api.http_metrics import MeasureRequests, RequestMetrics
 from jobplane_api.metrics import MetricsCache
 from jobplane_api.routers import instances, jobs, system, tokens
 from jobplane_api.security import document_roles
@@ -85,6 +86,9 @@ def create_app(
     if settings.auth_enabled:
         app.add_middleware(AuthenticateFirst, authenticator=app.state.authenticator)
     app.add_middleware(SecurityHeaders)
+    # Added last, so outermost: it also counts what authentication and InputGuard refuse.
+    app.state.request_metrics = RequestMetrics()
+    app.add_middleware(MeasureRequests, metrics=app.state.request_metrics)
 
     routers = [module.router for module in (jobs, instances, system, tokens)]
     for router in routers:
@@ -186,8 +190,11 @@ class SecurityHeaders:
 
 
 async def run_api(settings: ApiSettings, stop: asyncio.Event) -> None:
-    """Serve until ``stop`` is set, with a store and bus of its own."""
-    await serve(settings, stop)
+    """Serve until ``stop`` is set, with a store and bus of its own. They are opened (and
+    waited for) before uvicorn starts, so an unreachable backend is the role's one-line error
+    rather than a failed lifespan inside uvicorn."""
+    async with backends(settings, stop) as (store, bus):
+        await serve(settings, stop, store=store, bus=bus)
 
 
 async def serve(
@@ -203,6 +210,7 @@ async def serve(
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),
+        log_config=None,  # uvicorn logs through the role's handler (text or JSON)
         lifespan="on",
     )
     await serve_until(config, stop)

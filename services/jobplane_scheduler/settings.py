@@ -34,6 +34,10 @@ class SchedulerSettings(CommonSettings):
     retention_days: float = Field(default=0, ge=0)
     #: Debug: recurring jobs never fire by themselves (run them by hand).
     debug_no_auto_cron: bool = False
+    #: Serve ``/healthz`` and ``/readyz`` on this port (0: no probe server).
+    health_port: int = Field(default=0, ge=0, le=65535)
+    #: The interface the probe server listens on.
+    health_host: str = "0.0.0.0"
 
     def liveness_lease_s(self) -> float | None:
         return self.lease_ttl_s

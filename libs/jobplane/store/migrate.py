@@ -27,6 +27,14 @@ def head_revision() -> str:
     return head
 
 
+def is_ancestor(revision: str) -> bool:
+    """Whether ``revision`` is one of this version's revisions before the head."""
+    script = ScriptDirectory.from_config(alembic_config())
+    return revision != head_revision() and any(
+        r.revision == revision for r in script.walk_revisions()
+    )
+
+
 async def upgrade(engine: AsyncEngine, revision: str = "head") -> None:
     async with engine.begin() as conn:
         await conn.run_sync(lambda sync: command.upgrade(alembic_config(sync), revision))

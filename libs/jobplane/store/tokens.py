@@ -66,6 +66,36 @@ class TokenStore(SqlBase):
     def _live(self) -> ColumnElement[bool]:
         return T.revoked_at.is_(None) & or_(T.expires_at.is_(None), T.expires_at > self._clock())
 
+    async def ensure_token(
+        self, secret: str, name: str, role: Role, actor: str
+    ) -> tuple[TokenInfo, bool]:
+        """The token with this (caller-chosen) secret, created with ``name`` and ``role`` if
+        no token has it yet; ``(info, created)``. Idempotent, and safe when several processes
+        run it at once (the hash is unique: a racing insert does nothing). An existing token
+        is returned as it is, even revoked: a revocation is never undone here."""
+        token_hash = hash_secret(secret)
+        async with self._write() as conn:
+            inserted = (
+                await conn.execute(
+                    self._insert(api_tokens)
+                    .values(
+                        id=new_id(),
+                        name=name,
+                        role=role.value,
+                        token_hash=token_hash,
+                        hint=secret[:7],
+                        created_at=await self._now(conn),
+                        created_by=actor,
+                    )
+                    .on_conflict_do_nothing(index_elements=["token_hash"])  # type: ignore[attr-defined]
+                    .returning(*api_tokens.c)
+                )
+            ).first()
+            if inserted is not None:
+                return _info(inserted._mapping), True
+            row = (await conn.execute(select(api_tokens).where(T.token_hash == token_hash))).one()
+        return _info(row._mapping), False
+
     async def authenticate(self, secret: str) -> TokenInfo | None:
         """The live token (not revoked, not expired) with this secret, if any. Notes its use
         when the last note is older than :data:`TOUCH_EVERY`."""

@@ -106,8 +106,9 @@ async def readyz(store: StoreDep, bus: BusDep) -> dict[str, str] | Response:
     responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
 )
 async def metrics(store: StoreDep, request: Request) -> Response:
-    """Instance counts by state and job, in the Prometheus text format: one database
-    statement per scrape, reused for ``JOBPLANE_METRICS_CACHE_S`` seconds."""
+    """Instance counts by state and job (from the store: one database statement per
+    scrape, reused for ``JOBPLANE_METRICS_CACHE_S`` seconds), and this process's request
+    count and latency by route and status, in the Prometheus text format."""
     cache: MetricsCache = request.app.state.metrics
     body, content_type = await cache.render(store)
-    return Response(body, media_type=content_type)
+    return Response(body + request.app.state.request_metrics.render(), media_type=content_type)

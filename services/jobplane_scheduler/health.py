@@ -1,0 +1,81 @@
+"""The scheduler's probe server (``--health-port``): ``/healthz``, ``/readyz`` and ``/metrics``.
+
+Readiness never depends on leading: a follower is as ready as the leader (it stands by to
+take over), so an orchestrator keeps both replicas. ``/readyz`` answers 503 only while
+Postgres or Redis does not answer within :data:`CHECK_TIMEOUT_S`; it reports whether this
+replica leads, for people.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from jobplane.errors import UnavailableError
+from jobplane_scheduler.scheduler import Scheduler
+
+#: A readiness check of Postgres or Redis fails when it takes longer than this.
+CHECK_TIMEOUT_S = 1.0
+
+
+async def _reach(ping: Callable[[], Awaitable[None]]) -> dict[str, object]:
+    try:
+        await asyncio.wait_for(ping(), CHECK_TIMEOUT_S)
+    except TimeoutError:
+        return {"ok": False, "detail": f"no answer within {CHECK_TIMEOUT_S:g} s"}
+    except UnavailableError as exc:
+        return {"ok": False, "detail": str(exc)}
+    return {"ok": True, "detail": "reachable"}
+
+
+def health_app(scheduler: Scheduler) -> Starlette:
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(request: Request) -> Response:
+        postgres, redis = await asyncio.gather(
+            _reach(scheduler.store.ping), _reach(scheduler.bus.ping)
+        )
+        ready = bool(postgres["ok"] and redis["ok"])
+        body = {
+            "status": "ready" if ready else "not ready",
+            "leader": scheduler.lease is not None,
+            "checks": {"postgres": postgres, "redis": redis},
+        }
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    async def metrics(request: Request) -> Response:
+        body, content_type = render_metrics(scheduler)
+        return Response(body, media_type=content_type)
+
+    return Starlette(
+        routes=[
+            Route("/healthz", healthz, methods=["GET"]),
+            Route("/readyz", readyz, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ]
+    )
+
+
+def render_metrics(scheduler: Scheduler) -> tuple[bytes, str]:
+    """Whether this replica leads, and in which term (a fresh registry per scrape: the
+    figures are read from the scheduler, not kept)."""
+    registry = CollectorRegistry()
+    lease = scheduler.lease
+    Gauge(
+        "jobplane_scheduler_leader",
+        "1 while this replica holds the leader lease of its shard",
+        registry=registry,
+    ).set(1 if lease is not None else 0)
+    Gauge(
+        "jobplane_scheduler_leader_term",
+        "Term of the leader lease this replica holds (0 while it follows)",
+        registry=registry,
+    ).set(lease.term if lease is not None else 0)
+    return generate_latest(registry), CONTENT_TYPE_LATEST
