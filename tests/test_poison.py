@@ -35,8 +35,13 @@ async def fine(args: Value) -> int:
 
 @app.triggered(max_concurrency=10)
 async def nul_result() -> dict[str, str]:
-    # A NUL character cannot be stored in jsonb: Postgres refuses the whole statement.
+    # A NUL character cannot be stored in jsonb: the worker refuses it before the database.
     return {"text": "before\x00after"}
+
+
+@app.triggered(max_concurrency=10)
+async def refused_result() -> dict[str, str]:
+    return {"text": "refuse-me"}  # refused by a trigger the test installs
 
 
 @app.triggered(max_concurrency=10)
@@ -48,12 +53,14 @@ async def test_a_refused_outcome_is_parked_and_the_worker_keeps_recording(
     pg_store: SqlStore, redis_bus: Bus, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.ERROR, logger="jobplane_worker.worker")
+    await _refuse(pg_store, "refuse_outcome", "UPDATE", "NEW.result::text LIKE '%refuse-me%'")
     dispatcher = Dispatcher(pg_store, redis_bus)
     async with running_worker(app, pg_store, redis_bus, concurrency=8, batch_size=20) as worker:
         first = [await dispatcher.trigger("fine", {"value": i}) for i in range(5)]
-        poison = [await dispatcher.trigger("nul_result"), await dispatcher.trigger("nul_error")]
+        unserialisable = await dispatcher.trigger("nul_result")
+        poison = [await dispatcher.trigger("refused_result"), await dispatcher.trigger("nul_error")]
         more = [await dispatcher.trigger("fine", {"value": i}) for i in range(5, 10)]
-        done = await settled(pg_store, [i.id for i in first + poison + more])
+        done = await settled(pg_store, [i.id for i in [*first, unserialisable, *poison, *more]])
         # Still alive and recording after the poison.
         [after] = await settled(pg_store, [(await dispatcher.trigger("fine", {"value": 99})).id])
         assert not worker.running
@@ -67,6 +74,10 @@ async def test_a_refused_outcome_is_parked_and_the_worker_keeps_recording(
         assert parked.result is None
     refused = [r for r in caplog.records if getattr(r, "action", "") == "worker.outcome_refused"]
     assert {getattr(r, "instance_id", None) for r in refused} == {str(i.id) for i in poison}
+    # A result that could never be stored fails its attempt in the worker, before the database.
+    failed = by_id[unserialisable.id]
+    assert failed.state is S.TERMINATED and failed.error is not None
+    assert failed.error.type == "TypeError" and "NUL" in failed.error.message
 
 
 async def _refuse(store: SqlStore, name: str, when: str, condition: str) -> None:

@@ -112,7 +112,7 @@ async def test_only_the_leading_scheduler_says_it_leads(
 async def test_the_operations_doc_lists_exactly_what_the_roles_expose(
     pg_store: SqlStore,
 ) -> None:
-    body, _ = await api_store_metrics(pg_store)
+    body = await api_store_metrics(pg_store)
     requests = RequestMetrics()
     requests.requests.labels("GET", "/healthz", "200").inc()
     requests.duration.labels("GET", "/healthz").observe(0.001)
