@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -15,6 +16,8 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
+from jobplane.errors import StoreUnavailableError
+from jobplane.settings import SessionLimits
 from jobplane.store.factory import open_store
 from tests.cli_helpers import (
     free_port,
@@ -157,3 +160,28 @@ def test_a_schema_newer_than_the_code_is_refused_at_once(pg_database_url: str) -
     assert "waiting for" not in result.stderr
     [error] = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
     assert "f00dfeedbeef" in error and "migrated by a newer Jobplane" in error
+
+
+async def test_a_server_that_never_answers_is_unavailable_within_the_connect_timeout() -> None:
+    """A host that accepts the connection and then says nothing (a half-dead server, a
+    black-holing proxy) is an outage after ``connect_timeout_s``, not after asyncpg's 60 s."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel accepts; nobody ever answers
+    port = silent.getsockname()[1]
+    limits = SessionLimits(
+        lock_timeout_s=1,
+        idle_in_transaction_timeout_s=1,
+        statement_timeout_s=5,
+        keepalive_s=5,
+        connect_timeout_s=0.5,
+    )
+    store = open_store(f"postgresql://postgres@127.0.0.1:{port}/test", limits=limits)
+    started = time.monotonic()
+    try:
+        with pytest.raises(StoreUnavailableError):
+            await store.ping()
+    finally:
+        await store.close()
+        silent.close()
+    assert time.monotonic() - started < 5

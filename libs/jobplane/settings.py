@@ -28,6 +28,9 @@ class SessionLimits:
     idle_in_transaction_timeout_s: float
     statement_timeout_s: float
     keepalive_s: float
+    #: A connection attempt (TCP, TLS and start-up) that takes longer fails: an unreachable
+    #: host that drops packets is an outage now, not after asyncpg's default 60 s.
+    connect_timeout_s: float = 10.0
 
 
 class CommonSettings(BaseSettings):
@@ -54,6 +57,7 @@ class CommonSettings(BaseSettings):
     db_lock_timeout_s: float = Field(default=0, ge=0)
     db_idle_in_transaction_timeout_s: float = Field(default=0, ge=0)
     db_statement_timeout_s: float = Field(default=30.0, gt=0)
+    db_connect_timeout_s: float = Field(default=10.0, gt=0)
     #: A role that starts while Postgres or Redis does not answer retries for this long
     #: (logging each try) before it exits 2; 0: one try. Start-up order then does not matter.
     startup_timeout_s: float = Field(default=60.0, ge=0)
@@ -75,6 +79,7 @@ class CommonSettings(BaseSettings):
             idle_in_transaction_timeout_s=self.db_idle_in_transaction_timeout_s or default,
             statement_timeout_s=self.db_statement_timeout_s,
             keepalive_s=max(1.0, (lease or 20.0) / 2),
+            connect_timeout_s=self.db_connect_timeout_s,
         )
 
     @field_validator("database_url")

@@ -38,7 +38,8 @@ def make_engine(
 def _session_args(limits: SessionLimits) -> dict[str, Any]:
     """asyncpg connect arguments: server-side limits sent with the session's start-up (so a
     frozen or partitioned client's transaction is ended by the server, releasing its locks),
-    and a client-side bound on every command (a reply lost in a partition)."""
+    and client-side bounds on every command (a reply lost in a partition) and on connecting
+    (a host that drops packets)."""
 
     def ms(seconds: float) -> str:
         return f"{max(1, round(seconds * 1000))}ms"
@@ -54,6 +55,7 @@ def _session_args(limits: SessionLimits) -> dict[str, Any]:
             "tcp_keepalives_count": "3",
         },
         "command_timeout": limits.statement_timeout_s + 5,
+        "timeout": limits.connect_timeout_s,
     }
 
 
