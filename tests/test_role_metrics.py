@@ -8,7 +8,6 @@ import re
 import signal
 import time
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -20,7 +19,7 @@ from jobplane_api.http_metrics import RequestMetrics
 from jobplane_api.main import create_app
 from jobplane_api.metrics import render_metrics as api_store_metrics
 from jobplane_api.settings import ApiSettings
-from jobplane_scheduler.health import render_metrics as scheduler_metrics
+from jobplane_scheduler.metrics import SchedulerMetrics
 from jobplane_worker.metrics import WorkerMetrics
 from tests.apps.basic import app as jobs_app
 from tests.cli_helpers import ROOT, free_port, spawn_cli, stop_all, wait_http_ok
@@ -112,16 +111,15 @@ async def test_only_the_leading_scheduler_says_it_leads(
 async def test_the_operations_doc_lists_exactly_what_the_roles_expose(
     pg_store: SqlStore,
 ) -> None:
-    body, _ = await api_store_metrics(pg_store)
+    body = await api_store_metrics(pg_store)
     requests = RequestMetrics()
     requests.requests.labels("GET", "/healthz", "200").inc()
     requests.duration.labels("GET", "/healthz").observe(0.001)
     worker = WorkerMetrics(16, lambda: 0, lambda: 0)
-    leader = SimpleNamespace(lease=SimpleNamespace(term=3))
     texts = [
         body.decode(),
         requests.render().decode(),
-        scheduler_metrics(leader)[0].decode(),  # type: ignore[arg-type]
+        SchedulerMetrics(lambda: None).render()[0].decode(),
         worker.render()[0].decode(),
     ]
     actual: dict[str, str] = {}
