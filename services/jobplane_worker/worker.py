@@ -26,10 +26,13 @@ import os
 import random
 import socket
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 from uuid import UUID
+
+from tenacity import AsyncRetrying
 
 from jobplane import __version__
 from jobplane.app import App, Resources
@@ -280,7 +283,12 @@ class Worker:
             self._reserved -= len(deliveries)
             self._slot_freed.set()
 
+    def _retrying(self, what: str, deadline: Callable[[], float] | None = None) -> AsyncRetrying:
+        """:func:`retrying`, counting every failed try in the metrics."""
+        return retrying(what, deadline, self.metrics.backend_error)
+
     def _pause_warning(self, exc: Exception) -> None:
+        self.metrics.backend_error(exc)
         logger.warning("%s; retrying in 1 s", exc, extra={"action": "worker.unavailable"})
 
     async def _handle(self, consumer: Consumer, deliveries: list[Delivery]) -> None:
@@ -299,6 +307,7 @@ class Worker:
         # whatever the bus does next: they must not wait, unrenewed, for the reaper.
         for claim in result.claimed:
             self.metrics.claims.labels(job=claim.instance.job_key).inc()
+            self.metrics.picked_up(claim.instance)
             self._start(claim, sent + self.settings.lease_s)
         for instance_id in result.cancelled:
             logger.info(
@@ -310,6 +319,7 @@ class Worker:
         try:
             await consumer.ack(known)
         except BusUnavailableError as exc:
+            self.metrics.backend_error(exc)
             self._spawn(self._ack_later(consumer, known, exc))
 
     async def _ack_later(
@@ -332,6 +342,7 @@ class Worker:
                 await consumer.ack(deliveries)
                 return
             except BusUnavailableError as exc:
+                self.metrics.backend_error(exc)
                 error, delay = exc, min(delay * 2, 5.0)
 
     async def _requeue_later(self, consumer: Consumer, deliveries: list[Delivery]) -> None:
@@ -423,7 +434,7 @@ class Worker:
         try:
             # The store's UPDATE has claim_token = token in its WHERE clause: after a lost lease
             # (another worker may have claimed the instance) this attempt's checkpoint is refused.
-            saved: bool = await retrying(what, deadline)(
+            saved: bool = await self._retrying(what, deadline)(
                 self.store.save_checkpoint, instance_id, claim.token, data
             )
         except StoreUnavailableError as exc:
@@ -515,7 +526,7 @@ class Worker:
         # Fenced by (instance, claim token): a later attempt's slot is never touched, and if
         # the dead-worker sweep released it first this matches nothing. Retried until the store
         # answers: until then the slot stays held, which errs on the side of the limit.
-        released: bool = await retrying(f"giving back the slot of runaway {instance.id}")(
+        released: bool = await self._retrying(f"giving back the slot of runaway {instance.id}")(
             self.store.release_runaway_slot, instance.id, attempt.claim.token
         )
         if released and attempt.claim.options.on_limit is OnLimit.WAIT:
@@ -531,7 +542,7 @@ class Worker:
         try:
             # Fenced by the claim token and the Processing state: after a lost lease (the
             # reaper released it, another worker may run it) this changes nothing.
-            released: Instance | None = await retrying(
+            released: Instance | None = await self._retrying(
                 f"releasing instance {instance.id} ({instance.job_key})", lambda: lease_until
             )(
                 self.store.transition,
@@ -575,6 +586,7 @@ class Worker:
                 [attempt.lease], self.settings.lease_s, {instance_id: progress}
             )
         except StoreUnavailableError as exc:
+            self.metrics.backend_error(exc)
             logger.warning(
                 "could not write the last progress of %s: %s",
                 instance_id,
@@ -603,8 +615,9 @@ class Worker:
     async def _record(self, batch: list[tuple[Attempt, Outcome]]) -> None:
         outcomes = [outcome for _, outcome in batch]
         ended: dict[UUID, InstanceState] = await complete_isolating_poison(
-            retrying(f"recording {len(outcomes)} outcome(s)").wraps(self.store.complete),
+            self._retrying(f"recording {len(outcomes)} outcome(s)").wraps(self.store.complete),
             outcomes,
+            self.metrics.backend_error,
         )
         requeued: list[Instance] = []
         wait_keys: dict[str, int] = {}
@@ -634,6 +647,8 @@ class Worker:
         try:
             await self._republish(requeued, wait_keys)
         except UnavailableError as exc:
+            if not isinstance(exc, StoreUnavailableError):  # a store error was counted by a try
+                self.metrics.backend_error(exc)
             # Not fatal: the outcomes are recorded; the sweep republishes what is Enqueued.
             logger.warning(
                 "republishing after %d outcome(s) failed: %s; left for the sweep",
@@ -648,11 +663,11 @@ class Worker:
         deadline = time.monotonic() + SIDE_WRITE_RETRY_S
         for key, freed in wait_keys.items():
             requeued.extend(
-                await retrying(f"republishing parked instances of {key}", lambda: deadline)(
+                await self._retrying(f"republishing parked instances of {key}", lambda: deadline)(
                     self.store.republish_waiting, [key], freed
                 )
             )
-        await retrying("marking instances published", lambda: deadline)(
+        await self._retrying("marking instances published", lambda: deadline)(
             self.dispatcher.publish, requeued, force=True
         )
 
@@ -669,6 +684,7 @@ class Worker:
                     )
                 await self._renew_leases()
             except StoreUnavailableError as exc:
+                self.metrics.backend_error(exc)
                 logger.warning("heartbeat failed: %s", exc, extra={"action": "worker.heartbeat"})
 
     async def _fence_loop(self) -> None:
@@ -776,6 +792,7 @@ class Worker:
                     if attempt is not None:
                         attempt.ctx.cancellation.set(CANCEL_REQUESTED)
             except (BusUnavailableError, ValueError) as exc:
+                self.metrics.backend_error(exc)
                 logger.warning(
                     "event subscription failed: %s; resubscribing",
                     exc,
@@ -841,6 +858,7 @@ class Worker:
         try:
             await coro
         except UnavailableError as exc:
+            self.metrics.backend_error(exc)
             logger.warning("%s", exc, extra={"action": "worker.cleanup"})
 
 
