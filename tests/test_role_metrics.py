@@ -77,6 +77,12 @@ async def test_the_api_counts_and_times_requests_by_route_template(
     counts = samples(text, "jobplane_api_request_duration_seconds_count")
     assert counts[(("method", "POST"), ("route", route))] == 2
     assert samples(text, "jobplane_instances")[(("job", "echo"), ("state", "enqueued"))] == 2
+    # Both triggers wait in the default queue's middle band: unread, so all lag.
+    band = (("band", "1"), ("queue", "default"))
+    assert samples(text, "jobplane_stream_entries")[band] == 2
+    assert samples(text, "jobplane_stream_lag")[band] == 2
+    assert samples(text, "jobplane_stream_pending")[band] == 0
+    assert samples(text, "jobplane_stream_lag")[(("band", "0"), ("queue", "default"))] == 0
 
 
 async def test_only_the_leading_scheduler_says_it_leads(
@@ -109,9 +115,9 @@ async def test_only_the_leading_scheduler_says_it_leads(
 
 
 async def test_the_operations_doc_lists_exactly_what_the_roles_expose(
-    pg_store: SqlStore,
+    pg_store: SqlStore, redis_bus: Bus
 ) -> None:
-    body = await api_store_metrics(pg_store)
+    body = await api_store_metrics(pg_store, redis_bus)
     requests = RequestMetrics()
     requests.requests.labels("GET", "/healthz", "200").inc()
     requests.duration.labels("GET", "/healthz").observe(0.001)
