@@ -4,6 +4,7 @@ lists exactly the metrics the roles expose."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import time
@@ -14,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jobplane.bus.abc import Bus
+from jobplane.dispatch import Dispatcher
 from jobplane.store.sql import SqlStore
 from jobplane_api.http_metrics import RequestMetrics
 from jobplane_api.main import create_app
@@ -114,23 +116,78 @@ async def test_only_the_leading_scheduler_says_it_leads(
         stop_all(procs, sig=signal.SIGTERM)
 
 
-async def test_the_operations_doc_lists_exactly_what_the_roles_expose(
-    pg_store: SqlStore, redis_bus: Bus
-) -> None:
-    body = await api_store_metrics(pg_store, redis_bus)
+async def role_metric_texts(store: SqlStore, bus: Bus) -> list[str]:
+    """What every role exposes, from the roles' own code, with a sample in every labelled
+    family (so that its label names show)."""
+    spec = jobs_app.jobs["echo"]
+    await store.register_definition(spec.options, spec.args_schema(), "test")
+    await Dispatcher(store, bus).trigger("echo", {"value": 1})
     requests = RequestMetrics()
     requests.requests.labels("GET", "/healthz", "200").inc()
     requests.duration.labels("GET", "/healthz").observe(0.001)
+    scheduler = SchedulerMetrics(lambda: None)
+    scheduler.misfires.labels("skip", "skipped").inc()
     worker = WorkerMetrics(16, lambda: 0, lambda: 0)
-    texts = [
-        body.decode(),
+    worker.claims.labels("echo").inc()
+    worker.finished.labels("echo", "succeeded").inc()
+    worker.runaways.labels("echo").inc()
+    worker.lease_lost_writes.labels("heartbeat").inc()
+    return [
+        (await api_store_metrics(store, bus)).decode(),
         requests.render().decode(),
-        SchedulerMetrics(lambda: None).render()[0].decode(),
+        scheduler.render()[0].decode(),
         worker.render()[0].decode(),
     ]
+
+
+async def every_role_metric(store: SqlStore, bus: Bus) -> dict[str, str]:
+    """Every metric the roles expose: name as exposed → type."""
+    actual: dict[str, str] = {}
+    for text in await role_metric_texts(store, bus):
+        actual |= exposed(text)
+    return actual
+
+
+async def test_the_operations_doc_lists_exactly_what_the_roles_expose(
+    pg_store: SqlStore, redis_bus: Bus
+) -> None:
+    texts = await role_metric_texts(pg_store, redis_bus)
     actual: dict[str, str] = {}
     for text in texts:
         actual |= exposed(text)
     doc = (ROOT / "docs" / "operations.md").read_text()
-    listed = dict(re.findall(r"^\| `(jobplane_\w+)` \| (\w+) \|", doc, flags=re.MULTILINE))
-    assert listed == actual
+    rows = dict(re.findall(r"^\| `(jobplane_\w+)` \| (\w+ \|.*)$", doc, flags=re.MULTILINE))
+    assert {name: row.split(" |")[0] for name, row in rows.items()} == actual
+    # Each row names its metric's labels.
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            name = family.name + "_total" if family.type == "counter" else family.name
+            labels = {label for s in family.samples for label in s.labels} - {"le"}
+            if name in rows:
+                assert all(f"`{label}`" in rows[name] for label in labels), (name, labels)
+
+
+def dashboard_queries() -> list[str]:
+    dashboard = json.loads((ROOT / "docs" / "grafana-dashboard.json").read_text())
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    for panel in panels:
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24 and panel["targets"], panel["title"]
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+    return [target["expr"] for panel in panels for target in panel["targets"]]
+
+
+async def test_the_grafana_dashboard_queries_only_metrics_that_exist(
+    pg_store: SqlStore, redis_bus: Bus
+) -> None:
+    actual = await every_role_metric(pg_store, redis_bus)
+    series = {
+        name + suffix
+        for name, kind in actual.items()
+        for suffix in (("_bucket", "_sum", "_count") if kind == "histogram" else ("",))
+    }
+    used = {name for expr in dashboard_queries() for name in re.findall(r"jobplane_\w+", expr)}
+    assert used <= series, used - series
+    # And every metric has a panel.
+    assert {name for name in actual if not any(s.startswith(name) for s in used)} == set()
