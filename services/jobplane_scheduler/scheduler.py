@@ -19,6 +19,7 @@ from uuid import UUID
 
 from sqlalchemy.exc import DBAPIError
 
+from jobplane import telemetry
 from jobplane.bus.abc import Bus, BusEpoch
 from jobplane.bus.envelope import Event, EventKind
 from jobplane.definitions import DefinitionCache
@@ -334,12 +335,13 @@ class LeaderDuties:
             raise
 
     async def _fire_and_publish(self, records: list[Any]) -> None:
-        try:
-            instances = await self.store.fire(self.lease, records)
-        except DBAPIError as exc:
-            instances = await self._fire_each_job(records, exc)
-        self.metrics.fired(instances, self.cache.definitions)
-        await self.dispatcher.publish(instances)
+        with telemetry.span("jobplane.trigger", source="cron", instances=len(records)):
+            try:
+                instances = await self.store.fire(self.lease, records)
+            except DBAPIError as exc:
+                instances = await self._fire_each_job(records, exc)
+            self.metrics.fired(instances, self.cache.definitions)
+            await self.dispatcher.publish(instances)
         fired = [i for i in instances if not i.state.is_terminal]
         if fired:
             logger.debug("fired %d tick(s)", len(fired), extra={"action": "scheduler.fired"})

@@ -32,9 +32,10 @@ from dataclasses import replace
 from typing import Any
 from uuid import UUID
 
+from opentelemetry.context import Context
 from tenacity import AsyncRetrying
 
-from jobplane import __version__
+from jobplane import __version__, telemetry
 from jobplane.app import App, Resources
 from jobplane.bus.abc import Bus, Consumer, Delivery
 from jobplane.bus.envelope import EventKind
@@ -57,6 +58,7 @@ from jobplane_worker.health import serving
 from jobplane_worker.metrics import LEASE_LOST, RELEASED, WorkerMetrics
 from jobplane_worker.poison import complete_isolating_poison
 from jobplane_worker.retrying import SIDE_WRITE_RETRY_S, retrying
+from jobplane_worker.tracing import claim_spans, record_spans
 
 logger = logging.getLogger(__name__)
 
@@ -302,13 +304,15 @@ class Worker:
             return
         ids = list(dict.fromkeys(d.envelope.instance_id for d in known))
         sent = time.monotonic()  # the lease is counted from no earlier than this
+        began_ns = time.time_ns()
         result = await self.store.claim(ids, self.id, self.settings.lease_s, self.app.jobs.keys())
+        traces = claim_spans(known, result.claimed, self.id, began_ns)
         # The claim has committed: Postgres and the lease own these instances now. They start
         # whatever the bus does next: they must not wait, unrenewed, for the reaper.
         for claim in result.claimed:
             self.metrics.claims.labels(job=claim.instance.job_key).inc()
             self.metrics.picked_up(claim.instance)
-            self._start(claim, sent + self.settings.lease_s)
+            self._start(claim, sent + self.settings.lease_s, traces.get(claim.instance.id))
         for instance_id in result.cancelled:
             logger.info(
                 "instance %s not run: a cancel was requested",
@@ -400,7 +404,7 @@ class Worker:
 
     # -- running ---------------------------------------------------------------------------
 
-    def _start(self, claim: Claim, lease_until: float) -> None:
+    def _start(self, claim: Claim, lease_until: float, trace: Context | None = None) -> None:
         instance = claim.instance
         ctx = JobContext(
             instance_id=instance.id,
@@ -413,7 +417,7 @@ class Worker:
             saver=functools.partial(self._save_checkpoint, claim),
             loop=asyncio.get_running_loop(),
         )
-        attempt = Attempt(claim=claim, ctx=ctx)
+        attempt = Attempt(claim=claim, ctx=ctx, trace=trace)
         self.running[instance.id] = attempt
         self._lease_until[instance.id] = lease_until
         attempt.task = asyncio.create_task(self._run(attempt), name=f"job-{instance.id}")
@@ -450,13 +454,14 @@ class Worker:
         key = attempt.claim.instance.job_key
         outcome: Outcome | None = None
         try:
-            outcome = await run_attempt(
-                attempt,
-                self.app.jobs[key],
-                self._resources,
-                self._pool,
-                self.settings.timeout_grace_s,
-            )
+            with telemetry.span("jobplane.run", attempt.trace, job=key):
+                outcome = await run_attempt(
+                    attempt,
+                    self.app.jobs[key],
+                    self._resources,
+                    self._pool,
+                    self.settings.timeout_grace_s,
+                )
         except asyncio.CancelledError:
             pass  # stopped by _drain: released below
         finally:
@@ -614,11 +619,13 @@ class Worker:
 
     async def _record(self, batch: list[tuple[Attempt, Outcome]]) -> None:
         outcomes = [outcome for _, outcome in batch]
+        began_ns = time.time_ns()
         ended: dict[UUID, InstanceState] = await complete_isolating_poison(
             self._retrying(f"recording {len(outcomes)} outcome(s)").wraps(self.store.complete),
             outcomes,
             self.metrics.backend_error,
         )
+        record_spans(batch, ended, began_ns)
         requeued: list[Instance] = []
         wait_keys: dict[str, int] = {}
         for attempt, outcome in batch:

@@ -1,0 +1,93 @@
+"""Traces: OpenTelemetry spans along an instance's way, trigger → publish → claim → run →
+record, joined across processes by the W3C ``traceparent`` carried in the stream envelope.
+
+Off unless a role's ``main`` calls :func:`configure_tracing` with ``OTEL_EXPORTER_OTLP_ENDPOINT``
+set (or a test calls :func:`use`): then every call here is a check of one module variable, and
+no envelope carries a trace. The tracer is this module's, not OpenTelemetry's global one, so a
+process (the tests, ``jobplane dev``) can turn tracing on and off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from opentelemetry import propagate
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, Tracer, set_span_in_context
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+
+logger = logging.getLogger(__name__)
+
+ENDPOINT_VARIABLE = "OTEL_EXPORTER_OTLP_ENDPOINT"
+_tracer: Tracer | None = None
+
+
+def configure_tracing(service: str) -> TracerProvider | None:
+    """Export spans over OTLP (HTTP) when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set; the
+    exporter reads the other ``OTEL_EXPORTER_OTLP_*`` variables itself. Returns the provider
+    (the caller shuts it down at exit, which flushes what is buffered), or ``None``: off."""
+    if not os.environ.get(ENDPOINT_VARIABLE):
+        return None
+    # Imported only when tracing is on: a process that does not trace never loads the SDK.
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    use(provider)
+    logger.info(
+        "exporting traces to %s",
+        os.environ[ENDPOINT_VARIABLE],
+        extra={"action": "telemetry.tracing"},
+    )
+    return provider
+
+
+def use(provider: TracerProvider | None) -> None:
+    """Trace with ``provider`` from now on (``None``: stop tracing)."""
+    global _tracer
+    _tracer = provider.get_tracer("jobplane") if provider is not None else None
+
+
+def tracer() -> Tracer | None:
+    """The tracer, or ``None`` while tracing is off (callers then skip their spans)."""
+    return _tracer
+
+
+@contextmanager
+def span(name: str, parent: Context | None = None, **attributes: str | int) -> Iterator[None]:
+    """A span around the block, child of the current one (or of ``parent``); nothing when
+    tracing is off."""
+    if _tracer is None:
+        yield
+        return
+    with _tracer.start_as_current_span(name, context=parent, attributes=attributes):
+        yield
+
+
+def traceparent() -> str | None:
+    """The current span's W3C ``traceparent``, to carry in an envelope; ``None`` when off."""
+    if _tracer is None:
+        return None
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier.get("traceparent")
+
+
+def context_of(traceparent: str | None) -> Context | None:
+    """The context an envelope's ``traceparent`` names (``None``: none carried, or off)."""
+    if _tracer is None or traceparent is None:
+        return None
+    return propagate.extract({"traceparent": traceparent})
+
+
+def context_with(span: Span) -> Context:
+    return set_span_in_context(span)
