@@ -4,6 +4,8 @@ OpenTelemetry SDK's in-memory exporter)."""
 
 from __future__ import annotations
 
+import json
+import logging
 import uuid
 from collections.abc import Iterator
 
@@ -17,6 +19,7 @@ from jobplane.app import App
 from jobplane.bus.abc import Bus
 from jobplane.bus.envelope import Envelope
 from jobplane.dispatch import Dispatcher
+from jobplane.logs import JsonFormatter
 from jobplane.store.sql import SqlStore
 from tests.scheduler_helpers import running_scheduler
 from tests.store_helpers import define
@@ -147,3 +150,13 @@ def test_an_endpoint_turns_tracing_on(monkeypatch: pytest.MonkeyPatch) -> None:
         telemetry.use(None)
         if provider is not None:
             provider.shutdown()  # nothing buffered: nothing sent
+
+
+def test_json_log_lines_carry_the_trace_id_inside_a_span(spans: InMemorySpanExporter) -> None:
+    formatter = JsonFormatter({"role": "worker"})
+    record = logging.makeLogRecord({"msg": "hello", "levelname": "INFO"})
+    assert "trace_id" not in json.loads(formatter.format(record))
+    with telemetry.span("jobplane.run"):
+        line = json.loads(formatter.format(record))
+    [run] = spans.get_finished_spans()
+    assert line["trace_id"] == f"{run.context.trace_id:032x}"

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from opentelemetry import propagate
 from opentelemetry.context import Context
-from opentelemetry.trace import Span, Tracer, set_span_in_context
+from opentelemetry.trace import Span, Tracer, get_current_span, set_span_in_context
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -91,3 +91,12 @@ def context_of(traceparent: str | None) -> Context | None:
 
 def context_with(span: Span) -> Context:
     return set_span_in_context(span)
+
+
+def current_trace_id() -> str | None:
+    """The trace id (32 hex digits) of the current span, for log lines; ``None`` when off or
+    outside any span."""
+    if _tracer is None:
+        return None
+    context = get_current_span().get_span_context()
+    return f"{context.trace_id:032x}" if context.is_valid else None
