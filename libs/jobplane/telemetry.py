@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
 from opentelemetry import propagate
@@ -26,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 ENDPOINT_VARIABLE = "OTEL_EXPORTER_OTLP_ENDPOINT"
 _tracer: Tracer | None = None
+_NOTHING: AbstractContextManager[None] = nullcontext()
 
 
 def configure_tracing(service: str) -> TracerProvider | None:
@@ -62,15 +62,14 @@ def tracer() -> Tracer | None:
     return _tracer
 
 
-@contextmanager
-def span(name: str, parent: Context | None = None, **attributes: str | int) -> Iterator[None]:
-    """A span around the block, child of the current one (or of ``parent``); nothing when
-    tracing is off."""
+def span(
+    name: str, parent: Context | None = None, **attributes: str | int
+) -> AbstractContextManager[object]:
+    """A span around the block, child of the current one (or of ``parent``); when tracing
+    is off, a shared do-nothing context."""
     if _tracer is None:
-        yield
-        return
-    with _tracer.start_as_current_span(name, context=parent, attributes=attributes):
-        yield
+        return _NOTHING
+    return _tracer.start_as_current_span(name, context=parent, attributes=attributes)
 
 
 def traceparent() -> str | None:
