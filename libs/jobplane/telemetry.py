@@ -1,10 +1,11 @@
 """Traces: OpenTelemetry spans along an instance's way, trigger → publish → claim → run →
 record, joined across processes by the W3C ``traceparent`` carried in the stream envelope.
 
-Off unless a role's ``main`` calls :func:`configure_tracing` with ``OTEL_EXPORTER_OTLP_ENDPOINT``
-set (or a test calls :func:`use`): then every call here is a check of one module variable, and
-no envelope carries a trace. The tracer is this module's, not OpenTelemetry's global one, so a
-process (the tests, ``jobplane dev``) can turn tracing on and off.
+Off unless a role calls :func:`configure_tracing` with ``OTEL_EXPORTER_OTLP_ENDPOINT`` set (or
+a test calls :func:`use`). While it is off, every call here is a check of one module variable
+(a span is a shared null context), the SDK is not imported and no envelope carries a trace.
+The tracer is this module's, not OpenTelemetry's global one, so a process (the tests,
+``jobplane dev``) can turn tracing on and off.
 """
 
 from __future__ import annotations
