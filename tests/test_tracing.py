@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -140,16 +142,29 @@ def test_tracing_stays_off_without_an_endpoint(monkeypatch: pytest.MonkeyPatch) 
     assert telemetry.tracer() is None and telemetry.traceparent() is None
 
 
-def test_an_endpoint_turns_tracing_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(telemetry.ENDPOINT_VARIABLE, "http://127.0.0.1:1")
+def test_an_endpoint_turns_tracing_on_and_an_absent_collector_delays_exit_little(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A blackholed collector: connections are accepted and never answered.
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    port = silent.getsockname()[1]
+    monkeypatch.setenv(telemetry.ENDPOINT_VARIABLE, f"http://127.0.0.1:{port}")
     provider = telemetry.configure_tracing("jobplane-test")
+    assert provider is not None and telemetry.tracer() is not None
+    assert provider.resource.attributes["service.name"] == "jobplane-test"
+    with telemetry.span("jobplane.trigger"):
+        pass
+    began = time.monotonic()
     try:
-        assert provider is not None and telemetry.tracer() is not None
-        assert provider.resource.attributes["service.name"] == "jobplane-test"
+        telemetry.shutdown_tracing(provider, timeout_s=0.5)
     finally:
-        telemetry.use(None)
-        if provider is not None:
-            provider.shutdown()  # nothing buffered: nothing sent
+        silent.close()
+    assert time.monotonic() - began < 1.5
+    assert telemetry.tracer() is None
+    flushes = [r for r in caplog.records if getattr(r, "action", "") == "telemetry.flush_timeout"]
+    assert len(flushes) == 1
 
 
 def test_json_log_lines_carry_the_trace_id_inside_a_span(spans: InMemorySpanExporter) -> None:

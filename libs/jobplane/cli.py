@@ -21,7 +21,7 @@ from jobplane.cli_remote import instances_cli, jobs_cli, trigger, workers_cli
 from jobplane.errors import JobplaneError, WorkerEvictedError
 from jobplane.logs import configure_logging
 from jobplane.settings import CommonSettings, DevSettings, MigrateSettings, WorkerSettings
-from jobplane.telemetry import configure_tracing
+from jobplane.telemetry import configure_tracing, shutdown_tracing
 
 cli = typer.Typer(
     name="jobplane",
@@ -91,7 +91,7 @@ def run(
         raise typer.Exit(2) from None
     finally:
         if tracing is not None:
-            tracing.shutdown()  # flushes the spans still buffered
+            shutdown_tracing(tracing)  # sends the spans still buffered, for 2 s at most
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ENDPOINT_VARIABLE = "OTEL_EXPORTER_OTLP_ENDPOINT"
+#: At exit, the spans still buffered get this long to go out; a collector that does not answer
+#: must not hold up a stopping role (a worker's grace period is counted on it).
+FLUSH_TIMEOUT_S = 2.0
 _tracer: Tracer | None = None
 _NOTHING: AbstractContextManager[None] = nullcontext()
 
@@ -32,7 +36,7 @@ _NOTHING: AbstractContextManager[None] = nullcontext()
 def configure_tracing(service: str) -> TracerProvider | None:
     """Export spans over OTLP (HTTP) when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set; the
     exporter reads the other ``OTEL_EXPORTER_OTLP_*`` variables itself. Returns the provider
-    (the caller shuts it down at exit, which flushes what is buffered), or ``None``: off."""
+    (the caller passes it to :func:`shutdown_tracing` at exit), or ``None``: off."""
     if not os.environ.get(ENDPOINT_VARIABLE):
         return None
     # Imported only when tracing is on: a process that does not trace never loads the SDK.
@@ -41,7 +45,10 @@ def configure_tracing(service: str) -> TracerProvider | None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    # No exit hook of the SDK's own (it would wait up to 30 s): see shutdown_tracing.
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": service}), shutdown_on_exit=False
+    )
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     use(provider)
     logger.info(
@@ -50,6 +57,21 @@ def configure_tracing(service: str) -> TracerProvider | None:
         extra={"action": "telemetry.tracing"},
     )
     return provider
+
+
+def shutdown_tracing(provider: TracerProvider, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
+    """Stop tracing and send what is buffered, waiting at most ``timeout_s``: past it, the
+    rest is dropped (the SDK's threads are daemons and end with the process)."""
+    use(None)
+    closing = threading.Thread(target=provider.shutdown, name="jobplane-trace-flush", daemon=True)
+    closing.start()
+    closing.join(timeout_s)
+    if closing.is_alive():
+        logger.warning(
+            "traces not all sent within %.0f s; the rest are dropped",
+            timeout_s,
+            extra={"action": "telemetry.flush_timeout"},
+        )
 
 
 def use(provider: TracerProvider | None) -> None:
