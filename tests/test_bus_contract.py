@@ -62,6 +62,31 @@ async def test_publish_read_ack_round_trip(bus: Bus) -> None:
     assert sum((await bus.stream_lengths("default")).values()) == 0
 
 
+async def test_stream_stats_count_entries_lag_and_pending_per_band(bus: Bus) -> None:
+    await bus.publish([("default", envelope(9)) for _ in range(2)])
+    await bus.publish([("default", envelope(5)) for _ in range(4)])
+    await bus.publish([("nobody", envelope(5)) for _ in range(2)])  # no consumer group yet
+    consumer = bus.consumer("w1", ["default"])
+    got = await consumer.read(3, 100)  # both high-band entries, then one of band 1
+    await consumer.ack(got[:1])
+    stats = {
+        (s.queue, s.band): (s.length, s.lag, s.pending)
+        for s in await bus.stream_stats(["default", "nobody", "unused", "default"])
+    }
+    assert stats == {
+        ("default", 0): (1, 0, 1),
+        ("default", 1): (4, 3, 1),
+        ("default", 2): (0, 0, 0),
+        ("nobody", 0): (0, 0, 0),
+        ("nobody", 1): (2, 2, 0),
+        ("nobody", 2): (0, 0, 0),
+        ("unused", 0): (0, 0, 0),
+        ("unused", 1): (0, 0, 0),
+        ("unused", 2): (0, 0, 0),
+    }
+    assert await bus.stream_stats([]) == []
+
+
 async def test_read_never_returns_more_than_asked(bus: Bus) -> None:
     await bus.publish([("default", envelope(p)) for p in (9, 5, 1) for _ in range(4)])
     consumer = bus.consumer("w1", ["default"])
@@ -282,6 +307,8 @@ async def test_unreachable_redis_is_a_clear_error() -> None:
     try:
         with pytest.raises(BusUnavailableError, match="Redis unavailable"):
             await bus.ping()
+        with pytest.raises(BusUnavailableError, match="Redis unavailable"):
+            await bus.stream_stats(["default"])
     finally:
         await bus.close()
 

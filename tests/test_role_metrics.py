@@ -4,23 +4,24 @@ lists exactly the metrics the roles expose."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import time
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jobplane.bus.abc import Bus
+from jobplane.dispatch import Dispatcher
 from jobplane.store.sql import SqlStore
 from jobplane_api.http_metrics import RequestMetrics
 from jobplane_api.main import create_app
 from jobplane_api.metrics import render_metrics as api_store_metrics
 from jobplane_api.settings import ApiSettings
-from jobplane_scheduler.health import render_metrics as scheduler_metrics
+from jobplane_scheduler.metrics import SchedulerMetrics
 from jobplane_worker.metrics import WorkerMetrics
 from tests.apps.basic import app as jobs_app
 from tests.cli_helpers import ROOT, free_port, spawn_cli, stop_all, wait_http_ok
@@ -78,6 +79,12 @@ async def test_the_api_counts_and_times_requests_by_route_template(
     counts = samples(text, "jobplane_api_request_duration_seconds_count")
     assert counts[(("method", "POST"), ("route", route))] == 2
     assert samples(text, "jobplane_instances")[(("job", "echo"), ("state", "enqueued"))] == 2
+    # Both triggers wait in the default queue's middle band: unread, so all lag.
+    band = (("band", "1"), ("queue", "default"))
+    assert samples(text, "jobplane_stream_entries")[band] == 2
+    assert samples(text, "jobplane_stream_lag")[band] == 2
+    assert samples(text, "jobplane_stream_pending")[band] == 0
+    assert samples(text, "jobplane_stream_lag")[(("band", "0"), ("queue", "default"))] == 0
 
 
 async def test_only_the_leading_scheduler_says_it_leads(
@@ -109,24 +116,78 @@ async def test_only_the_leading_scheduler_says_it_leads(
         stop_all(procs, sig=signal.SIGTERM)
 
 
-async def test_the_operations_doc_lists_exactly_what_the_roles_expose(
-    pg_store: SqlStore,
-) -> None:
-    body = await api_store_metrics(pg_store)
+async def role_metric_texts(store: SqlStore, bus: Bus) -> list[str]:
+    """What every role exposes, from the roles' own code, with a sample in every labelled
+    family (so that its label names show)."""
+    spec = jobs_app.jobs["echo"]
+    await store.register_definition(spec.options, spec.args_schema(), "test")
+    await Dispatcher(store, bus).trigger("echo", {"value": 1})
     requests = RequestMetrics()
     requests.requests.labels("GET", "/healthz", "200").inc()
     requests.duration.labels("GET", "/healthz").observe(0.001)
+    scheduler = SchedulerMetrics(lambda: None)
+    scheduler.misfires.labels("skip", "skipped").inc()
     worker = WorkerMetrics(16, lambda: 0, lambda: 0)
-    leader = SimpleNamespace(lease=SimpleNamespace(term=3))
-    texts = [
-        body.decode(),
+    worker.claims.labels("echo").inc()
+    worker.finished.labels("echo", "succeeded").inc()
+    worker.runaways.labels("echo").inc()
+    worker.lease_lost_writes.labels("heartbeat").inc()
+    return [
+        (await api_store_metrics(store, bus)).decode(),
         requests.render().decode(),
-        scheduler_metrics(leader)[0].decode(),  # type: ignore[arg-type]
+        scheduler.render()[0].decode(),
         worker.render()[0].decode(),
     ]
+
+
+async def every_role_metric(store: SqlStore, bus: Bus) -> dict[str, str]:
+    """Every metric the roles expose: name as exposed → type."""
+    actual: dict[str, str] = {}
+    for text in await role_metric_texts(store, bus):
+        actual |= exposed(text)
+    return actual
+
+
+async def test_the_operations_doc_lists_exactly_what_the_roles_expose(
+    pg_store: SqlStore, redis_bus: Bus
+) -> None:
+    texts = await role_metric_texts(pg_store, redis_bus)
     actual: dict[str, str] = {}
     for text in texts:
         actual |= exposed(text)
     doc = (ROOT / "docs" / "operations.md").read_text()
-    listed = dict(re.findall(r"^\| `(jobplane_\w+)` \| (\w+) \|", doc, flags=re.MULTILINE))
-    assert listed == actual
+    rows = dict(re.findall(r"^\| `(jobplane_\w+)` \| (\w+ \|.*)$", doc, flags=re.MULTILINE))
+    assert {name: row.split(" |")[0] for name, row in rows.items()} == actual
+    # Each row names its metric's labels.
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            name = family.name + "_total" if family.type == "counter" else family.name
+            labels = {label for s in family.samples for label in s.labels} - {"le"}
+            if name in rows:
+                assert all(f"`{label}`" in rows[name] for label in labels), (name, labels)
+
+
+def dashboard_queries() -> list[str]:
+    dashboard = json.loads((ROOT / "docs" / "grafana-dashboard.json").read_text())
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    for panel in panels:
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24 and panel["targets"], panel["title"]
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+    return [target["expr"] for panel in panels for target in panel["targets"]]
+
+
+async def test_the_grafana_dashboard_queries_only_metrics_that_exist(
+    pg_store: SqlStore, redis_bus: Bus
+) -> None:
+    actual = await every_role_metric(pg_store, redis_bus)
+    series = {
+        name + suffix
+        for name, kind in actual.items()
+        for suffix in (("_bucket", "_sum", "_count") if kind == "histogram" else ("",))
+    }
+    used = {name for expr in dashboard_queries() for name in re.findall(r"jobplane_\w+", expr)}
+    assert used <= series, used - series
+    # And every metric has a panel.
+    assert {name for name in actual if not any(s.startswith(name) for s in used)} == set()

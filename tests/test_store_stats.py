@@ -133,3 +133,11 @@ async def test_throughput_buckets_ends_per_minute_and_per_hour(store: SqlStore) 
     everything = await store.throughput(60, 60)
     assert sum(b.succeeded for b in everything) == 2  # "a" 5 min ago and "other" now
     assert sum(b.succeeded for b in await store.throughput(60, 60, "nope")) == 0
+
+
+async def test_queues_are_the_defined_jobs_queues_once_each(store: SqlStore) -> None:
+    assert await store.queues() == []
+    await define(store, "a", queue="reports")
+    await define(store, "b", queue="default")
+    await define(store, "c", queue="reports")
+    assert await store.queues() == ["default", "reports"]

@@ -21,6 +21,7 @@ from jobplane.cli_remote import instances_cli, jobs_cli, trigger, workers_cli
 from jobplane.errors import JobplaneError, WorkerEvictedError
 from jobplane.logs import configure_logging
 from jobplane.settings import CommonSettings, DevSettings, MigrateSettings, WorkerSettings
+from jobplane.telemetry import configure_tracing, shutdown_tracing
 
 cli = typer.Typer(
     name="jobplane",
@@ -72,6 +73,8 @@ def run(
     """Run a role; a JobplaneError (bad setting, unreachable service) is one line, exit 2.
     ``static`` fields (the role, its id) are on every JSON log line."""
     configure_logging(settings.log_level, settings.log_format, static)
+    # Spans go out over OTLP only when OTEL_EXPORTER_OTLP_ENDPOINT is set.
+    tracing = configure_tracing(f"jobplane-{(static or {}).get('role', 'dev')}")
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(_main(coro_factory))
@@ -86,6 +89,9 @@ def run(
         # One line, never wrapped: scripts and log collectors read it.
         typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
         raise typer.Exit(2) from None
+    finally:
+        if tracing is not None:
+            shutdown_tracing(tracing)  # sends the spans still buffered, for 2 s at most
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:

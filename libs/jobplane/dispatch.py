@@ -18,6 +18,7 @@ from uuid import UUID
 import jsonschema
 from sqlalchemy.exc import SQLAlchemyError
 
+from jobplane import telemetry
 from jobplane.bus.abc import Bus
 from jobplane.bus.envelope import Envelope, Event, EventKind
 from jobplane.domain.limits import check_json
@@ -129,8 +130,9 @@ class Dispatcher:
                 replace(r, held=True) if held_in_debug(r, definitions.get(r.job_key)) else r
                 for r in requests
             ]
-        instances = await self.store.create_instances(requests)
-        await self.publish(instances)
+        with telemetry.span("jobplane.trigger", source="trigger", instances=len(requests)):
+            instances = await self.store.create_instances(requests)
+            await self.publish(instances)
         return instances
 
     async def run_now(self, instance_id: UUID, actor: str = "client") -> Instance:
@@ -229,7 +231,9 @@ class Dispatcher:
         if not due:
             return
         try:
-            await self.bus.publish([(i.queue, envelope_for(i)) for i in due])
+            with telemetry.span("jobplane.publish", instances=len(due)):
+                trace = telemetry.traceparent()  # one per batch: its entries share the span
+                await self.bus.publish([(i.queue, envelope_for(i, trace)) for i in due])
         except BusUnavailableError:
             # Not an error for the caller: the instance is stored; the sweep republishes it.
             logger.warning(
@@ -304,12 +308,13 @@ def held_in_debug(request: NewInstance, definition: JobDefinition | None) -> boo
     )
 
 
-def envelope_for(instance: Instance) -> Envelope:
+def envelope_for(instance: Instance, trace: str | None = None) -> Envelope:
     return Envelope(
         instance_id=instance.id,
         job_key=instance.job_key,
         priority=instance.priority,
         pinned_worker=instance.pinned_worker,
+        trace=trace,
     )
 
 

@@ -15,6 +15,8 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
+from jobplane.telemetry import current_trace_id
+
 
 class LogFormat(StrEnum):
     TEXT = "text"
@@ -40,8 +42,9 @@ def extra_fields(record: logging.LogRecord) -> dict[str, Any]:
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per record: ``ts`` (UTC, ISO 8601), ``level``, ``logger``,
-    ``message``, the process's ``static`` fields, the call's ``extra`` fields, and ``exc``
-    (the formatted traceback) when there is one. A value JSON cannot hold is written as its
+    ``message``, the process's ``static`` fields, the call's ``extra`` fields, ``trace_id``
+    while a span is current (tracing on: a job's own lines, a trigger's), and ``exc`` (the
+    formatted traceback) when there is one. A value JSON cannot hold is written as its
     ``str()``."""
 
     def __init__(self, static: Mapping[str, Any] | None = None) -> None:
@@ -57,6 +60,9 @@ class JsonFormatter(logging.Formatter):
             **self.static,
             **extra_fields(record),
         }
+        trace_id = current_trace_id()
+        if trace_id is not None:
+            body["trace_id"] = trace_id
         if record.exc_info:
             body["exc"] = self.formatException(record.exc_info)
         if record.stack_info:

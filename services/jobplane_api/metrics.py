@@ -1,16 +1,25 @@
-"""Prometheus metrics of the api role, computed from the store at scrape time: one statement
-per scrape at most, and none while the last answer is younger than ``ttl_s`` (several
-Prometheus servers, or a scrape storm, cost the database nothing more)."""
+"""Prometheus metrics of the api role, computed at scrape time from the store (two statements:
+instance and worker counts, and the queues' names) and the bus (one round trip: each queue
+stream's length, consumer-group lag and pending entries), and none while the last answer is
+younger than ``ttl_s`` (several Prometheus servers, or a scrape storm, cost nothing more).
+
+These are cluster figures: every api replica reports the same ones (aggregate with ``max``).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
+from jobplane.bus.abc import Bus, StreamStats
+from jobplane.errors import UnavailableError
 from jobplane.store.sql import SqlStore
+
+logger = logging.getLogger(__name__)
 
 
 class MetricsCache:
@@ -23,17 +32,23 @@ class MetricsCache:
         self._until = -1.0
         self._lock = asyncio.Lock()
 
-    async def render(self, store: SqlStore) -> tuple[bytes, str]:
+    async def render(self, store: SqlStore, bus: Bus) -> tuple[bytes, str]:
         async with self._lock:
             if self.clock() >= self._until:
-                self._body = await render_metrics(store)
+                self._body = await render_metrics(store, bus)
                 self._until = self.clock() + self.ttl_s
             return self._body, CONTENT_TYPE_LATEST
 
 
-async def render_metrics(store: SqlStore) -> bytes:
-    """A fresh registry per scrape: the figures are the store's, not this process's."""
+async def render_metrics(store: SqlStore, bus: Bus) -> bytes:
+    """A fresh registry per scrape: the figures are the store's and the bus's, not this
+    process's. While the bus does not answer, the stream figures are left out."""
     counts, live_workers = await store.gauges()
+    try:
+        streams = await bus.stream_stats(await store.queues())
+    except UnavailableError as exc:
+        logger.warning("stream figures left out: %s", exc, extra={"action": "api.metrics"})
+        streams = []
     registry = CollectorRegistry()
     instances = Gauge(
         "jobplane_instances",
@@ -47,4 +62,32 @@ async def render_metrics(store: SqlStore) -> bytes:
         "jobplane_workers", "Registered workers that have not stopped", registry=registry
     )
     workers.set(live_workers)
+    _stream_gauges(registry, streams)
     return generate_latest(registry)
+
+
+def _stream_gauges(registry: CollectorRegistry, streams: list[StreamStats]) -> None:
+    labels = ["queue", "band"]
+    length = Gauge(
+        "jobplane_stream_entries",
+        "Entries in a queue's band stream (unread, or delivered and not yet acknowledged)",
+        labels,
+        registry=registry,
+    )
+    lag = Gauge(
+        "jobplane_stream_lag",
+        "Entries of a queue's band stream never delivered to the workers' consumer group",
+        labels,
+        registry=registry,
+    )
+    pending = Gauge(
+        "jobplane_stream_pending",
+        "Entries of a queue's band stream delivered to a worker and not yet acknowledged",
+        labels,
+        registry=registry,
+    )
+    for stream in streams:
+        values = (stream.queue, str(stream.band))
+        length.labels(*values).set(stream.length)
+        lag.labels(*values).set(stream.lag)
+        pending.labels(*values).set(stream.pending)

@@ -19,7 +19,8 @@ class ApiSettings(CommonSettings):
     auth_failures_per_minute: int = Field(default=30, ge=0)
     #: How long a secret found unknown is answered 401 without asking the database again.
     auth_negative_cache_s: float = Field(default=10.0, ge=0, le=3600)
-    #: A /metrics answer is reused this long (one database statement per refresh).
+    #: A /metrics answer is reused this long (two database statements and one Redis round
+    #: trip per refresh).
     metrics_cache_s: float = Field(default=5.0, ge=0, le=300)
     #: Requests in flight each hold a connection: a bigger pool than the other roles'.
     db_pool_size: int = Field(default=32, ge=1, le=1000)

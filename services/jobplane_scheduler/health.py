@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -64,18 +63,5 @@ def health_app(scheduler: Scheduler) -> Starlette:
 
 
 def render_metrics(scheduler: Scheduler) -> tuple[bytes, str]:
-    """Whether this replica leads, and in which term (a fresh registry per scrape: the
-    figures are read from the scheduler, not kept)."""
-    registry = CollectorRegistry()
-    lease = scheduler.lease
-    Gauge(
-        "jobplane_scheduler_leader",
-        "1 while this replica holds the leader lease of its shard",
-        registry=registry,
-    ).set(1 if lease is not None else 0)
-    Gauge(
-        "jobplane_scheduler_leader_term",
-        "Term of the leader lease this replica holds (0 while it follows)",
-        registry=registry,
-    ).set(lease.term if lease is not None else 0)
-    return generate_latest(registry), CONTENT_TYPE_LATEST
+    """The replica's figures: leadership, ticks, sweeps (see :mod:`.metrics`)."""
+    return scheduler.metrics.render()

@@ -19,6 +19,7 @@ from uuid import UUID
 
 from sqlalchemy.exc import DBAPIError
 
+from jobplane import telemetry
 from jobplane.bus.abc import Bus, BusEpoch
 from jobplane.bus.envelope import Event, EventKind
 from jobplane.definitions import DefinitionCache
@@ -30,6 +31,7 @@ from jobplane.store.base import NotLeaderError
 from jobplane.store.sql import SqlStore
 from jobplane.tasks import cancel_and_wait, run_together
 from jobplane_scheduler.cron_timers import CronTimers, catch_up, is_active, occurrence
+from jobplane_scheduler.metrics import SchedulerMetrics, SweepStep
 from jobplane_scheduler.settings import SchedulerSettings
 
 logger = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ class Scheduler:
         self.bus = bus
         self.settings = settings
         self.lease: LeaderLease | None = None
+        self.metrics = SchedulerMetrics(lambda: self.lease)
         self._duties: asyncio.Task[None] | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -101,7 +104,7 @@ class Scheduler:
                 lease.term,
                 extra={"action": "scheduler.leading", "term": lease.term},
             )
-            duties = LeaderDuties(self.store, self.bus, self.settings, lease)
+            duties = LeaderDuties(self.store, self.bus, self.settings, lease, self.metrics)
             self._duties = asyncio.create_task(duties.run(), name="jobplane-leader")
         self.lease = lease
 
@@ -138,12 +141,18 @@ class LeaderDuties:
     """What the leader does while its term lasts. Cancelled when the term ends."""
 
     def __init__(
-        self, store: SqlStore, bus: Bus, settings: SchedulerSettings, lease: LeaderLease
+        self,
+        store: SqlStore,
+        bus: Bus,
+        settings: SchedulerSettings,
+        lease: LeaderLease,
+        metrics: SchedulerMetrics | None = None,
     ) -> None:
         self.store = store
         self.bus = bus
         self.settings = settings
         self.lease = lease
+        self.metrics = metrics or SchedulerMetrics(lambda: lease)
         self.dispatcher = Dispatcher(store, bus, fence=lease)
         self.timers = CronTimers()
         self.cache = DefinitionCache(store, bus)
@@ -326,11 +335,13 @@ class LeaderDuties:
             raise
 
     async def _fire_and_publish(self, records: list[Any]) -> None:
-        try:
-            instances = await self.store.fire(self.lease, records)
-        except DBAPIError as exc:
-            instances = await self._fire_each_job(records, exc)
-        await self.dispatcher.publish(instances)
+        with telemetry.span("jobplane.trigger", source="cron", instances=len(records)):
+            try:
+                instances = await self.store.fire(self.lease, records)
+            except DBAPIError as exc:
+                instances = await self._fire_each_job(records, exc)
+            self.metrics.fired(instances, self.cache.definitions)
+            await self.dispatcher.publish(instances)
         fired = [i for i in instances if not i.state.is_terminal]
         if fired:
             logger.debug("fired %d tick(s)", len(fired), extra={"action": "scheduler.fired"})
@@ -378,7 +389,8 @@ class LeaderDuties:
     async def _sweep_loop(self) -> None:
         last_retention = datetime.min
         while True:
-            await self._sweep_once()
+            with self.metrics.sweep_duration.time():
+                await self._sweep_once()
             if self.settings.retention_days and datetime.now() - last_retention > timedelta(
                 minutes=1
             ):
@@ -395,17 +407,27 @@ class LeaderDuties:
             await self._promote()
         if time.monotonic() >= self._reap_from:
             with self._refused("expired leases"):
-                await self._publish(await self.store.release_expired(self.lease))
+                released = await self.store.release_expired(self.lease)
+                self.metrics.count(SweepStep.EXPIRED_LEASES, released)
+                await self._publish(released)
         await self._check_bus_epoch()
         with self._refused("republish"):
             stale = await self.store.unpublished(self.settings.republish_after_s)
-            await self._publish(await self._lost(stale), force=True)
+            await self._republish(await self._lost(stale))
         with self._refused("unknown jobs"):
-            await self.store.terminate_unknown_jobs(self.lease, self.settings.unknown_job_timeout_s)
+            terminated = await self.store.terminate_unknown_jobs(
+                self.lease, self.settings.unknown_job_timeout_s
+            )
+            self.metrics.count(SweepStep.UNKNOWN_JOBS, terminated)
         with self._refused("dead workers"):
-            await self.store.mark_dead_workers(self.settings.dead_worker_after_s, fence=self.lease)
+            dead = await self.store.mark_dead_workers(
+                self.settings.dead_worker_after_s, fence=self.lease
+            )
+            self.metrics.count(SweepStep.DEAD_WORKERS, dead)
         with self._refused("orphaned pins"):
-            await self._publish(await self.store.resolve_orphaned_pins(self.lease))
+            unpinned = await self.store.resolve_orphaned_pins(self.lease)
+            self.metrics.count(SweepStep.ORPHANED_PINS, unpinned)
+            await self._publish(unpinned)
         self._delayed = await self.store.scheduled_due_within(self.settings.sweep_interval_s)
 
     async def _promote(self) -> None:
@@ -415,6 +437,7 @@ class LeaderDuties:
             promoted = await self.store.promote_due(self.lease)
         except DBAPIError:
             promoted = await self.store.promote_due_each(self.lease)
+        self.metrics.count(SweepStep.PROMOTED, promoted)
         await self._publish(promoted)
 
     async def _lost(self, stale: list[Instance]) -> list[Instance]:
@@ -494,7 +517,7 @@ class LeaderDuties:
                 return
             # After a restart or flush the streams are empty and everything goes out; a bus
             # merely new to this leader may still hold the messages, which are not doubled.
-            await self._publish(await self._lost(page), force=True)
+            await self._republish(await self._lost(page))
             after = page[-1].id
 
     async def _retention(self) -> None:
@@ -504,6 +527,11 @@ class LeaderDuties:
 
     async def _publish(self, instances: list[Instance], *, force: bool = False) -> None:
         await self.dispatcher.publish(instances, force=force)
+
+    async def _republish(self, lost: list[Instance]) -> None:
+        """Publish again instances whose message is gone (a copy still in a stream is not)."""
+        self.metrics.count(SweepStep.REPUBLISHED, lost)
+        await self._publish(lost, force=True)
 
     async def _enqueued_loop(self) -> None:
         """Publish what applications enqueued in their own transactions as soon as they

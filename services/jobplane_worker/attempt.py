@@ -11,6 +11,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry.context import Context
 from pydantic import BaseModel
 
 from jobplane.app import JobSpec, Resources
@@ -45,6 +46,8 @@ class Attempt:
     #: The worker is stopping: once the code stops, the instance is released, not recorded
     #: (unless it timed out meanwhile).
     shutdown: bool = False
+    #: The claim's span (tracing on): the run and the record are its children.
+    trace: Context | None = None
 
     @property
     def lease(self) -> tuple[Any, int]:

@@ -13,12 +13,27 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    Histogram,
     generate_latest,
 )
+from sqlalchemy.exc import DBAPIError
+
+from jobplane.domain.models import Instance
+from jobplane.errors import BusUnavailableError, StoreUnavailableError
+from jobplane.store.base import StoreConflictError
 
 #: Outcome labels besides the instance states (succeeded, failed, cancelled).
 LEASE_LOST = "lease_lost"
 RELEASED = "released"
+#: Pickup lag buckets (seconds): a lone job starts within milliseconds of its publication.
+PICKUP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0, 300.0)
+#: (backend, kind) of every error the worker counts (see :func:`error_kind`).
+ERROR_KINDS = (
+    ("store", "conflict"),
+    ("store", "unavailable"),
+    ("store", "refused"),
+    ("bus", "unavailable"),
+)
 
 
 class WorkerMetrics:
@@ -69,5 +84,50 @@ class WorkerMetrics:
             registry=self.registry,
         )
 
+        self.pickup_lag = Histogram(
+            "jobplane_worker_pickup_lag_seconds",
+            "Time from an instance's publication (Enqueued) to its claim (Processing) by "
+            "this worker, on the store's clock",
+            buckets=PICKUP_BUCKETS,
+            registry=self.registry,
+        )
+        self.backend_errors = Counter(
+            "jobplane_worker_backend_errors",
+            "Store and bus errors this worker met (each failed try counts), by backend "
+            "(store, bus) and kind (conflict: lost to a concurrent transaction after the "
+            "store's own retries; unavailable: not reachable; refused: the database rejected "
+            "the statement for its data)",
+            ["backend", "kind"],
+            registry=self.registry,
+        )
+        for backend, kind in ERROR_KINDS:  # every series exists from the start
+            self.backend_errors.labels(backend, kind)
+
+    def picked_up(self, instance: Instance) -> None:
+        """Observe a claimed instance's pickup lag: claim time minus publication time."""
+        published = instance.published_at or instance.created_at
+        if instance.started_at is not None:
+            lag = (instance.started_at - published).total_seconds()
+            self.pickup_lag.observe(max(lag, 0.0))
+
+    def backend_error(self, exc: BaseException) -> None:
+        """Count ``exc`` if it is a store or bus error."""
+        found = error_kind(exc)
+        if found is not None:
+            self.backend_errors.labels(*found).inc()
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def error_kind(exc: BaseException) -> tuple[str, str] | None:
+    """``(backend, kind)`` of a store or bus error; ``None`` for anything else."""
+    if isinstance(exc, StoreConflictError):
+        return "store", "conflict"
+    if isinstance(exc, StoreUnavailableError):
+        return "store", "unavailable"
+    if isinstance(exc, DBAPIError):
+        return "store", "refused"
+    if isinstance(exc, BusUnavailableError):
+        return "bus", "unavailable"
+    return None

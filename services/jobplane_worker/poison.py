@@ -25,18 +25,22 @@ Complete = Callable[[Sequence[Outcome]], Awaitable[dict[UUID, InstanceState]]]
 
 
 async def complete_isolating_poison(
-    complete: Complete, outcomes: Sequence[Outcome]
+    complete: Complete,
+    outcomes: Sequence[Outcome],
+    on_refused: Callable[[BaseException], None] = lambda exc: None,
 ) -> dict[UUID, InstanceState]:
     """``complete(outcomes)``; if the database refuses the batch, each outcome on its own,
     and one still refused is recorded as a failure that says why (:func:`parked`). One that
-    cannot be recorded even so is logged and left to its lease: the reaper then releases it."""
+    cannot be recorded even so is logged and left to its lease: the reaper then releases it.
+    ``on_refused`` sees every refusal."""
     try:
         return await complete(outcomes)
     except DBAPIError as exc:
+        on_refused(exc)
         if len(outcomes) > 1:
             ended: dict[UUID, InstanceState] = {}
             for outcome in outcomes:
-                ended.update(await complete_isolating_poison(complete, [outcome]))
+                ended.update(await complete_isolating_poison(complete, [outcome], on_refused))
             return ended
         [outcome] = outcomes
         logger.error(
@@ -48,6 +52,7 @@ async def complete_isolating_poison(
         try:
             return await complete([parked(outcome, exc)])
         except DBAPIError as again:
+            on_refused(again)
             logger.error(
                 "instance %s: not even a failure could be recorded (%s); left to its lease",
                 outcome.instance_id,

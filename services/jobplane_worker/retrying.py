@@ -28,18 +28,33 @@ logger = logging.getLogger(__name__)
 SIDE_WRITE_RETRY_S = 15.0
 
 
-def retrying(what: str, deadline: Callable[[], float] | None = None) -> AsyncRetrying:
+def retrying(
+    what: str,
+    deadline: Callable[[], float] | None = None,
+    on_error: Callable[[BaseException], None] | None = None,
+) -> AsyncRetrying:
     """Retry a store write with exponential backoff (0.2 s doubling, at most 5 s) while the
     store is unreachable: forever when ``deadline`` is ``None``, else as long as the next try
     would start before ``deadline()`` (a ``time.monotonic()`` value, read at each failure, so
-    a lease renewed meanwhile extends it). The last error is re-raised."""
+    a lease renewed meanwhile extends it). The last error is re-raised. ``on_error`` sees the
+    error of every failed try, the last one included."""
     return AsyncRetrying(
         retry=retry_if_exception_type(StoreUnavailableError),
         wait=wait_exponential(multiplier=0.2, max=5),
         stop=stop_never if deadline is None else _before(deadline),
+        after=_report(on_error),
         before_sleep=_log(what),
         reraise=True,
     )
+
+
+def _report(on_error: Callable[[BaseException], None] | None) -> Callable[[RetryCallState], None]:
+    def report(state: RetryCallState) -> None:
+        error = state.outcome.exception() if state.outcome is not None else None
+        if on_error is not None and error is not None:
+            on_error(error)
+
+    return report
 
 
 def _before(deadline: Callable[[], float]) -> Callable[[RetryCallState], bool]:

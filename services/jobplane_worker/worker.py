@@ -26,12 +26,16 @@ import os
 import random
 import socket
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 from uuid import UUID
 
-from jobplane import __version__
+from opentelemetry.context import Context
+from tenacity import AsyncRetrying
+
+from jobplane import __version__, telemetry
 from jobplane.app import App, Resources
 from jobplane.bus.abc import Bus, Consumer, Delivery
 from jobplane.bus.envelope import EventKind
@@ -54,6 +58,7 @@ from jobplane_worker.health import serving
 from jobplane_worker.metrics import LEASE_LOST, RELEASED, WorkerMetrics
 from jobplane_worker.poison import complete_isolating_poison
 from jobplane_worker.retrying import SIDE_WRITE_RETRY_S, retrying
+from jobplane_worker.tracing import claim_spans, record_spans
 
 logger = logging.getLogger(__name__)
 
@@ -280,7 +285,12 @@ class Worker:
             self._reserved -= len(deliveries)
             self._slot_freed.set()
 
+    def _retrying(self, what: str, deadline: Callable[[], float] | None = None) -> AsyncRetrying:
+        """:func:`retrying`, counting every failed try in the metrics."""
+        return retrying(what, deadline, self.metrics.backend_error)
+
     def _pause_warning(self, exc: Exception) -> None:
+        self.metrics.backend_error(exc)
         logger.warning("%s; retrying in 1 s", exc, extra={"action": "worker.unavailable"})
 
     async def _handle(self, consumer: Consumer, deliveries: list[Delivery]) -> None:
@@ -294,12 +304,15 @@ class Worker:
             return
         ids = list(dict.fromkeys(d.envelope.instance_id for d in known))
         sent = time.monotonic()  # the lease is counted from no earlier than this
+        began_ns = time.time_ns()
         result = await self.store.claim(ids, self.id, self.settings.lease_s, self.app.jobs.keys())
+        traces = claim_spans(known, result.claimed, self.id, began_ns)
         # The claim has committed: Postgres and the lease own these instances now. They start
         # whatever the bus does next: they must not wait, unrenewed, for the reaper.
         for claim in result.claimed:
             self.metrics.claims.labels(job=claim.instance.job_key).inc()
-            self._start(claim, sent + self.settings.lease_s)
+            self.metrics.picked_up(claim.instance)
+            self._start(claim, sent + self.settings.lease_s, traces.get(claim.instance.id))
         for instance_id in result.cancelled:
             logger.info(
                 "instance %s not run: a cancel was requested",
@@ -310,6 +323,7 @@ class Worker:
         try:
             await consumer.ack(known)
         except BusUnavailableError as exc:
+            self.metrics.backend_error(exc)
             self._spawn(self._ack_later(consumer, known, exc))
 
     async def _ack_later(
@@ -332,6 +346,7 @@ class Worker:
                 await consumer.ack(deliveries)
                 return
             except BusUnavailableError as exc:
+                self.metrics.backend_error(exc)
                 error, delay = exc, min(delay * 2, 5.0)
 
     async def _requeue_later(self, consumer: Consumer, deliveries: list[Delivery]) -> None:
@@ -389,7 +404,7 @@ class Worker:
 
     # -- running ---------------------------------------------------------------------------
 
-    def _start(self, claim: Claim, lease_until: float) -> None:
+    def _start(self, claim: Claim, lease_until: float, trace: Context | None = None) -> None:
         instance = claim.instance
         ctx = JobContext(
             instance_id=instance.id,
@@ -402,7 +417,7 @@ class Worker:
             saver=functools.partial(self._save_checkpoint, claim),
             loop=asyncio.get_running_loop(),
         )
-        attempt = Attempt(claim=claim, ctx=ctx)
+        attempt = Attempt(claim=claim, ctx=ctx, trace=trace)
         self.running[instance.id] = attempt
         self._lease_until[instance.id] = lease_until
         attempt.task = asyncio.create_task(self._run(attempt), name=f"job-{instance.id}")
@@ -423,7 +438,7 @@ class Worker:
         try:
             # The store's UPDATE has claim_token = token in its WHERE clause: after a lost lease
             # (another worker may have claimed the instance) this attempt's checkpoint is refused.
-            saved: bool = await retrying(what, deadline)(
+            saved: bool = await self._retrying(what, deadline)(
                 self.store.save_checkpoint, instance_id, claim.token, data
             )
         except StoreUnavailableError as exc:
@@ -439,13 +454,14 @@ class Worker:
         key = attempt.claim.instance.job_key
         outcome: Outcome | None = None
         try:
-            outcome = await run_attempt(
-                attempt,
-                self.app.jobs[key],
-                self._resources,
-                self._pool,
-                self.settings.timeout_grace_s,
-            )
+            with telemetry.span("jobplane.run", attempt.trace, job=key):
+                outcome = await run_attempt(
+                    attempt,
+                    self.app.jobs[key],
+                    self._resources,
+                    self._pool,
+                    self.settings.timeout_grace_s,
+                )
         except asyncio.CancelledError:
             pass  # stopped by _drain: released below
         finally:
@@ -515,7 +531,7 @@ class Worker:
         # Fenced by (instance, claim token): a later attempt's slot is never touched, and if
         # the dead-worker sweep released it first this matches nothing. Retried until the store
         # answers: until then the slot stays held, which errs on the side of the limit.
-        released: bool = await retrying(f"giving back the slot of runaway {instance.id}")(
+        released: bool = await self._retrying(f"giving back the slot of runaway {instance.id}")(
             self.store.release_runaway_slot, instance.id, attempt.claim.token
         )
         if released and attempt.claim.options.on_limit is OnLimit.WAIT:
@@ -531,7 +547,7 @@ class Worker:
         try:
             # Fenced by the claim token and the Processing state: after a lost lease (the
             # reaper released it, another worker may run it) this changes nothing.
-            released: Instance | None = await retrying(
+            released: Instance | None = await self._retrying(
                 f"releasing instance {instance.id} ({instance.job_key})", lambda: lease_until
             )(
                 self.store.transition,
@@ -575,6 +591,7 @@ class Worker:
                 [attempt.lease], self.settings.lease_s, {instance_id: progress}
             )
         except StoreUnavailableError as exc:
+            self.metrics.backend_error(exc)
             logger.warning(
                 "could not write the last progress of %s: %s",
                 instance_id,
@@ -602,10 +619,13 @@ class Worker:
 
     async def _record(self, batch: list[tuple[Attempt, Outcome]]) -> None:
         outcomes = [outcome for _, outcome in batch]
+        began_ns = time.time_ns()
         ended: dict[UUID, InstanceState] = await complete_isolating_poison(
-            retrying(f"recording {len(outcomes)} outcome(s)").wraps(self.store.complete),
+            self._retrying(f"recording {len(outcomes)} outcome(s)").wraps(self.store.complete),
             outcomes,
+            self.metrics.backend_error,
         )
+        record_spans(batch, ended, began_ns)
         requeued: list[Instance] = []
         wait_keys: dict[str, int] = {}
         for attempt, outcome in batch:
@@ -634,6 +654,8 @@ class Worker:
         try:
             await self._republish(requeued, wait_keys)
         except UnavailableError as exc:
+            if not isinstance(exc, StoreUnavailableError):  # a store error was counted by a try
+                self.metrics.backend_error(exc)
             # Not fatal: the outcomes are recorded; the sweep republishes what is Enqueued.
             logger.warning(
                 "republishing after %d outcome(s) failed: %s; left for the sweep",
@@ -648,11 +670,11 @@ class Worker:
         deadline = time.monotonic() + SIDE_WRITE_RETRY_S
         for key, freed in wait_keys.items():
             requeued.extend(
-                await retrying(f"republishing parked instances of {key}", lambda: deadline)(
+                await self._retrying(f"republishing parked instances of {key}", lambda: deadline)(
                     self.store.republish_waiting, [key], freed
                 )
             )
-        await retrying("marking instances published", lambda: deadline)(
+        await self._retrying("marking instances published", lambda: deadline)(
             self.dispatcher.publish, requeued, force=True
         )
 
@@ -669,6 +691,7 @@ class Worker:
                     )
                 await self._renew_leases()
             except StoreUnavailableError as exc:
+                self.metrics.backend_error(exc)
                 logger.warning("heartbeat failed: %s", exc, extra={"action": "worker.heartbeat"})
 
     async def _fence_loop(self) -> None:
@@ -776,6 +799,7 @@ class Worker:
                     if attempt is not None:
                         attempt.ctx.cancellation.set(CANCEL_REQUESTED)
             except (BusUnavailableError, ValueError) as exc:
+                self.metrics.backend_error(exc)
                 logger.warning(
                     "event subscription failed: %s; resubscribing",
                     exc,
@@ -841,6 +865,7 @@ class Worker:
         try:
             await coro
         except UnavailableError as exc:
+            self.metrics.backend_error(exc)
             logger.warning("%s", exc, extra={"action": "worker.cleanup"})
 
 

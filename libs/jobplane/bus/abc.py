@@ -52,6 +52,21 @@ class DeadLetter:
     error: str
 
 
+@dataclass(frozen=True, slots=True)
+class StreamStats:
+    """What one band stream of a queue holds, for metrics and autoscaling."""
+
+    queue: str
+    band: int
+    #: Entries in the stream: unread ones and delivered ones not yet acknowledged (an
+    #: acknowledged entry is deleted).
+    length: int
+    #: Entries never delivered to the consumer group: what waits for a worker.
+    lag: int
+    #: Entries delivered and not yet acknowledged (being claimed, or left by a gone consumer).
+    pending: int
+
+
 class Consumer(Protocol):
     """A worker's view of its queues' streams (plus its own pinned stream)."""
 
@@ -110,6 +125,11 @@ class Bus(Protocol):
 
     async def stream_lengths(self, queue: str) -> dict[str, int]:
         """Entries currently in each band stream of ``queue`` (for metrics and autoscaling)."""
+
+    async def stream_stats(self, queues: Collection[str]) -> list[StreamStats]:
+        """Length, consumer-group lag and pending entries of every band stream of ``queues``
+        (a stream or group not created yet counts zero), in one round trip. Pinned workers'
+        streams are not included."""
 
     # -- definition cache support ----------------------------------------------------------
 

@@ -27,6 +27,9 @@ class Envelope:
     priority: int
     kind: MessageKind = MessageKind.RUN
     pinned_worker: str | None = None
+    #: The W3C ``traceparent`` of the span that published it (when tracing is on). Optional:
+    #: envelopes written before it existed decode as they did.
+    trace: str | None = None
 
     def encode(self) -> bytes:
         body: dict[str, Any] = {
@@ -38,6 +41,8 @@ class Envelope:
         }
         if self.pinned_worker is not None:
             body["pin"] = self.pinned_worker
+        if self.trace is not None:
+            body["tp"] = self.trace
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
@@ -52,6 +57,7 @@ class Envelope:
             priority = body["prio"]
             job = body["job"]
             pin = body.get("pin")
+            trace = body.get("tp")
             if not isinstance(priority, int) or not isinstance(job, str):
                 raise EnvelopeError("envelope fields have the wrong type")
             if pin is not None and not isinstance(pin, str):
@@ -62,6 +68,8 @@ class Envelope:
                 priority=priority,
                 kind=MessageKind(body["kind"]),
                 pinned_worker=pin,
+                # A malformed trace never makes a job undeliverable: it is dropped.
+                trace=trace if isinstance(trace, str) else None,
             )
         except EnvelopeError:
             raise

@@ -16,9 +16,9 @@ import uuid
 from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 
-from jobplane.bus.abc import BusEpoch, DeadLetter, Delivery
+from jobplane.bus.abc import BusEpoch, DeadLetter, Delivery, StreamStats
 from jobplane.bus.envelope import Envelope, Event
-from jobplane.bus.keys import Keys
+from jobplane.bus.keys import BANDS, Keys
 from jobplane.errors import EnvelopeError
 
 logger = logging.getLogger(__name__)
@@ -122,6 +122,17 @@ class MemoryBus:
 
     async def stream_lengths(self, queue: str) -> dict[str, int]:
         return {key: len(self._stream(key).entries) for key in self.keys.queue_streams(queue)}
+
+    async def stream_stats(self, queues: Collection[str]) -> list[StreamStats]:
+        found = []
+        for queue in sorted(set(queues)):
+            for _, band in BANDS:
+                stream = self._stream(self.keys.queue_stream(queue, band))
+                lag = sum(1 for entry in stream.entries if entry > stream.last_delivered)
+                found.append(
+                    StreamStats(queue, band, len(stream.entries), lag, len(stream.pending))
+                )
+        return found
 
     async def set_pending_updates(self, versions: dict[str, int]) -> None:
         self._pending_updates.update(versions)

@@ -19,9 +19,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from jobplane.bus.abc import BusEpoch, DeadLetter, Delivery
+from jobplane.bus.abc import BusEpoch, DeadLetter, Delivery, StreamStats
 from jobplane.bus.envelope import Envelope, Event
-from jobplane.bus.keys import GROUP, Keys
+from jobplane.bus.keys import BANDS, GROUP, Keys
 from jobplane.errors import BusUnavailableError, EnvelopeError
 from jobplane.tasks import being_cancelled
 
@@ -164,6 +164,34 @@ class RedisBus:
                 pipe.xlen(key)
             lengths = await pipe.execute()
         return dict(zip(keys, lengths, strict=True))
+
+    async def stream_stats(self, queues: Collection[str]) -> list[StreamStats]:
+        streams = [(q, band) for q in sorted(set(queues)) for _, band in BANDS]
+        async with _translated("xinfo"):
+            pipe = self.client.pipeline(transaction=False)
+            for queue, band in streams:
+                key = self.keys.queue_stream(queue, band)
+                pipe.xlen(key)
+                pipe.xinfo_groups(key)
+            replies = await pipe.execute(raise_on_error=False)
+        found = []
+        for index, (queue, band) in enumerate(streams):
+            length, groups = replies[2 * index], replies[2 * index + 1]
+            if isinstance(length, Exception):
+                raise BusUnavailableError(f"Redis refused XLEN: {length}") from length
+            if isinstance(groups, ResponseError):
+                groups = []  # no such stream yet
+            elif isinstance(groups, Exception):
+                raise BusUnavailableError(f"Redis refused XINFO: {groups}") from groups
+            group = next((g for g in groups if _text(g["name"]) == GROUP), None)
+            pending = int(group["pending"]) if group is not None else 0
+            # Redis 7 reports the lag; it is unknown after some deletions (and on Redis 6),
+            # but every entry in a queue stream is either undelivered or pending (an
+            # acknowledged entry is deleted), so it is the rest.
+            lag = group.get("lag") if group is not None else None
+            lag = int(lag) if lag is not None else length - pending
+            found.append(StreamStats(queue, band, int(length), lag, pending))
+        return found
 
     async def set_pending_updates(self, versions: dict[str, int]) -> None:
         if versions:

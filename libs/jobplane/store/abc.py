@@ -131,6 +131,9 @@ class Store(Protocol):
         """Instances by (job, state), and how many workers have not stopped, in one
         statement."""
 
+    async def queues(self) -> list[str]:
+        """The queues of the defined jobs, sorted."""
+
     async def job_summaries(
         self, keys: Collection[str] | None = None, *, window_s: float = 86400.0
     ) -> dict[str, JobSummary]:

@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from jobplane.domain.models import Bucket, JobSummary
 from jobplane.domain.states import TERMINAL_STATES
 from jobplane.store.base import I, S, SqlBase
-from jobplane.store.tables import instance_transitions, job_instances, workers
+from jobplane.store.tables import instance_transitions, job_definitions, job_instances, workers
 
 TERMINAL = sorted(s.value for s in TERMINAL_STATES)
 
@@ -62,6 +62,14 @@ class StatsStore(SqlBase):
                 else:
                     counts[(job_key, S(state))] = n
         return counts, live_workers
+
+    async def queues(self) -> list[str]:
+        """The queues of the defined jobs, sorted (what a metrics scrape asks the bus about)."""
+        async with self._read() as conn:
+            result = await conn.execute(
+                select(job_definitions.c.queue).distinct().order_by(job_definitions.c.queue)
+            )
+            return list(result.scalars())
 
     async def job_summaries(
         self, keys: Collection[str] | None = None, *, window_s: float = DAY_S

@@ -106,9 +106,10 @@ async def readyz(store: StoreDep, bus: BusDep) -> dict[str, str] | Response:
     responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
 )
 async def metrics(store: StoreDep, request: Request) -> Response:
-    """Instance counts by state and job (from the store: one database statement per
-    scrape, reused for ``JOBPLANE_METRICS_CACHE_S`` seconds), and this process's request
-    count and latency by route and status, in the Prometheus text format."""
+    """Instance counts by state and job, live workers (from the store), each queue
+    stream's length, consumer-group lag and pending entries (from the bus), reused for
+    ``JOBPLANE_METRICS_CACHE_S`` seconds; and this process's request count and latency by
+    route and status, in the Prometheus text format."""
     cache: MetricsCache = request.app.state.metrics
-    body, content_type = await cache.render(store)
+    body, content_type = await cache.render(store, request.app.state.bus)
     return Response(body + request.app.state.request_metrics.render(), media_type=content_type)
