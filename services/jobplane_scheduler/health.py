@@ -2,35 +2,21 @@
 
 Readiness never depends on leading: a follower is as ready as the leader (it stands by to
 take over), so an orchestrator keeps both replicas. ``/readyz`` answers 503 only while
-Postgres or Redis does not answer within :data:`CHECK_TIMEOUT_S`; it reports whether this
-replica leads, for people.
+Postgres or Redis does not answer within :data:`jobplane.probes.CHECK_TIMEOUT_S`; it reports
+whether this replica leads, for people.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from jobplane.errors import UnavailableError
+from jobplane.probes import reach
 from jobplane_scheduler.scheduler import Scheduler
-
-#: A readiness check of Postgres or Redis fails when it takes longer than this.
-CHECK_TIMEOUT_S = 1.0
-
-
-async def _reach(ping: Callable[[], Awaitable[None]]) -> dict[str, object]:
-    try:
-        await asyncio.wait_for(ping(), CHECK_TIMEOUT_S)
-    except TimeoutError:
-        return {"ok": False, "detail": f"no answer within {CHECK_TIMEOUT_S:g} s"}
-    except UnavailableError as exc:
-        return {"ok": False, "detail": str(exc)}
-    return {"ok": True, "detail": "reachable"}
 
 
 def health_app(scheduler: Scheduler) -> Starlette:
@@ -39,7 +25,7 @@ def health_app(scheduler: Scheduler) -> Starlette:
 
     async def readyz(request: Request) -> Response:
         postgres, redis = await asyncio.gather(
-            _reach(scheduler.store.ping), _reach(scheduler.bus.ping)
+            reach(scheduler.store.ping), reach(scheduler.bus.ping)
         )
         ready = bool(postgres["ok"] and redis["ok"])
         body = {

@@ -2,16 +2,16 @@
 
 A tiny Starlette app served by uvicorn on the worker's own event loop, so an answer from
 ``/healthz`` proves that loop is alive. ``/readyz`` answers 503 when this worker cannot usefully
-take work: Postgres or Redis does not answer within :data:`CHECK_TIMEOUT_S`, every thread of the
-sync-job pool is held by a runaway (a sync job past its timeout that ignores its cancellation),
-or the worker is starting or shutting down.
+take work: Postgres or Redis does not answer within :data:`jobplane.probes.CHECK_TIMEOUT_S`,
+every thread of the sync-job pool is held by a runaway (a sync job past its timeout that
+ignores its cancellation), or the worker is starting or shutting down.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from jobplane.bus.abc import Bus
-from jobplane.errors import UnavailableError
+from jobplane.probes import reach
 from jobplane.serving import bind, serve_until
 from jobplane.settings import WorkerSettings
 from jobplane.store.abc import Store
@@ -30,8 +30,6 @@ from jobplane_worker.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
-#: A readiness check of Postgres or Redis fails when it takes longer than this.
-CHECK_TIMEOUT_S = 1.0
 #: How long the probe server gets to finish its requests when the worker stops.
 STOP_TIMEOUT_S = 5.0
 
@@ -57,7 +55,7 @@ class Probed(Protocol):
 
 async def readiness(worker: Probed) -> tuple[bool, dict[str, dict[str, Any]]]:
     """Whether the worker is ready, and each check as ``{"ok": bool, "detail": str}``."""
-    postgres, redis = await asyncio.gather(_reach(worker.store.ping), _reach(worker.bus.ping))
+    postgres, redis = await asyncio.gather(reach(worker.store.ping), reach(worker.bus.ping))
     threads = worker.settings.concurrency
     held = worker.runaway_count
     pool = {
@@ -73,16 +71,6 @@ async def readiness(worker: Probed) -> tuple[bool, dict[str, dict[str, Any]]]:
         state = {"ok": True, "detail": "consuming"}
     checks = {"postgres": postgres, "redis": redis, "job_pool": pool, "worker": state}
     return all(c["ok"] for c in checks.values()), checks
-
-
-async def _reach(ping: Callable[[], Awaitable[None]]) -> dict[str, Any]:
-    try:
-        await asyncio.wait_for(ping(), CHECK_TIMEOUT_S)
-    except TimeoutError:
-        return {"ok": False, "detail": f"no answer within {CHECK_TIMEOUT_S:g} s"}
-    except UnavailableError as exc:
-        return {"ok": False, "detail": str(exc)}
-    return {"ok": True, "detail": "reachable"}
 
 
 def health_app(worker: Probed) -> Starlette:
