@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
+from jobplane.errors import StoreUnavailableError
 from jobplane.store.sql import SqlStore
 from tests.chaos.cluster import Cluster, Role
 
@@ -21,6 +22,24 @@ from tests.chaos.cluster import Cluster, Role
 FREEZE_S = (3.5, 6.0)
 #: Seconds a partition lasts.
 PARTITION_S = (3.0, 7.0)
+
+
+#: Every kind of fault (each a method of :class:`Faults`).
+KINDS = (
+    "sigkill_worker",
+    "sigkill_leader",
+    "sigterm_role",
+    "sigstop_worker",
+    "sigstop_leader",
+    "redis_restart_empty",
+    "redis_client_kill",
+    "postgres_restart",
+    "partition_worker",
+    "partition_leader",
+    "postgres_latency",
+)
+#: Seconds a fault waits for a free role to act on before giving up.
+TARGET_WAIT_S = 10.0
 
 
 @dataclass
@@ -46,17 +65,7 @@ class Faults:
         self._tasks: set[asyncio.Task[None]] = set()
         self._server_lock = asyncio.Lock()
         self.kinds: dict[str, Callable[[], Awaitable[None]]] = {
-            "sigkill_worker": self.sigkill_worker,
-            "sigkill_leader": self.sigkill_leader,
-            "sigterm_role": self.sigterm_role,
-            "sigstop_worker": self.sigstop_worker,
-            "sigstop_leader": self.sigstop_leader,
-            "redis_restart_empty": self.redis_restart,
-            "redis_client_kill": self.redis_client_kill,
-            "postgres_restart": self.postgres_restart,
-            "partition_worker": self.partition_worker,
-            "partition_leader": self.partition_leader,
-            "postgres_latency": self.postgres_latency,
+            kind: getattr(self, kind) for kind in KINDS
         }
 
     async def run(self, stop: asyncio.Event, interval_s: tuple[float, float]) -> None:
@@ -81,12 +90,18 @@ class Faults:
         except Exception as error:
             self.log.note("harness_error", f"{kind}: {error!r}")
 
-    def _free(self, kind: str) -> Role | None:
-        free = [r for r in self.cluster.of_kind(kind) if not r.busy and r.running]
-        return self.rng.choice(free) if free else None
+    def _free(self, kind: str) -> Callable[[], Awaitable[Role | None]]:
+        async def find() -> Role | None:
+            free = [r for r in self.cluster.of_kind(kind) if not r.busy and r.running]
+            return self.rng.choice(free) if free else None
+
+        return find
 
     async def _leader(self) -> Role | None:
-        lease = await self.store.get_leader(0)
+        try:
+            lease = await self.store.get_leader(0)
+        except StoreUnavailableError:
+            return None  # Postgres restarting: ask again
         role = self.cluster.roles.get(lease.holder) if lease is not None else None
         return role if role is not None and not role.busy and role.running else None
 
@@ -96,11 +111,18 @@ class Faults:
         await self.cluster.start(role)
 
     async def _hold(
-        self, role: Role | None, kind: str, act: Callable[[Role], Awaitable[None]]
+        self,
+        find: Callable[[], Awaitable[Role | None]],
+        kind: str,
+        act: Callable[[Role], Awaitable[None]],
     ) -> None:
-        if role is None:
-            self.log.note(f"{kind}:no_target", "")
-            return
+        """Take a free role ``find`` names (waiting for one a while), act on it, free it."""
+        deadline = time.monotonic() + TARGET_WAIT_S
+        while (role := await find()) is None:
+            if time.monotonic() > deadline:
+                self.log.note(f"{kind}:no_target", "")
+                return
+            await asyncio.sleep(0.5)
         role.busy = True
         try:
             self.log.note(kind, role.name)
@@ -116,7 +138,7 @@ class Faults:
         )
 
     async def sigkill_leader(self) -> None:
-        await self._hold(await self._leader(), "sigkill_leader", self._kill_leader)
+        await self._hold(self._leader, "sigkill_leader", self._kill_leader)
 
     async def _kill_leader(self, role: Role) -> None:
         lost = time.monotonic()
@@ -126,10 +148,11 @@ class Faults:
 
     async def _time_failover(self, old: str, since: float) -> None:
         while time.monotonic() - since < 30:
-            lease = await self.store.get_leader(0)
-            if lease is not None and lease.holder != old:
-                self.log.failovers.append(round(time.monotonic() - since, 2))
-                return
+            with contextlib.suppress(StoreUnavailableError):
+                lease = await self.store.get_leader(0)
+                if lease is not None and lease.holder != old:
+                    self.log.failovers.append(round(time.monotonic() - since, 2))
+                    return
             await asyncio.sleep(0.1)
 
     async def sigterm_role(self) -> None:
@@ -149,9 +172,9 @@ class Faults:
         await self._hold(self._free("worker"), "sigstop_worker", self._freeze)
 
     async def sigstop_leader(self) -> None:
-        await self._hold(await self._leader(), "sigstop_leader", self._freeze)
+        await self._hold(self._leader, "sigstop_leader", self._freeze)
 
-    async def redis_restart(self) -> None:
+    async def redis_restart_empty(self) -> None:
         async with self._server_lock:
             self.log.note("redis_restart_empty", "")
             await asyncio.to_thread(self.cluster.redis.restart_empty)
@@ -184,7 +207,7 @@ class Faults:
         await self._hold(self._free("worker"), "partition_worker", self._partition)
 
     async def partition_leader(self) -> None:
-        await self._hold(await self._leader(), "partition_leader", self._partition)
+        await self._hold(self._leader, "partition_leader", self._partition)
 
     async def postgres_latency(self) -> None:
         delay = round(self.rng.uniform(0.02, 0.15), 3)
