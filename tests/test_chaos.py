@@ -13,7 +13,7 @@ from sqlalchemy import insert, text
 
 from jobplane.store.sql import SqlStore
 from jobplane.store.tables import instance_transitions, job_instances
-from tests.chaos.checker import Findings, check
+from tests.chaos.checker import Findings, Run, check
 from tests.chaos.faults import KINDS
 from tests.chaos.harness import Harness
 from tests.chaos.servers import missing_requirement
@@ -120,6 +120,25 @@ async def test_the_checker_reports_each_planted_violation(pg_store: SqlStore) ->
     # The revived one, the Failed one and the two still Processing are unfinished too.
     assert len(found.violations["not_terminal_after_quiet_period"]) == 5
     assert found.total == 14, found.violations
+
+
+async def test_the_checker_reports_two_copies_of_an_instance_running_at_once(
+    pg_store: SqlStore,
+) -> None:
+    runs = [
+        Run("a", 1, "w1", 0, 2),
+        Run("a", 2, "w2", 1, 3),  # a lost lease whose copy ran on: reported
+        Run("b", 1, "w3", 0, 2),
+        Run("b", 2, "w2", 1, 3),  # w3 was frozen meanwhile: not a fencing failure
+        Run("c", 1, "w1", 0, None),  # its process died
+        Run("c", 2, "w2", 0.5, 1),
+        Run("d", 1, "w1", 0, 1.1),  # noted a moment late: within the tolerance
+        Run("d", 2, "w2", 1, 2),
+    ]
+    found = await check(pg_store, {}, NOW, runs=runs, frozen=[("w3", 1.5, 1.8)])
+    assert found.violations == {
+        "two_copies_at_once": ["a: attempt 1 on w1 and attempt 2 on w2 overlapped 1.00 s"]
+    }
 
 
 @pytest.mark.timeout(420)

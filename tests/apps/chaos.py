@@ -4,7 +4,10 @@ processes. Each job is short, so that the harness's quiet period drains them all
 from __future__ import annotations
 
 import asyncio
+import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from pydantic import BaseModel
 
@@ -17,6 +20,34 @@ class Args(BaseModel):
     value: int
 
 
+#: File (set by the harness) where the longer jobs note when each attempt's code ran.
+RUNS_ENV = "JOBPLANE_CHAOS_RUNS"
+
+
+@contextmanager
+def recorded(ctx: JobContext) -> Iterator[None]:
+    """Note the start and the end of this attempt's code (wall clock, one line each, appended
+    in one write), so the checker can see two copies of one instance running at once."""
+    path = os.environ.get(RUNS_ENV)
+    if not path:
+        yield
+        return
+    who = f"{ctx.instance_id} {ctx.attempt} {ctx.worker_id}"
+    _append(path, f"start {who} {time.time():.3f}\n")
+    try:
+        yield
+    finally:
+        _append(path, f"end {who} {time.time():.3f}\n")
+
+
+def _append(path: str, line: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
 @app.triggered(max_concurrency=50)
 async def fast(args: Args) -> int:
     return args.value
@@ -24,15 +55,17 @@ async def fast(args: Args) -> int:
 
 @app.triggered(max_concurrency=20)
 async def slow_async(ctx: JobContext, args: Args) -> int:
-    await asyncio.sleep(1.5)
+    with recorded(ctx):
+        await asyncio.sleep(1.5)
     return args.value
 
 
 @app.triggered(max_concurrency=10)
 def sync_work(ctx: JobContext, args: Args) -> int:
-    deadline = time.monotonic() + 0.3
-    while time.monotonic() < deadline and not ctx.cancelled:
-        time.sleep(0.02)
+    with recorded(ctx):
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline and not ctx.cancelled:
+            time.sleep(0.02)
     return args.value
 
 
@@ -60,9 +93,10 @@ async def limited_wait(args: Args) -> int:
 async def checkpointing(ctx: JobContext, args: Args) -> dict[str, int]:
     """Saves a checkpoint per step; a later attempt resumes from the last one saved."""
     start = int(ctx.last_checkpoint or 0)
-    for step in range(start, 4):
-        await asyncio.sleep(0.2)
-        await ctx.checkpoint(step + 1)
+    with recorded(ctx):
+        for step in range(start, 4):
+            await asyncio.sleep(0.2)
+            await ctx.checkpoint(step + 1)
     return {"resumed_from": start, "value": args.value}
 
 

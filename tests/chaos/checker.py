@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import func, select
@@ -38,9 +39,47 @@ class Findings:
         return sum(len(v) for v in self.violations.values())
 
 
-async def check(store: SqlStore, acks: dict[str, str], now: datetime | None = None) -> Findings:
-    """Check every invariant; ``acks`` maps each acknowledged instance id to its job key."""
+@dataclass(frozen=True)
+class Run:
+    """One attempt's code running, as the job noted it (wall clock); ``end`` is ``None`` when
+    its process died first."""
+
+    instance: str
+    attempt: int
+    worker: str
+    start: float
+    end: float | None
+
+
+#: Seconds two copies may seem to overlap by: the job notes its end a little after it stops.
+OVERLAP_TOLERANCE_S = 0.2
+
+
+def read_runs(path: Path) -> list[Run]:
+    """The runs noted in ``path`` (``tests/apps/chaos.py``'s ``recorded``)."""
+    starts: dict[tuple[str, int, str], float] = {}
+    ends: dict[tuple[str, int, str], float] = {}
+    if not path.exists():
+        return []
+    for line in path.read_text().splitlines():
+        what, instance, attempt, worker, at = line.split()
+        (starts if what == "start" else ends)[(instance, int(attempt), worker)] = float(at)
+    return [Run(*who, start, ends.get(who)) for who, start in starts.items()]
+
+
+async def check(
+    store: SqlStore,
+    acks: dict[str, str],
+    now: datetime | None = None,
+    *,
+    runs: Sequence[Run] = (),
+    frozen: Sequence[tuple[str, float, float]] = (),
+) -> Findings:
+    """Check every invariant; ``acks`` maps each acknowledged instance id to its job key,
+    ``runs`` are the attempts the jobs noted, ``frozen`` the (worker, from, to) wall-clock
+    windows in which the harness had a worker stopped (SIGSTOP)."""
     found = Findings()
+    _two_copies(found, runs, frozen)
     async with store.engine.connect() as conn:
         instances = {str(r.id): r._mapping for r in await conn.execute(select(job_instances))}
         history: dict[str, list[Transition]] = defaultdict(list)
@@ -65,6 +104,30 @@ async def check(store: SqlStore, acks: dict[str, str], now: datetime | None = No
     _attempts(found, instances.values(), definitions)
     _idempotency(found, instances.values())
     return found
+
+
+def _two_copies(
+    found: Findings, runs: Sequence[Run], frozen: Sequence[tuple[str, float, float]]
+) -> None:
+    """No two attempts of one instance ran at once: an attempt whose lease was lost (a
+    partition) stopped before another began. A frozen worker cannot stop its code, so its
+    attempts are left out (they may run on after it resumes, as a crash's would have)."""
+    by_instance: dict[str, list[Run]] = defaultdict(list)
+    for run in runs:
+        thawed = not any(
+            w == run.worker and a <= (run.end or b) and run.start <= b for w, a, b in frozen
+        )
+        if run.end is not None and thawed:
+            by_instance[run.instance].append(run)
+    for instance, attempts in by_instance.items():
+        for a, b in itertools.combinations(attempts, 2):
+            overlap = min(a.end or 0, b.end or 0) - max(a.start, b.start)
+            if overlap > OVERLAP_TOLERANCE_S:
+                found.add(
+                    "two_copies_at_once",
+                    f"{instance}: attempt {a.attempt} on {a.worker} and attempt {b.attempt} "
+                    f"on {b.worker} overlapped {overlap:.2f} s",
+                )
 
 
 def _show(path: Iterable[Transition]) -> str:

@@ -7,7 +7,9 @@ import asyncio
 import signal
 import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from tests.apps.chaos import RUNS_ENV
 from tests.chaos.servers import ChaosProxy, Postgres, Redis
 from tests.cli_helpers import free_port, output_of, spawn_cli, stop_all, wait_http_ok
 
@@ -58,8 +60,10 @@ class Unexpected:
 
 
 class Cluster:
-    def __init__(self, pg: Postgres, redis: Redis, token: str) -> None:
+    def __init__(self, pg: Postgres, redis: Redis, token: str, runs: Path) -> None:
         self.pg = pg
+        #: Where the workers' jobs note their runs (``tests/apps/chaos.py``).
+        self.runs = runs
         self.redis = redis
         self.token = token
         self.roles: dict[str, Role] = {}
@@ -96,6 +100,7 @@ class Cluster:
             env["JOBPLANE_SCHEDULER_ID"] = role.name
         else:
             args = ["worker", "--app", APP, "--worker-id", role.name]
+            env[RUNS_ENV] = str(self.runs)
             args += ["--health-port", str(role.port)]
         role.stopping = False
         role.proc = spawn_cli(*args, **env)

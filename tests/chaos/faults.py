@@ -50,6 +50,8 @@ class FaultLog:
     kinds: Counter[str] = field(default_factory=Counter)
     #: Seconds from a leader's loss to another scheduler leading.
     failovers: list[float] = field(default_factory=list)
+    #: (role, from, to) on the wall clock: when a role was stopped with SIGSTOP.
+    frozen: list[tuple[str, float, float]] = field(default_factory=list)
 
     def note(self, kind: str, detail: str) -> None:
         self.kinds[kind] += 1
@@ -164,9 +166,12 @@ class Faults:
         )
 
     async def _freeze(self, role: Role) -> None:
+        began = time.time()
         self.cluster.send(role, signal.SIGSTOP)
         await asyncio.sleep(self.rng.uniform(*FREEZE_S))
         self.cluster.send(role, signal.SIGCONT)
+        # Its code may run on a moment after it resumes, until the fence loop stops it.
+        self.log.frozen.append((role.name, began, time.time() + 1))
 
     async def sigstop_worker(self) -> None:
         await self._hold(self._free("worker"), "sigstop_worker", self._freeze)

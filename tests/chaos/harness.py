@@ -9,10 +9,12 @@ import asyncio
 import random
 import secrets
 import signal
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from types import TracebackType
 
 from sqlalchemy import func, select
@@ -21,7 +23,7 @@ from jobplane.domain.states import TERMINAL_STATES
 from jobplane.store.factory import open_store
 from jobplane.store.sql import SqlStore
 from jobplane.store.tables import job_instances
-from tests.chaos.checker import Findings, check
+from tests.chaos.checker import Findings, check, read_runs
 from tests.chaos.cluster import Cluster
 from tests.chaos.faults import FaultLog, Faults
 from tests.chaos.load import Load
@@ -40,6 +42,7 @@ class Report:
     faults: FaultLog
     ops: Counter[str]
     acknowledged: int
+    runs_noted: int
     tracebacks: int
     drained_in_s: float | None
     notes: list[str] = field(default_factory=list)
@@ -58,6 +61,7 @@ class Report:
             lines.append(f"leader failover after SIGKILL (s): {self.faults.failovers}")
         lines.append("requests: " + _counts(self.ops))
         lines.append(f"acknowledged instances: {self.acknowledged}")
+        lines.append(f"attempts noted by the jobs (checked for overlaps): {self.runs_noted}")
         lines.append("instances by final state: " + _counts(self.findings.states))
         drained = "not drained" if self.drained_in_s is None else f"{self.drained_in_s:.1f} s"
         lines.append(f"quiet period drained in: {drained}")
@@ -81,7 +85,9 @@ class Harness:
         self.pg = Postgres()
         self.redis = Redis()
         self.token = "jp_" + secrets.token_urlsafe(32)
-        self.cluster = Cluster(self.pg, self.redis, self.token)
+        self._scratch = tempfile.TemporaryDirectory(prefix="jobplane-chaos-")
+        self.runs = Path(self._scratch.name) / "runs"
+        self.cluster = Cluster(self.pg, self.redis, self.token, self.runs)
         self.store: SqlStore | None = None
 
     async def __aenter__(self) -> Harness:
@@ -120,6 +126,7 @@ class Harness:
             await self.store.close()
         await asyncio.to_thread(self.redis.stop)
         await asyncio.to_thread(self.pg.stop)
+        self._scratch.cleanup()
 
     @property
     def db(self) -> SqlStore:
@@ -158,7 +165,8 @@ class Harness:
         drained = await self._quiet(quiet_s)
         watching.cancel()
         self.cluster.check_alive()
-        findings = await check(self.db, load.acks)
+        runs = read_runs(self.runs)
+        findings = await check(self.db, load.acks, runs=runs, frozen=faults.log.frozen)
         for gone in self.cluster.unexpected:
             findings.add("unexpected_exit", f"{gone.role} (status {gone.status}): {gone.tail}")
         for broken in load.violations:
@@ -173,6 +181,7 @@ class Harness:
             faults.log,
             load.ops,
             len(load.acks),
+            len(runs),
             self.cluster.tracebacks(),
             drained,
         )
