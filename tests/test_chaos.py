@@ -141,6 +141,7 @@ async def test_the_checker_reports_two_copies_of_an_instance_running_at_once(
     }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 async def test_a_minute_of_overlapping_faults_breaks_no_guarantee() -> None:
     reason = missing_requirement()

@@ -17,6 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 
+import redis.asyncio as aioredis
 from sqlalchemy import func, select
 
 from jobplane.domain.states import TERMINAL_STATES
@@ -89,6 +90,8 @@ class Harness:
         self.runs = Path(self._scratch.name) / "runs"
         self.cluster = Cluster(self.pg, self.redis, self.token, self.runs)
         self.store: SqlStore | None = None
+        self.streams_left: dict[str, int] = {}
+        self.streams_seen = 0
 
     async def __aenter__(self) -> Harness:
         try:
@@ -169,11 +172,14 @@ class Harness:
         findings = await check(self.db, load.acks, runs=runs, frozen=faults.log.frozen)
         for gone in self.cluster.unexpected:
             findings.add("unexpected_exit", f"{gone.role} (status {gone.status}): {gone.tail}")
+        for key, n in self.streams_left.items():
+            findings.add("stream_entries_left", f"{key}: {n} entries, nothing Enqueued")
         for broken in load.violations:
             findings.add("idempotency_answer", broken)
         for at, kind, detail in faults.log.entries:
             if kind == "harness_error":
                 findings.add("harness_error", f"at {at} s: {detail}")
+        notes = [f"Redis streams checked for entries left over: {self.streams_seen}"]
         return Report(
             seed,
             seconds,
@@ -184,6 +190,7 @@ class Harness:
             len(runs),
             self.cluster.tracebacks(),
             drained,
+            notes,
         )
 
     async def _watch(self) -> None:
@@ -194,7 +201,8 @@ class Harness:
     async def _quiet(self, quiet_s: float) -> float | None:
         """Let everything finish: first what was made before the load stopped (schedulers
         still running: delays, reaping, ticks), then — schedulers stopped — the last ticks.
-        Then stop every role with SIGTERM. The seconds it took, or ``None`` if it never did."""
+        Then note the stream entries left over, and stop every role with SIGTERM. The seconds
+        it took, or ``None`` if it never did."""
         began = time.monotonic()
         since = await self._db_now()
         done = await self._settled(since, quiet_s)
@@ -202,10 +210,31 @@ class Harness:
             await self.cluster.stop(self.cluster.roles[name], signal.SIGTERM)
         done = await self._settled(None, 30) and done
         took = time.monotonic() - began
+        if done:
+            self.streams_left = await self._streams_left(15)
         for role in list(self.cluster.roles.values()):
             if role.running:
                 await self.cluster.stop(role, signal.SIGTERM)
         return took if done else None
+
+    async def _streams_left(self, timeout_s: float) -> dict[str, int]:
+        """With nothing Enqueued any more, every stream entry must have been consumed (acked
+        and deleted, or dropped): the entries still there after ``timeout_s``, by stream."""
+        client = aioredis.Redis(port=self.redis.port, decode_responses=True)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                left = {}
+                self.streams_seen = 0
+                async for key in client.scan_iter(match="chaos:*", _type="stream"):
+                    self.streams_seen += 1
+                    if n := await client.xlen(key):
+                        left[key] = n
+                if not left or time.monotonic() > deadline:
+                    return left
+                await asyncio.sleep(0.5)
+        finally:
+            await client.aclose()
 
     async def _db_now(self) -> datetime:
         async with self.db.engine.connect() as conn:
