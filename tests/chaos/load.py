@@ -1,6 +1,7 @@
 """Load over REST at a bounded rate: single and batch triggers (some delayed, some pinned),
-Idempotency-Key replays and conflicting reuses, cancels, retries of terminal instances, pauses
-and resumes of a recurring job. It records every acknowledged (201) instance for the checker."""
+Idempotency-Key replays and conflicting reuses, cancels, retries of terminal instances, pauses,
+resumes and option edits of a recurring job. It records every acknowledged (201) instance for
+the checker."""
 
 from __future__ import annotations
 
@@ -158,6 +159,23 @@ class Load:
             self.acks[answer.json()["id"]] = target.job
 
     async def _pause_or_resume(self, client: httpx.AsyncClient) -> None:
-        action = self.rng.choice(["pause", "resume"])
+        action = self.rng.choice(["pause", "resume", "edit"])
+        if action == "edit":
+            await self._edit(client)
+            return
         answer = await client.post(f"/api/v1/jobs/{PAUSED_TICK}/{action}")
         self.ops[f"{action}:{answer.status_code}"] += 1
+
+    async def _edit(self, client: httpx.AsyncClient) -> None:
+        """Edit the paused-and-resumed recurring job's options at the version just read (a
+        409 when another edit won meanwhile)."""
+        job = await client.get(f"/api/v1/jobs/{PAUSED_TICK}")
+        if job.status_code != 200:
+            self.ops[f"edit:read_{job.status_code}"] += 1
+            return
+        patch = {
+            "version": job.json()["version"],
+            "options": {"max_concurrency": self.rng.randint(5, 10)},
+        }
+        answer = await client.patch(f"/api/v1/jobs/{PAUSED_TICK}", json=patch)
+        self.ops[f"edit:{answer.status_code}"] += 1
