@@ -1,0 +1,240 @@
+"""The invariant checker: reads the store after the quiet period and lists, per invariant, every
+instance that breaks it (with its history). Each list must be empty."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, select
+
+from jobplane.domain.states import TERMINAL_STATES, InstanceState, can_transition
+from jobplane.store.sql import SqlStore
+from jobplane.store.tables import instance_transitions, job_definitions, job_instances
+from tests.apps.chaos import TICKS
+from tests.store_helpers import max_running
+
+S = InstanceState
+Transition = tuple[int, S | None, S, int | None]  # seq, from, to, claim token
+
+
+@dataclass
+class Findings:
+    """Violations by invariant (each entry names the instance and shows its history), and
+    instances by final state."""
+
+    violations: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    states: Counter[str] = field(default_factory=Counter)
+
+    def add(self, invariant: str, detail: str) -> None:
+        self.violations[invariant].append(detail)
+
+    @property
+    def total(self) -> int:
+        return sum(len(v) for v in self.violations.values())
+
+
+@dataclass(frozen=True)
+class Run:
+    """One attempt's code running, as the job noted it (wall clock); ``end`` is ``None`` when
+    its process died first."""
+
+    instance: str
+    attempt: int
+    worker: str
+    start: float
+    end: float | None
+
+
+#: Seconds two copies may seem to overlap by: the job notes its end a little after it stops.
+OVERLAP_TOLERANCE_S = 0.2
+
+
+def read_runs(path: Path) -> list[Run]:
+    """The runs noted in ``path`` (``tests/apps/chaos.py``'s ``recorded``)."""
+    starts: dict[tuple[str, int, str], float] = {}
+    ends: dict[tuple[str, int, str], float] = {}
+    if not path.exists():
+        return []
+    for line in path.read_text().splitlines():
+        what, instance, attempt, worker, at = line.split()
+        (starts if what == "start" else ends)[(instance, int(attempt), worker)] = float(at)
+    return [Run(*who, start, ends.get(who)) for who, start in starts.items()]
+
+
+async def check(
+    store: SqlStore,
+    acks: dict[str, str],
+    now: datetime | None = None,
+    *,
+    runs: Sequence[Run] = (),
+    frozen: Sequence[tuple[str, float, float]] = (),
+) -> Findings:
+    """Check every invariant; ``acks`` maps each acknowledged instance id to its job key,
+    ``runs`` are the attempts the jobs noted, ``frozen`` the (worker, from, to) wall-clock
+    windows in which the harness had a worker stopped (SIGSTOP)."""
+    found = Findings()
+    _two_copies(found, runs, frozen)
+    async with store.engine.connect() as conn:
+        instances = {str(r.id): r._mapping for r in await conn.execute(select(job_instances))}
+        history: dict[str, list[Transition]] = defaultdict(list)
+        t = instance_transitions.c
+        rows = await conn.execute(
+            select(t.seq, t.instance_id, t.from_state, t.to_state, t.claim_token).order_by(t.seq)
+        )
+        for seq, instance_id, from_state, to_state, token in rows:
+            history[str(instance_id)].append(
+                (seq, S(from_state) if from_state else None, S(to_state), token)
+            )
+        definitions = {r.key: r._mapping for r in await conn.execute(select(job_definitions))}
+        db_now = now or await conn.scalar(select(func.now()))
+    assert isinstance(db_now, datetime)
+    for row in instances.values():
+        found.states[row["state"]] += 1
+    _acknowledged(found, acks, instances, db_now)
+    _cron_ticks(found, instances.values())
+    for instance_id, path in history.items():
+        _legal_path(found, instance_id, path)
+    _concurrency(found, instances, history, definitions)
+    _attempts(found, instances.values(), definitions)
+    _idempotency(found, instances.values())
+    return found
+
+
+def _two_copies(
+    found: Findings, runs: Sequence[Run], frozen: Sequence[tuple[str, float, float]]
+) -> None:
+    """No two attempts of one instance ran at once: an attempt whose lease was lost (a
+    partition) stopped before another began. A frozen worker cannot stop its code, so its
+    attempts are left out (they may run on after it resumes, as a crash's would have)."""
+    by_instance: dict[str, list[Run]] = defaultdict(list)
+    for run in runs:
+        thawed = not any(
+            w == run.worker and a <= (run.end or b) and run.start <= b for w, a, b in frozen
+        )
+        if run.end is not None and thawed:
+            by_instance[run.instance].append(run)
+    for instance, attempts in by_instance.items():
+        for a, b in itertools.combinations(attempts, 2):
+            overlap = min(a.end or 0, b.end or 0) - max(a.start, b.start)
+            if overlap > OVERLAP_TOLERANCE_S:
+                found.add(
+                    "two_copies_at_once",
+                    f"{instance}: attempt {a.attempt} on {a.worker} and attempt {b.attempt} "
+                    f"on {b.worker} overlapped {overlap:.2f} s",
+                )
+
+
+def _show(path: Iterable[Transition]) -> str:
+    return " → ".join(
+        f"{(f or '[*]')}>{to}#{tok}" if tok is not None else f"{(f or '[*]')}>{to}"
+        for _, f, to, tok in path
+    )
+
+
+def _acknowledged(
+    found: Findings, acks: dict[str, str], instances: dict[str, Any], now: datetime
+) -> None:
+    """No lost instance: every acknowledged trigger exists and is terminal, or still waits
+    for a due time in the future; and nothing else is left unfinished after the quiet period."""
+    for instance_id, job in acks.items():
+        if instance_id not in instances:
+            found.add("lost_acknowledged_trigger", f"{instance_id} ({job}) is not in the store")
+    for instance_id, row in instances.items():
+        state = S(row["state"])
+        future = state is S.SCHEDULED and row["run_at"] is not None and row["run_at"] > now
+        if state not in TERMINAL_STATES and not future:
+            found.add(
+                "not_terminal_after_quiet_period",
+                f"{instance_id} ({row['job_key']}, {row['source']}) is {state}",
+            )
+
+
+def _cron_ticks(found: Findings, instances: Iterable[Any]) -> None:
+    """Exactly one fire per tick, and no tick missing between a job's first and last one
+    (a missed tick the misfire policy did not run is recorded Skipped, so it is present)."""
+    ticks: dict[str, list[datetime]] = defaultdict(list)
+    for row in instances:
+        if row["source"] == "cron" and row["scheduled_at"] is not None:
+            ticks[row["job_key"]].append(row["scheduled_at"])
+    for key, times in ticks.items():
+        for when, n in Counter(times).items():
+            if n > 1:
+                found.add("cron_tick_twice", f"{key} at {when.isoformat()}: {n} instances")
+        if key not in TICKS:
+            continue  # paused and resumed by the load: its gaps are legitimate
+        ordered = sorted(set(times))
+        for a, b in itertools.pairwise(ordered):
+            if b - a != timedelta(seconds=1):
+                found.add("cron_tick_missing", f"{key}: nothing between {a} and {b}")
+
+
+def _legal_path(found: Findings, instance_id: str, path: list[Transition]) -> None:
+    """Every history is a path of the state table starting at creation (so nothing leaves a
+    terminal state), and each Processing → X carries its own attempt's claim token (no write
+    from a stale claim was accepted)."""
+    previous: S | None = None
+    token: int | None = None
+    for n, (_, from_state, to_state, claim) in enumerate(path):
+        if from_state != previous or (n == 0) != (from_state is None):
+            found.add("broken_history", f"{instance_id}: {_show(path)}")
+            return
+        if not can_transition(from_state, to_state):
+            invariant = (
+                "transition_out_of_terminal"
+                if from_state is not None and from_state.is_terminal
+                else "illegal_transition"
+            )
+            found.add(invariant, f"{instance_id}: {_show(path)}")
+            return
+        if from_state is S.PROCESSING and (claim is None or claim != token):
+            found.add("stale_claim_write", f"{instance_id}: {_show(path)}")
+        token = claim if to_state is S.PROCESSING else token
+        previous = to_state
+
+
+def _concurrency(
+    found: Findings,
+    instances: dict[str, Any],
+    history: dict[str, list[Transition]],
+    definitions: dict[str, Any],
+) -> None:
+    """Replaying each job's history in commit order, no more attempts run at once than its
+    max concurrency."""
+    per_job: dict[str, list[tuple[int, S | None, S]]] = defaultdict(list)
+    for instance_id, path in history.items():
+        row = instances.get(instance_id)
+        if row is not None:
+            per_job[row["job_key"]].extend((seq, f, to) for seq, f, to, _ in path)
+    for key, transitions in per_job.items():
+        limit = definitions[key]["max_concurrency"]
+        peak = max_running(transitions)
+        if peak > limit:
+            found.add("max_concurrency_exceeded", f"{key}: {peak} ran at once, limit {limit}")
+
+
+def _attempts(found: Findings, instances: Iterable[Any], definitions: dict[str, Any]) -> None:
+    """Retries used stay within the job's retries, releases within max unexpected retries."""
+    for row in instances:
+        options = definitions[row["job_key"]]["options"]
+        retries = int(options.get("retries", 0))
+        unexpected = int(options.get("max_unexpected_retries", 3))
+        if row["retries_used"] > retries or row["unexpected_retries_used"] > unexpected:
+            found.add(
+                "attempts_over_limit",
+                f"{row['id']} ({row['job_key']}): retries {row['retries_used']}/{retries}, "
+                f"unexpected {row['unexpected_retries_used']}/{unexpected}",
+            )
+
+
+def _idempotency(found: Findings, instances: Iterable[Any]) -> None:
+    """An Idempotency-Key stands for one instance, however often it was replayed."""
+    keys = Counter(row["idempotency_key"] for row in instances if row["idempotency_key"])
+    for key, n in keys.items():
+        if n > 1:
+            found.add("idempotency_key_reused", f"key {key!r}: {n} instances")
