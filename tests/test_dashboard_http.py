@@ -210,3 +210,40 @@ def test_argument_inputs_from_a_flat_schema_only() -> None:
     }
     nested = {"type": "object", "properties": {"items": {"type": "array"}}}
     assert arg_fields(nested) is None and arg_fields(None) is None
+
+
+async def test_app_scope_limits_jobs_and_instances_to_one_app(
+    open_dash: httpx.AsyncClient, store: SqlStore
+) -> None:
+    """``/apps/{app}/…``: only the jobs the app registered and their instances; the REST
+    list filters the same way and says each job's app."""
+    from jobplane.domain.models import NewInstance
+    from jobplane.domain.options import JobOptions
+
+    other = JobOptions.parse(key="ledger_close", kind="triggered", name="Ledger <close>")
+    await store.register_definition(other, None, "test", app="billing")
+    for spec in jobs_app.jobs.values():
+        await store.register_definition(spec.options, spec.args_schema(), "test", app="shop")
+    [mine] = await store.create_instances([NewInstance(job_key="greet", args={"name": "a"})])
+    [theirs] = await store.create_instances([NewInstance(job_key="ledger_close")])
+
+    listed = (await open_dash.get("/api/v1/jobs", params={"app": "billing"})).json()
+    assert [(j["key"], j["app"]) for j in listed] == [("ledger_close", "billing")]
+    shop_keys = {j["key"] for j in (await open_dash.get("/api/v1/jobs?app=shop")).json()}
+    assert shop_keys == set(jobs_app.jobs)
+
+    home = await open_dash.get("/apps/billing")
+    assert home.status_code == 303 and home.headers["location"] == "/apps/billing/jobs"
+    page = (await open_dash.get("/apps/billing/jobs")).text
+    assert "ledger_close" in page and "/jobs/greet" not in page
+    assert 'href="/apps/billing/instances"' in page  # the navigation stays in the app
+    assert (await open_dash.get("/jobs?app=billing")).text.count('href="/jobs/') == 1
+    every = (await open_dash.get("/jobs")).text
+    assert '<option value="billing"' in every and '<option value="shop"' in every
+
+    scoped = (await open_dash.get("/apps/billing/instances")).text
+    assert str(theirs.id) in scoped and str(mine.id) not in scoped
+    live = (await open_dash.get("/instances?app=shop&partial=1")).text
+    assert str(mine.id) in live and str(theirs.id) not in live
+    nothing = (await open_dash.get("/apps/nobody/instances")).text
+    assert str(mine.id) not in nothing and str(theirs.id) not in nothing

@@ -35,6 +35,9 @@ class JobDefinition:
     #: When the schedule (cron, time zone, start_at) was last edited; ticks of the current
     #: schedule before it never existed.
     schedule_since: datetime | None = None
+    #: The name of the App whose worker last registered the job; None if none has since
+    #: the store began recording it.
+    app: str | None = None
 
     @property
     def key(self) -> str:
@@ -266,6 +269,8 @@ class InstanceFilter:
     """Filters for :meth:`Store.list_instances`; every field is optional (AND-ed)."""
 
     job_key: str | None = None
+    #: Only these jobs' instances (an App's jobs); None: any job, empty: none.
+    job_keys: tuple[str, ...] | None = None
     states: tuple[InstanceState, ...] = ()
     created_after: datetime | None = None
     created_before: datetime | None = None

@@ -49,12 +49,18 @@ class Store(Protocol):
     # -- definitions ---------------------------------------------------------------------
 
     async def register_definition(
-        self, options: JobOptions, args_schema: dict[str, Any] | None, actor: str
+        self,
+        options: JobOptions,
+        args_schema: dict[str, Any] | None,
+        actor: str,
+        *,
+        app: str | None = None,
     ) -> tuple[JobDefinition, bool]:
         """Persist ``options`` if the key is new; return ``(stored, created)``.
 
         An existing definition keeps its stored options (they may have been edited); only
-        ``args_schema`` is refreshed from code. The slot counter row is created with it.
+        ``args_schema`` and ``app`` (when given: the name of the App registering it) are
+        refreshed from code. The slot counter row is created with it.
         """
 
     async def save_definition(
@@ -83,8 +89,11 @@ class Store(Protocol):
     async def get_definition(self, key: str) -> JobDefinition:
         """Raises :class:`~jobplane.errors.JobNotFoundError`."""
 
-    async def list_definitions(self, keys: Collection[str] | None = None) -> list[JobDefinition]:
-        """All definitions, or those among ``keys``, ordered by key."""
+    async def list_definitions(
+        self, keys: Collection[str] | None = None, *, app: str | None = None
+    ) -> list[JobDefinition]:
+        """All definitions, or those among ``keys`` and/or registered by the App named
+        ``app``, ordered by key."""
 
     async def definition_versions(self) -> dict[str, int]:
         """``{key: version}`` for every definition: the cheap convergence check of caches."""

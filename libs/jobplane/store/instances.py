@@ -221,6 +221,8 @@ def filtered(query: Select[Any], filter: InstanceFilter) -> Select[Any]:
     """``query`` restricted to the instances ``filter`` selects."""
     if filter.job_key is not None:
         query = query.where(I.job_key == filter.job_key)
+    if filter.job_keys is not None:
+        query = query.where(I.job_key.in_(filter.job_keys))
     if filter.states:
         query = query.where(I.state.in_([s.value for s in filter.states]))
     # A created-time window also bounds the id (UUIDv7, time-ordered), so the listing reads

@@ -32,6 +32,7 @@ def definition_from_row(row: Mapping[Any, Any]) -> JobDefinition:
         updated_at=row["updated_at"],
         updated_by=row["updated_by"],
         schedule_since=row["schedule_since"],
+        app=row["app"],
     )
 
 

@@ -59,6 +59,9 @@ job_definitions = Table(
     Column("updated_by", String(200), nullable=True),
     # When cron, time zone or start_at last changed (migration 0013); null: never edited.
     Column("schedule_since", UtcDateTime, nullable=True),
+    # The name of the App whose worker last registered the job (migration 0015); null: none
+    # since the column exists.
+    Column("app", String(200), nullable=True),
     CheckConstraint("max_concurrency >= 1", name="max_concurrency_positive"),
 )
 

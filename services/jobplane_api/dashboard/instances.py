@@ -29,6 +29,7 @@ PAGE_SIZE = 50
 RANGES = {"": 0, "15m": 15, "1h": 60, "24h": 1440, "7d": 10080}
 
 
+@router.get("/apps/{app}/instances", response_class=HTMLResponse)
 @router.get("/instances", response_class=HTMLResponse)
 async def list_instances(
     request: Request,
@@ -38,15 +39,19 @@ async def list_instances(
     job: str = "",
     worker: str = "",
     since: str = "",
+    app: str = "",
     before: UUID | None = None,
     partial: bool = False,
 ) -> HTMLResponse:
     states = tuple(InstanceState(s) for s in state or () if s in set(InstanceState))
     now = await store.now()
     minutes = RANGES.get(since, 0)
+    # An app's scope: its jobs' instances (none when it has no job).
+    jobs = sorted(d.key for d in await store.list_definitions(app=app or None))
     page = await store.list_instances(
         InstanceFilter(
             job_key=job.strip() or None,
+            job_keys=tuple(jobs) if app else None,
             states=states,
             worker_id=worker.strip() or None,
             created_after=now - timedelta(minutes=minutes) if minutes else None,
@@ -55,8 +60,9 @@ async def list_instances(
         before=before,
     )
     query = [("state", s.value) for s in states]
-    query += [(k, v) for k, v in (("job", job), ("worker", worker), ("since", since)) if v]
-    here = "/instances" + (f"?{request.url.query}" if request.url.query else "")
+    filters = (("job", job), ("worker", worker), ("since", since), ("app", app))
+    query += [(k, v) for k, v in filters if v]
+    here = request.url.path + (f"?{request.url.query}" if request.url.query else "")
     context: dict[str, Any] = {
         "nav": "instances",
         "here": here.replace("&partial=1", "").replace("?partial=1", ""),
@@ -65,8 +71,9 @@ async def list_instances(
         "before": before,
         "query": query,
         "f": {"states": {s.value for s in states}, "job": job, "worker": worker, "since": since},
+        "app": app,
         "ranges": RANGES,
-        "jobs": sorted(d.key for d in await store.list_definitions()),
+        "jobs": jobs,
         "now": now,
     }
     name = "_instances.html" if partial else "instances.html"
@@ -154,7 +161,8 @@ async def bulk(
     form = await request.form()
     action = form.get("action")
     back = form.get("back")
-    target = back if isinstance(back, str) and back.startswith("/instances") else "/instances"
+    listing = isinstance(back, str) and back.startswith(("/instances", "/apps/"))
+    target = back if listing and isinstance(back, str) else "/instances"
     ids: list[UUID] = []
     for raw in form.getlist("id")[:BULK_MAX]:
         try:

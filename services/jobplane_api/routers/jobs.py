@@ -68,12 +68,15 @@ async def list_jobs(
     queue: str | None = None,
     paused: bool | None = None,
     q: Annotated[str | None, Query(description="Text in the key, name or description.")] = None,
+    app: Annotated[
+        str | None, Query(description="Only the jobs registered by the App of this name.")
+    ] = None,
 ) -> list[JobOut]:
-    """Every job definition, filtered by kind, queue, paused state or text, with its next
+    """Every job definition, filtered by app, kind, queue, paused state or text, with its next
     fire, its latest outcome, and its success rate and p95 attempt duration over 24 h."""
     matching = []
     needle = (q or "").lower()
-    for d in await store.list_definitions():
+    for d in await store.list_definitions(app=app):
         o = d.options
         if kind is not None and o.kind is not kind:
             continue
