@@ -247,3 +247,15 @@ async def test_app_scope_limits_jobs_and_instances_to_one_app(
     assert str(mine.id) in live and str(theirs.id) not in live
     nothing = (await open_dash.get("/apps/nobody/instances")).text
     assert str(mine.id) not in nothing and str(theirs.id) not in nothing
+
+
+async def test_workers_page_lists_the_scheduler_standbys(
+    open_dash: httpx.AsyncClient, store: SqlStore
+) -> None:
+    for holder in ("sched-a", "sched-b", "sched-c"):
+        await store.scheduler_seen(0, holder)
+    assert await store.acquire_leadership(0, "sched-b", 30) is not None
+    page = (await open_dash.get("/workers?partial=1")).text
+    standbys = page[page.index('id="standbys"') :]
+    assert "sched-a" in standbys and "sched-c" in standbys and "sched-b" not in standbys
+    assert "<code>sched-b</code>" in page[: page.index('id="standbys"')]  # the leader

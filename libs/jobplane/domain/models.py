@@ -265,6 +265,16 @@ class LeaderLease:
 
 
 @dataclass(frozen=True, slots=True)
+class SchedulerReplica:
+    """A scheduler replica as it last campaigned for its shard's lease (leader or standby)."""
+
+    shard: int
+    holder: str
+    started_at: datetime
+    seen_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
 class InstanceFilter:
     """Filters for :meth:`Store.list_instances`; every field is optional (AND-ed)."""
 

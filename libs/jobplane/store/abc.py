@@ -27,6 +27,7 @@ from jobplane.domain.models import (
     NewInstance,
     Outcome,
     Page,
+    SchedulerReplica,
     Transition,
     WorkerInfo,
 )
@@ -264,6 +265,16 @@ class Store(Protocol):
         """Give the lease up at once (graceful stop) if still held at ``term``."""
 
     async def get_leader(self, shard: int) -> LeaderLease | None: ...
+
+    async def scheduler_seen(self, shard: int, holder: str) -> None:
+        """Record that replica ``holder`` campaigns for ``shard`` now (leader or standby);
+        forget replicas silent for an hour."""
+
+    async def scheduler_gone(self, shard: int, holder: str) -> None:
+        """Forget replica ``holder`` (it stops cleanly)."""
+
+    async def list_schedulers(self, shard: int) -> list[SchedulerReplica]:
+        """Every replica remembered for ``shard``, the most recently seen first."""
 
     # -- leader duties (each fenced by the leader's lease; NotLeaderError when deposed) ----
 

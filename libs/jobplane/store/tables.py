@@ -267,6 +267,18 @@ scheduler_leases = Table(
     Column("expires_at", UtcDateTime, nullable=False),
 )
 
+# Every scheduler replica's last campaign (migration 0016): one row per replica, written each
+# time it campaigns, so standbys can be listed. Rows of replicas silent for an hour are pruned
+# by the next campaign; a replica that stops cleanly deletes its own.
+scheduler_replicas = Table(
+    "scheduler_replicas",
+    metadata,
+    Column("shard", Integer, primary_key=True),
+    Column("holder", String(200), primary_key=True),
+    Column("started_at", UtcDateTime, nullable=False),
+    Column("seen_at", UtcDateTime, nullable=False),
+)
+
 # Counters for backends without sequences (SQLite): name → last value handed out.
 counters = Table(
     "counters",
