@@ -259,3 +259,20 @@ async def test_workers_page_lists_the_scheduler_standbys(
     standbys = page[page.index('id="standbys"') :]
     assert "sched-a" in standbys and "sched-c" in standbys and "sched-b" not in standbys
     assert "<code>sched-b</code>" in page[: page.index('id="standbys"')]  # the leader
+
+
+async def test_overview_shows_the_hours_fire_and_pickup_lag(
+    open_dash: httpx.AsyncClient, store: SqlStore
+) -> None:
+    from jobplane.domain.models import NewInstance
+
+    [made] = await store.create_instances([NewInstance(job_key="greet", args={"name": "a"})])
+    claimed = await store.claim([made.id], "w1", 30, ["greet"])
+    assert len(claimed.claimed) == 1
+    page = (await open_dash.get("/?partial=1")).text
+    pickup = re.search(
+        r'data-lag="pickup"><strong>([^<]+)</strong> <span class="muted">(\d+)', page
+    )
+    assert pickup and pickup[2] == "1" and pickup[1] != "—"
+    fire = re.search(r'data-lag="fire"><strong>([^<]+)</strong> <span class="muted">(\d+)', page)
+    assert fire and (fire[1], fire[2]) == ("—", "0")  # no cron tick in the last hour

@@ -265,6 +265,18 @@ class LeaderLease:
 
 
 @dataclass(frozen=True, slots=True)
+class Lags:
+    """How late work started over a recent window: cron ticks fired after their scheduled
+    time (created - scheduled), and instances claimed after they were enqueued (Enqueued →
+    Processing). ``None`` percentiles: nothing of that kind in the window."""
+
+    fire_p95_s: float | None = None
+    fires: int = 0
+    pickup_p95_s: float | None = None
+    pickups: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerReplica:
     """A scheduler replica as it last campaigned for its shard's lease (leader or standby)."""
 

@@ -23,6 +23,7 @@ from jobplane.domain.models import (
     InstanceFilter,
     JobDefinition,
     JobSummary,
+    Lags,
     LeaderLease,
     NewInstance,
     Outcome,
@@ -156,6 +157,11 @@ class Store(Protocol):
         """Ends recorded in the history (→ Succeeded, → Failed, → Terminated) in each of
         the last ``count`` buckets of ``width_s`` seconds (aligned on the epoch; the last one
         holds the store's now, so it is still filling), oldest first; empty buckets included."""
+
+    async def lags(self, window_s: float = 3600.0) -> Lags:
+        """The p95 fire lag (cron ticks created in the window, misfire records excluded:
+        ``created_at - scheduled_at``) and p95 pickup lag (claims recorded in the window: the
+        time since the instance's latest → Enqueued before it), with how many of each."""
 
     # -- the attempt lifecycle -----------------------------------------------------------
 
