@@ -276,3 +276,32 @@ async def test_overview_shows_the_hours_fire_and_pickup_lag(
     assert pickup and pickup[2] == "1" and pickup[1] != "—"
     fire = re.search(r'data-lag="fire"><strong>([^<]+)</strong> <span class="muted">(\d+)', page)
     assert fire and (fire[1], fire[2]) == ("—", "0")  # no cron tick in the last hour
+
+
+async def test_job_page_charts_the_duration_of_its_latest_runs(
+    open_dash: httpx.AsyncClient, store: SqlStore
+) -> None:
+    from jobplane.domain.models import NewInstance, Outcome
+    from jobplane.domain.states import InstanceState
+
+    made = await store.create_instances(
+        [NewInstance(job_key="greet", args={"name": str(n)}) for n in range(4)]
+    )
+    ran, waiting = made[:3], made[3]
+    claims = (await store.claim([i.id for i in ran], "w1", 30, ["greet"])).claimed
+    ends = [InstanceState.SUCCEEDED, InstanceState.SUCCEEDED, InstanceState.CANCELLED]
+    await store.complete(
+        [Outcome(c.instance.id, c.token, s) for c, s in zip(claims, ends, strict=True)]
+    )
+    await store.request_cancel(waiting.id, "test")  # ended without a run: no bar
+    ended = await store.recent_ends("greet", 10)
+    assert {i.id for i in ended} == {i.id for i in made}
+    assert [i.finished_at for i in ended] == sorted([i.finished_at for i in ended], reverse=True)
+    assert len(await store.recent_ends("greet", 2)) == 2
+
+    page = (await open_dash.get("/jobs/greet")).text
+    chart = page[page.index('id="durations"') : page.index("</svg>", page.index('id="durations"'))]
+    assert chart.count('class="bar-ok"') == 2 and chart.count('class="bar-bad"') == 1
+    assert "Duration of the last 3 runs" in page
+    for c in claims:
+        assert f'href="/instances/{c.instance.id}"' in chart

@@ -132,6 +132,10 @@ class Store(Protocol):
     ) -> Page:
         """Newest first, keyset-paginated on the (time-ordered) id."""
 
+    async def recent_ends(self, job_key: str, limit: int) -> list[Instance]:
+        """The ``limit`` instances of ``job_key`` that ended last, latest first (their
+        ``started_at`` to ``finished_at`` is their last attempt)."""
+
     async def transitions(self, instance_id: UUID) -> list[Transition]:
         """History of one instance, in sequence order."""
 

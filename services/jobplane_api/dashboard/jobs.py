@@ -29,6 +29,7 @@ from jobplane_api.dashboard.argsform import (
     args_from_form,
     initial_values,
 )
+from jobplane_api.dashboard.durations import CHART_H, CHART_W, RUNS_SHOWN, DurationChart
 from jobplane_api.dashboard.editing import (
     changes_from_form,
     edit_values,
@@ -164,6 +165,9 @@ async def job_page_response(
     context: dict[str, Any] = {
         "nav": "jobs",
         "job": job,
+        "durations": DurationChart.of(await store.recent_ends(key, RUNS_SHOWN)),
+        "chart_w": CHART_W,
+        "chart_h": CHART_H,
         "fires": fires_of(job),
         "instances": page.items,
         "more_instances": page.next_cursor is not None,
