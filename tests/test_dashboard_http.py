@@ -305,3 +305,44 @@ async def test_job_page_charts_the_duration_of_its_latest_runs(
     assert "Duration of the last 3 runs" in page
     for c in claims:
         assert f'href="/instances/{c.instance.id}"' in chart
+
+
+async def test_cancel_then_retry_everything_a_filter_selects_after_a_count(
+    open_dash: httpx.AsyncClient, store: SqlStore
+) -> None:
+    from jobplane.domain.models import InstanceFilter, NewInstance
+    from jobplane.domain.states import InstanceState
+
+    made = await store.create_instances(
+        [NewInstance(job_key="greet", args={"name": str(n)}) for n in range(3)]
+    )
+    [other] = await store.create_instances([NewInstance(job_key="monthly_report")])
+    csrf = await _csrf(open_dash, "/instances")
+    fields = {"job": "greet", "state": "enqueued", "csrf": csrf}
+
+    refused = await open_dash.post("/instances/bulk-filter", data={**fields, "csrf": "x" * 64})
+    assert refused.status_code == 403
+    asked = await open_dash.post("/instances/bulk-filter", data={**fields, "action": "cancel"})
+    assert asked.status_code == 200 and 'data-count="3"' in asked.text
+    assert "Cancel 3 instances?" in asked.text
+    still = await store.list_instances(InstanceFilter(states=(InstanceState.ENQUEUED,)))
+    assert len(still.items) == 4  # asking changed nothing
+
+    done = await open_dash.post(
+        "/instances/bulk-filter", data={**fields, "action": "cancel", "confirmed": "1"}
+    )
+    assert done.status_code == 303
+    assert done.headers["location"] == "/instances?state=enqueued&job=greet"
+    for i in made:
+        assert (await store.get_instance(i.id)).state is InstanceState.CANCELLED
+    assert (await store.get_instance(other.id)).state is InstanceState.ENQUEUED
+    assert "Cancelled 3" in (await open_dash.get(done.headers["location"])).text
+
+    retry = {"job": "greet", "state": "cancelled", "csrf": csrf, "action": "retry"}
+    asked = await open_dash.post("/instances/bulk-filter", data=retry)
+    assert 'data-count="3"' in asked.text
+    await open_dash.post("/instances/bulk-filter", data={**retry, "confirmed": "1"})
+    retries = await store.list_instances(
+        InstanceFilter(job_key="greet", states=(InstanceState.ENQUEUED,))
+    )
+    assert sorted(i.retry_of for i in retries.items if i.retry_of) == sorted(i.id for i in made)

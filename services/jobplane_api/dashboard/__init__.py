@@ -10,7 +10,7 @@ from starlette.responses import Response
 
 from jobplane.domain.models import Lags
 from jobplane.domain.states import InstanceState
-from jobplane_api.dashboard import access, instances, jobs, overview, workers
+from jobplane_api.dashboard import access, bulkfilter, instances, jobs, overview, workers
 from jobplane_api.dashboard.render import HEADERS, HERE, templates
 from jobplane_api.dashboard.session import Forbidden, LoginRequired
 from jobplane_api.dashboard.shared import Shared
@@ -30,7 +30,7 @@ def mount(app: FastAPI) -> None:
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="dashboard-static")
     app.state.dashboard_counts = Shared[dict[InstanceState, int]](COUNTS_TTL_S)
     app.state.dashboard_lags = Shared[Lags](LAGS_TTL_S)
-    for module in (access, overview, jobs, instances, workers):
+    for module in (access, overview, jobs, bulkfilter, instances, workers):
         app.include_router(module.router)
     app.add_exception_handler(LoginRequired, _login_required)  # type: ignore[arg-type]
     app.add_exception_handler(Forbidden, _forbidden)  # type: ignore[arg-type]

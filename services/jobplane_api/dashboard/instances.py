@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from datetime import timedelta
 from typing import Annotated, Any
 from uuid import UUID
 
@@ -13,9 +12,10 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from starlette.responses import Response
 
 from jobplane.domain.attempts import attempts_of
-from jobplane.domain.models import Instance, InstanceFilter
+from jobplane.domain.models import Instance
 from jobplane.domain.states import InstanceState
 from jobplane.errors import IllegalTransitionError, InstanceNotFoundError, JobplaneError
+from jobplane_api.dashboard.listing import RANGES, listing_of
 from jobplane_api.dashboard.render import render, set_flash
 from jobplane_api.dashboard.session import OperatorDep, ViewerDep
 from jobplane_api.deps import DispatcherDep, StoreDep
@@ -25,8 +25,6 @@ from jobplane_api.security import actor_of
 router = APIRouter(include_in_schema=False)
 
 PAGE_SIZE = 50
-#: The time ranges the list offers, in minutes (0: any time).
-RANGES = {"": 0, "15m": 15, "1h": 60, "24h": 1440, "7d": 10080}
 
 
 @router.get("/apps/{app}/instances", response_class=HTMLResponse)
@@ -43,25 +41,11 @@ async def list_instances(
     before: UUID | None = None,
     partial: bool = False,
 ) -> HTMLResponse:
-    states = tuple(InstanceState(s) for s in state or () if s in set(InstanceState))
-    now = await store.now()
-    minutes = RANGES.get(since, 0)
-    # An app's scope: its jobs' instances (none when it has no job).
-    jobs = sorted(d.key for d in await store.list_definitions(app=app or None))
-    page = await store.list_instances(
-        InstanceFilter(
-            job_key=job.strip() or None,
-            job_keys=tuple(jobs) if app else None,
-            states=states,
-            worker_id=worker.strip() or None,
-            created_after=now - timedelta(minutes=minutes) if minutes else None,
-        ),
-        limit=PAGE_SIZE,
-        before=before,
+    listing = await listing_of(
+        store, state=state or (), job=job, worker=worker, since=since, app=app
     )
-    query = [("state", s.value) for s in states]
-    filters = (("job", job), ("worker", worker), ("since", since), ("app", app))
-    query += [(k, v) for k, v in filters if v]
+    page = await store.list_instances(listing.filter, limit=PAGE_SIZE, before=before)
+    states, query = listing.states, listing.query
     here = request.url.path + (f"?{request.url.query}" if request.url.query else "")
     context: dict[str, Any] = {
         "nav": "instances",
@@ -73,8 +57,8 @@ async def list_instances(
         "f": {"states": {s.value for s in states}, "job": job, "worker": worker, "since": since},
         "app": app,
         "ranges": RANGES,
-        "jobs": jobs,
-        "now": now,
+        "jobs": listing.jobs,
+        "now": await store.now(),
     }
     name = "_instances.html" if partial else "instances.html"
     return await render(request, session, name, context)
