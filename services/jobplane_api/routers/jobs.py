@@ -87,8 +87,10 @@ async def list_jobs(
         if needle and needle not in f"{o.key} {o.name} {o.description}".lower():
             continue
         matching.append(d)
-    # One grouped query for every job's figures (never one query per job).
-    summaries = await store.job_summaries() if matching else {}
+    # One grouped query for the figures of every job shown (never one query per job); the
+    # jobs of one app only when the app filter narrowed the list.
+    keys = [d.key for d in matching] if app is not None else None
+    summaries = await store.job_summaries(keys) if matching else {}
     now = await store.now()
     return [_out_of(d, now, 1, summaries.get(d.key)) for d in matching]
 
