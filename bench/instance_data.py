@@ -112,11 +112,14 @@ INT_PARAMS = ("jobs", "cron_jobs", "deploys", "per_deploy")
 
 async def register_jobs(store: SqlStore, spread: Spread) -> None:
     for i, key in enumerate(spread.job_keys):
+        # Two apps: the recurring jobs' and the triggered jobs' (the dashboard's app scope).
         if i < spread.cron_jobs:
             options = JobOptions.parse(key=key, kind="recurring", cron="* * * * *")
+            app = "bench-cron"
         else:
             options = JobOptions.parse(key=key, kind="triggered")
-        await store.register_definition(options, None, "bench")
+            app = "bench"
+        await store.register_definition(options, None, "bench", app=app)
 
 
 async def fill(engine: AsyncEngine, spread: Spread) -> tuple[datetime, datetime]:

@@ -181,6 +181,14 @@ def test_instances_list_updates_live_and_pages(browser: Browser, cluster: Cluste
     page.goto("/instances?job=greet&state=succeeded")
     expect(page.get_by_label("succeeded")).to_be_checked()
     expect(rows.filter(has_text="succeeded")).to_have_count(rows.count())
+    # The job's duration chart has a bar for each of those runs, each linking to its instance.
+    page.goto("/jobs/greet")
+    bars = page.locator("#durations rect.bar-ok")
+    expect(bars.nth(2)).to_be_attached()
+    page.locator("#durations a").last.click()
+    expect(page).to_have_url(re.compile(r"/instances/[0-9a-f-]{36}$"))
+    page.goto("/jobs/greet")
+    screenshot(page, cluster, "job-durations")
     page.context.close()
 
 
@@ -233,6 +241,9 @@ def test_workers_page_shows_busy_slots_live(browser: Browser, cluster: Cluster) 
     expect(page.locator(".facts")).to_contain_text(re.compile(r"Term\s*1"))
     row = page.locator("#workers tbody tr").filter(has_text="dash-w1")
     expect(row).to_contain_text("online")
+    # Two scheduler replicas: one leads, the other is listed as its standby.
+    expect(page.locator("#standbys tbody tr")).to_have_count(1, timeout=10_000)
+    expect(page.locator("#standbys")).to_contain_text("standing by")
     with _api(cluster) as api:
         made = api.post("/api/v1/jobs/crunch/instances", json={}).json()
         expect(row).to_contain_text(re.compile(r"\b1 / \d+"), timeout=10_000)
@@ -311,4 +322,39 @@ def test_overview_after_activity(browser: Browser, cluster: Cluster) -> None:
     expect(page.locator(".chart rect.bar-bad").first).to_be_visible()
     expect(page.locator(".error-line").first).to_contain_text("ValueError")
     screenshot(page, cluster, "overview")
+    page.context.close()
+
+
+def test_cancel_everything_a_filter_selects(browser: Browser, cluster: Cluster) -> None:
+    with _api(cluster) as api:
+        for n in range(3):
+            later = {"args": {"name": f"later{n}"}, "delay_s": 3600}
+            assert api.post("/api/v1/jobs/greet/instances", json=later).status_code == 201
+    page = sign_in(browser, cluster, "operator")
+    page.goto("/instances?job=greet&state=scheduled")
+    expect(page.locator("#instances tbody tr")).to_have_count(3, timeout=10_000)
+    page.get_by_role("button", name="Cancel all…").click()
+    expect(page.get_by_role("heading", name="Cancel 3 instances?")).to_be_visible()
+    screenshot(page, cluster, "bulk-confirm")
+    page.get_by_role("button", name="Cancel 3").click()
+    expect(page.locator(".flash-ok")).to_contain_text("Cancelled 3")
+    expect(page.locator(".empty")).to_be_visible(timeout=10_000)  # none scheduled any more
+    page.context.close()
+
+
+def test_app_scope_has_a_stable_url(browser: Browser, cluster: Cluster) -> None:
+    page = sign_in(browser, cluster, "viewer")
+    page.goto("/jobs")
+    page.get_by_label("App").select_option("dashboard-tests")
+    page.get_by_role("button", name="Filter").click()
+    expect(page).to_have_url(re.compile(r"/jobs\?.*app=dashboard-tests"))
+    page.goto("/apps/dashboard-tests")
+    expect(page).to_have_url(re.compile(r"/apps/dashboard-tests/jobs$"))
+    expect(page.locator(".scope")).to_contain_text("dashboard-tests")
+    expect(page.locator("table tbody tr").first).to_be_visible()
+    screenshot(page, cluster, "app-jobs")
+    page.get_by_role("link", name="Instances", exact=True).click()
+    expect(page).to_have_url(re.compile(r"/apps/dashboard-tests/instances$"))
+    page.goto("/apps/nobody/jobs")
+    expect(page.locator(".empty")).to_contain_text("No job matches")
     page.context.close()

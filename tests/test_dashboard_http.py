@@ -210,3 +210,139 @@ def test_argument_inputs_from_a_flat_schema_only() -> None:
     }
     nested = {"type": "object", "properties": {"items": {"type": "array"}}}
     assert arg_fields(nested) is None and arg_fields(None) is None
+
+
+async def test_app_scope_limits_jobs_and_instances_to_one_app(
+    open_dash: httpx.AsyncClient, store: SqlStore
+) -> None:
+    """``/apps/{app}/…``: only the jobs the app registered and their instances; the REST
+    list filters the same way and says each job's app."""
+    from jobplane.domain.models import NewInstance
+    from jobplane.domain.options import JobOptions
+
+    other = JobOptions.parse(key="ledger_close", kind="triggered", name="Ledger <close>")
+    await store.register_definition(other, None, "test", app="billing")
+    for spec in jobs_app.jobs.values():
+        await store.register_definition(spec.options, spec.args_schema(), "test", app="shop")
+    [mine] = await store.create_instances([NewInstance(job_key="greet", args={"name": "a"})])
+    [theirs] = await store.create_instances([NewInstance(job_key="ledger_close")])
+
+    listed = (await open_dash.get("/api/v1/jobs", params={"app": "billing"})).json()
+    assert [(j["key"], j["app"]) for j in listed] == [("ledger_close", "billing")]
+    shop_keys = {j["key"] for j in (await open_dash.get("/api/v1/jobs?app=shop")).json()}
+    assert shop_keys == set(jobs_app.jobs)
+
+    home = await open_dash.get("/apps/billing")
+    assert home.status_code == 303 and home.headers["location"] == "/apps/billing/jobs"
+    page = (await open_dash.get("/apps/billing/jobs")).text
+    assert "ledger_close" in page and "/jobs/greet" not in page
+    assert 'href="/apps/billing/instances"' in page  # the navigation stays in the app
+    assert (await open_dash.get("/jobs?app=billing")).text.count('href="/jobs/') == 1
+    every = (await open_dash.get("/jobs")).text
+    assert '<option value="billing"' in every and '<option value="shop"' in every
+
+    scoped = (await open_dash.get("/apps/billing/instances")).text
+    assert str(theirs.id) in scoped and str(mine.id) not in scoped
+    live = (await open_dash.get("/instances?app=shop&partial=1")).text
+    assert str(mine.id) in live and str(theirs.id) not in live
+    nothing = (await open_dash.get("/apps/nobody/instances")).text
+    assert str(mine.id) not in nothing and str(theirs.id) not in nothing
+
+
+async def test_workers_page_lists_the_scheduler_standbys(
+    open_dash: httpx.AsyncClient, store: SqlStore
+) -> None:
+    for holder in ("sched-a", "sched-b", "sched-c"):
+        await store.scheduler_seen(0, holder)
+    assert await store.acquire_leadership(0, "sched-b", 30) is not None
+    page = (await open_dash.get("/workers?partial=1")).text
+    standbys = page[page.index('id="standbys"') :]
+    assert "sched-a" in standbys and "sched-c" in standbys and "sched-b" not in standbys
+    assert "<code>sched-b</code>" in page[: page.index('id="standbys"')]  # the leader
+
+
+async def test_overview_shows_the_hours_fire_and_pickup_lag(
+    open_dash: httpx.AsyncClient, store: SqlStore
+) -> None:
+    from jobplane.domain.models import NewInstance
+
+    [made] = await store.create_instances([NewInstance(job_key="greet", args={"name": "a"})])
+    claimed = await store.claim([made.id], "w1", 30, ["greet"])
+    assert len(claimed.claimed) == 1
+    page = (await open_dash.get("/?partial=1")).text
+    pickup = re.search(
+        r'data-lag="pickup"><strong>([^<]+)</strong> <span class="muted">(\d+)', page
+    )
+    assert pickup and pickup[2] == "1" and pickup[1] != "—"
+    fire = re.search(r'data-lag="fire"><strong>([^<]+)</strong> <span class="muted">(\d+)', page)
+    assert fire and (fire[1], fire[2]) == ("—", "0")  # no cron tick in the last hour
+
+
+async def test_job_page_charts_the_duration_of_its_latest_runs(
+    open_dash: httpx.AsyncClient, store: SqlStore
+) -> None:
+    from jobplane.domain.models import NewInstance, Outcome
+    from jobplane.domain.states import InstanceState
+
+    made = await store.create_instances(
+        [NewInstance(job_key="greet", args={"name": str(n)}) for n in range(4)]
+    )
+    ran, waiting = made[:3], made[3]
+    claims = (await store.claim([i.id for i in ran], "w1", 30, ["greet"])).claimed
+    ends = [InstanceState.SUCCEEDED, InstanceState.SUCCEEDED, InstanceState.CANCELLED]
+    await store.complete(
+        [Outcome(c.instance.id, c.token, s) for c, s in zip(claims, ends, strict=True)]
+    )
+    await store.request_cancel(waiting.id, "test")  # ended without a run: no bar
+    ended = await store.recent_ends("greet", 10)
+    assert {i.id for i in ended} == {i.id for i in made}
+    assert [i.finished_at for i in ended] == sorted([i.finished_at for i in ended], reverse=True)
+    assert len(await store.recent_ends("greet", 2)) == 2
+
+    page = (await open_dash.get("/jobs/greet")).text
+    chart = page[page.index('id="durations"') : page.index("</svg>", page.index('id="durations"'))]
+    assert chart.count('class="bar-ok"') == 2 and chart.count('class="bar-bad"') == 1
+    assert "Duration of the last 3 runs" in page
+    for c in claims:
+        assert f'href="/instances/{c.instance.id}"' in chart
+
+
+async def test_cancel_then_retry_everything_a_filter_selects_after_a_count(
+    open_dash: httpx.AsyncClient, store: SqlStore
+) -> None:
+    from jobplane.domain.models import InstanceFilter, NewInstance
+    from jobplane.domain.states import InstanceState
+
+    made = await store.create_instances(
+        [NewInstance(job_key="greet", args={"name": str(n)}) for n in range(3)]
+    )
+    [other] = await store.create_instances([NewInstance(job_key="monthly_report")])
+    csrf = await _csrf(open_dash, "/instances")
+    fields = {"job": "greet", "state": "enqueued", "csrf": csrf}
+
+    refused = await open_dash.post("/instances/bulk-filter", data={**fields, "csrf": "x" * 64})
+    assert refused.status_code == 403
+    asked = await open_dash.post("/instances/bulk-filter", data={**fields, "action": "cancel"})
+    assert asked.status_code == 200 and 'data-count="3"' in asked.text
+    assert "Cancel 3 instances?" in asked.text
+    still = await store.list_instances(InstanceFilter(states=(InstanceState.ENQUEUED,)))
+    assert len(still.items) == 4  # asking changed nothing
+
+    done = await open_dash.post(
+        "/instances/bulk-filter", data={**fields, "action": "cancel", "confirmed": "1"}
+    )
+    assert done.status_code == 303
+    assert done.headers["location"] == "/instances?state=enqueued&job=greet"
+    for i in made:
+        assert (await store.get_instance(i.id)).state is InstanceState.CANCELLED
+    assert (await store.get_instance(other.id)).state is InstanceState.ENQUEUED
+    assert "Cancelled 3" in (await open_dash.get(done.headers["location"])).text
+
+    retry = {"job": "greet", "state": "cancelled", "csrf": csrf, "action": "retry"}
+    asked = await open_dash.post("/instances/bulk-filter", data=retry)
+    assert 'data-count="3"' in asked.text
+    await open_dash.post("/instances/bulk-filter", data={**retry, "confirmed": "1"})
+    retries = await store.list_instances(
+        InstanceFilter(job_key="greet", states=(InstanceState.ENQUEUED,))
+    )
+    assert sorted(i.retry_of for i in retries.items if i.retry_of) == sorted(i.id for i in made)

@@ -209,3 +209,41 @@ async def test_an_edited_cron_catches_up_from_the_edit_not_the_last_occurrence(
         saved.options.edited(retries=2), expected_version=saved.version, actor="test"
     )
     assert other is not None and other.schedule_since == saved.schedule_since
+
+
+async def test_replicas_are_listed_while_they_campaign_and_forgotten_when_they_stop(
+    store: SqlStore, bus: Bus
+) -> None:
+    async with (
+        running_scheduler(store, bus, scheduler_id="s-one") as one,
+        running_scheduler(store, bus, scheduler_id="s-two") as two,
+    ):
+
+        async def both_seen_one_leading() -> bool:
+            seen = {r.holder for r in await store.list_schedulers(0)}
+            return seen == {"s-one", "s-two"} and (one.lease is None) != (two.lease is None)
+
+        await wait_for(both_seen_one_leading, what="two replicas, one leader")
+        leader = await store.get_leader(0)
+        assert leader is not None and leader.holder in {"s-one", "s-two"}
+    assert await store.list_schedulers(0) == []  # a clean stop forgets its replica
+
+
+async def test_a_replica_silent_for_an_hour_is_pruned_by_the_next_campaign(
+    store: SqlStore,
+) -> None:
+    from jobplane.store.tables import scheduler_replicas
+
+    long_ago = await store.now() - timedelta(hours=2)
+    async with store.engine.begin() as conn:
+        await conn.execute(
+            scheduler_replicas.insert().values(
+                shard=0, holder="s-dead", started_at=long_ago, seen_at=long_ago
+            )
+        )
+    await store.scheduler_seen(0, "s-live")
+    await store.scheduler_seen(1, "s-other-shard")
+    assert [r.holder for r in await store.list_schedulers(0)] == ["s-live"]
+    await store.scheduler_gone(0, "s-live")
+    assert await store.list_schedulers(0) == []
+    assert [r.holder for r in await store.list_schedulers(1)] == ["s-other-shard"]

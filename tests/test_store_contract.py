@@ -49,6 +49,30 @@ async def test_first_registration_persists_then_stored_options_win(store: SqlSto
     assert again.args_schema == {"type": "object", "x": 1}
 
 
+async def test_registration_records_the_app_and_lists_filter_by_it(store: SqlStore) -> None:
+    shop = JobOptions.parse(key="receipt", kind="triggered")
+    billing = JobOptions.parse(key="invoice", kind="triggered")
+    stored, _ = await store.register_definition(shop, None, "w", app="shop")
+    assert stored.app == "shop"
+    await store.register_definition(billing, None, "w", app="billing")
+    # The app follows the code that registers the job; a registration without one keeps it.
+    moved, _ = await store.register_definition(shop, None, "w", app="storefront")
+    assert moved.app == "storefront"
+    kept, _ = await store.register_definition(shop, None, "w")
+    assert kept.app == "storefront"
+    assert [d.key for d in await store.list_definitions(app="storefront")] == ["receipt"]
+    assert [d.key for d in await store.list_definitions(app="billing")] == ["invoice"]
+    assert await store.list_definitions(app="shop") == []
+
+    [r] = await enqueue(store, "receipt")
+    [i] = await enqueue(store, "invoice")
+    only = await store.list_instances(InstanceFilter(job_keys=("receipt",)))
+    assert [x.id for x in only.items] == [r.id]
+    both = await store.list_instances(InstanceFilter(job_keys=("receipt", "invoice")))
+    assert {x.id for x in both.items} == {r.id, i.id}
+    assert (await store.list_instances(InstanceFilter(job_keys=()))).items == []
+
+
 async def test_save_definition_is_an_optimistic_lock(store: SqlStore) -> None:
     opts = await define(store, "job")
     assert await store.save_definition(opts.edited(retries=1), expected_version=1, actor="a")

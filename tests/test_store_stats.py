@@ -141,3 +141,54 @@ async def test_queues_are_the_defined_jobs_queues_once_each(store: SqlStore) -> 
     await define(store, "b", queue="default")
     await define(store, "c", queue="reports")
     assert await store.queues() == ["default", "reports"]
+
+
+async def test_fire_and_pickup_lag_p95_over_the_last_hour(store: SqlStore) -> None:
+    from jobplane.domain.models import InstanceSource, NewInstance
+
+    await define(store, "tick", cron="* * * * *")
+    await define(store, "work", max_concurrency=8)
+    now = await store.now()
+    # Ticks created now, 1..4 s after their scheduled second; a misfire record (skipped, an
+    # hour late) and a manual trigger do not count.
+    ticks = [
+        NewInstance(
+            job_key="tick",
+            source=InstanceSource.CRON,
+            scheduled_at=now - timedelta(seconds=lag, minutes=n),
+        )
+        for n, lag in enumerate((1, 2, 3, 4))
+    ]
+    misfire = NewInstance(
+        job_key="tick",
+        source=InstanceSource.CRON,
+        scheduled_at=now - HOUR,
+        skip_reason="misfire",
+    )
+    made = await store.create_instances([*ticks, misfire, NewInstance(job_key="tick")])
+    fire_lags = [
+        (i.created_at - t.scheduled_at).total_seconds()
+        for i, t in zip(made[:4], ticks, strict=True)
+        if t.scheduled_at is not None
+    ]
+    assert all(lag >= 1 for lag in fire_lags)
+
+    # Four claims 10 min ago, 2, 4, 6 and 8 s after their enqueue; one 2 h ago (outside).
+    claimed = await _run(store, "work", [S.SUCCEEDED] * 5)
+    for instance_id, (ago, lag) in zip(
+        claimed, [(600, 2), (600, 4), (600, 6), (600, 8), (7200, 100)], strict=True
+    ):
+        async with store.engine.begin() as conn:
+            for state, at in (("enqueued", ago + lag), ("processing", ago), ("succeeded", ago)):
+                await conn.execute(
+                    update(instance_transitions)
+                    .where(T.instance_id == instance_id, T.to_state == state)
+                    .values(at=now - timedelta(seconds=at))
+                )
+
+    lags = await store.lags()
+    assert lags.fires == 4 and lags.pickups == 4
+    assert lags.fire_p95_s == pytest.approx(percentile_cont(fire_lags, 0.95), abs=0.01)
+    assert lags.pickup_p95_s == pytest.approx(percentile_cont([2, 4, 6, 8], 0.95), abs=0.01)
+    last_minute = await store.lags(window_s=60)  # the ticks were created now; no claim
+    assert last_minute.fires == 4 and (last_minute.pickups, last_minute.pickup_p95_s) == (0, None)

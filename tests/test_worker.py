@@ -220,3 +220,11 @@ async def test_priority_order_under_a_backlog(store: SqlStore, bus: Bus) -> None
 
 async def _count_is(items: list[int], n: int) -> bool:
     return len(items) >= n
+
+
+async def test_a_worker_registers_its_jobs_under_its_apps_name(store: SqlStore, bus: Bus) -> None:
+    async with running_worker(app, store, bus, worker_id="w-app"):
+        pass
+    registered = await store.list_definitions(app=app.name)
+    assert {d.key for d in registered} == set(app.jobs)
+    assert all(d.app == app.name for d in registered)

@@ -54,6 +54,11 @@ class JobOut(BaseModel):
     paused: bool
     options: JobOptions
     args_schema: dict[str, Any] | None
+    app: str | None = Field(
+        default=None,
+        description="The name of the App whose worker last registered the job; null when no "
+        "worker has registered it since the store began recording it.",
+    )
     updated_at: datetime | None
     updated_by: str | None
     next_fire: datetime | None = Field(
@@ -100,6 +105,7 @@ class JobOut(BaseModel):
             paused=definition.paused,
             options=definition.options,
             args_schema=definition.args_schema,
+            app=definition.app,
             updated_at=definition.updated_at,
             updated_by=definition.updated_by,
             next_fire=next_fires[0] if next_fires else None,

@@ -88,6 +88,12 @@ class Scheduler:
     async def _campaign(self) -> None:
         s = self.settings
         try:
+            # Listed as a replica (leader or standby) for the dashboard; nothing depends on it,
+            # so failing to write it changes nothing about the lease.
+            await self.store.scheduler_seen(s.shard, s.scheduler_id)
+        except UnavailableError as exc:
+            logger.debug("cannot record this replica: %s", exc)
+        try:
             lease = await self.store.acquire_leadership(s.shard, s.scheduler_id, s.lease_ttl_s)
         except UnavailableError as exc:
             logger.warning("cannot renew the lease: %s", exc, extra={"action": "scheduler.lease"})
@@ -135,6 +141,10 @@ class Scheduler:
                     "could not release the lease: %s", exc, extra={"action": "scheduler.resign"}
                 )
             self.lease = None
+        try:
+            await self.store.scheduler_gone(self.settings.shard, self.settings.scheduler_id)
+        except UnavailableError as exc:  # its row is pruned after an hour anyway
+            logger.debug("cannot forget this replica: %s", exc)
 
 
 class LeaderDuties:

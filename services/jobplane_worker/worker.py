@@ -155,7 +155,7 @@ class Worker:
         """Register the app's jobs (first registration persists options) and this worker."""
         for spec in self.app.jobs.values():
             stored, created = await self.store.register_definition(
-                spec.options, spec.args_schema(), actor=f"worker:{self.id}"
+                spec.options, spec.args_schema(), actor=f"worker:{self.id}", app=self.app.name
             )
             if not created and stored.options != spec.options:
                 # The stored options win (they may have been edited); report the drift.

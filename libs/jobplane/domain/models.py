@@ -35,6 +35,9 @@ class JobDefinition:
     #: When the schedule (cron, time zone, start_at) was last edited; ticks of the current
     #: schedule before it never existed.
     schedule_since: datetime | None = None
+    #: The name of the App whose worker last registered the job; None if none has since
+    #: the store began recording it.
+    app: str | None = None
 
     @property
     def key(self) -> str:
@@ -262,10 +265,34 @@ class LeaderLease:
 
 
 @dataclass(frozen=True, slots=True)
+class Lags:
+    """How late work started over a recent window: cron ticks fired after their scheduled
+    time (created - scheduled), and instances claimed after they were enqueued (Enqueued →
+    Processing). ``None`` percentiles: nothing of that kind in the window."""
+
+    fire_p95_s: float | None = None
+    fires: int = 0
+    pickup_p95_s: float | None = None
+    pickups: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerReplica:
+    """A scheduler replica as it last campaigned for its shard's lease (leader or standby)."""
+
+    shard: int
+    holder: str
+    started_at: datetime
+    seen_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
 class InstanceFilter:
     """Filters for :meth:`Store.list_instances`; every field is optional (AND-ed)."""
 
     job_key: str | None = None
+    #: Only these jobs' instances (an App's jobs); None: any job, empty: none.
+    job_keys: tuple[str, ...] | None = None
     states: tuple[InstanceState, ...] = ()
     created_after: datetime | None = None
     created_before: datetime | None = None

@@ -23,10 +23,12 @@ from jobplane.domain.models import (
     InstanceFilter,
     JobDefinition,
     JobSummary,
+    Lags,
     LeaderLease,
     NewInstance,
     Outcome,
     Page,
+    SchedulerReplica,
     Transition,
     WorkerInfo,
 )
@@ -49,12 +51,18 @@ class Store(Protocol):
     # -- definitions ---------------------------------------------------------------------
 
     async def register_definition(
-        self, options: JobOptions, args_schema: dict[str, Any] | None, actor: str
+        self,
+        options: JobOptions,
+        args_schema: dict[str, Any] | None,
+        actor: str,
+        *,
+        app: str | None = None,
     ) -> tuple[JobDefinition, bool]:
         """Persist ``options`` if the key is new; return ``(stored, created)``.
 
         An existing definition keeps its stored options (they may have been edited); only
-        ``args_schema`` is refreshed from code. The slot counter row is created with it.
+        ``args_schema`` and ``app`` (when given: the name of the App registering it) are
+        refreshed from code. The slot counter row is created with it.
         """
 
     async def save_definition(
@@ -83,8 +91,11 @@ class Store(Protocol):
     async def get_definition(self, key: str) -> JobDefinition:
         """Raises :class:`~jobplane.errors.JobNotFoundError`."""
 
-    async def list_definitions(self, keys: Collection[str] | None = None) -> list[JobDefinition]:
-        """All definitions, or those among ``keys``, ordered by key."""
+    async def list_definitions(
+        self, keys: Collection[str] | None = None, *, app: str | None = None
+    ) -> list[JobDefinition]:
+        """All definitions, or those among ``keys`` and/or registered by the App named
+        ``app``, ordered by key."""
 
     async def definition_versions(self) -> dict[str, int]:
         """``{key: version}`` for every definition: the cheap convergence check of caches."""
@@ -121,6 +132,10 @@ class Store(Protocol):
     ) -> Page:
         """Newest first, keyset-paginated on the (time-ordered) id."""
 
+    async def recent_ends(self, job_key: str, limit: int) -> list[Instance]:
+        """The ``limit`` instances of ``job_key`` that ended last, latest first (their
+        ``started_at`` to ``finished_at`` is their last attempt)."""
+
     async def transitions(self, instance_id: UUID) -> list[Transition]:
         """History of one instance, in sequence order."""
 
@@ -149,6 +164,11 @@ class Store(Protocol):
         """Ends recorded in the history (→ Succeeded, → Failed, → Terminated) in each of
         the last ``count`` buckets of ``width_s`` seconds (aligned on the epoch; the last one
         holds the store's now, so it is still filling), oldest first; empty buckets included."""
+
+    async def lags(self, window_s: float = 3600.0) -> Lags:
+        """The p95 fire lag (cron ticks created in the window, misfire records excluded:
+        ``created_at - scheduled_at``) and p95 pickup lag (claims recorded in the window: the
+        time since the instance's latest → Enqueued before it), with how many of each."""
 
     # -- the attempt lifecycle -----------------------------------------------------------
 
@@ -258,6 +278,16 @@ class Store(Protocol):
         """Give the lease up at once (graceful stop) if still held at ``term``."""
 
     async def get_leader(self, shard: int) -> LeaderLease | None: ...
+
+    async def scheduler_seen(self, shard: int, holder: str) -> None:
+        """Record that replica ``holder`` campaigns for ``shard`` now (leader or standby);
+        forget replicas silent for an hour."""
+
+    async def scheduler_gone(self, shard: int, holder: str) -> None:
+        """Forget replica ``holder`` (it stops cleanly)."""
+
+    async def list_schedulers(self, shard: int) -> list[SchedulerReplica]:
+        """Every replica remembered for ``shard``, the most recently seen first."""
 
     # -- leader duties (each fenced by the leader's lease; NotLeaderError when deposed) ----
 

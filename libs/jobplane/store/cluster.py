@@ -16,6 +16,7 @@ from sqlalchemy import (
 
 from jobplane.domain.models import (
     LeaderLease,
+    SchedulerReplica,
     WorkerInfo,
 )
 from jobplane.store import rows
@@ -24,8 +25,12 @@ from jobplane.store.lifecycle import release_runaway_rows
 from jobplane.store.tables import (
     runaway_slots,
     scheduler_leases,
+    scheduler_replicas,
     workers,
 )
+
+#: A replica's row is deleted by the next campaign of any replica once it is this silent.
+REPLICA_FORGOTTEN_AFTER = timedelta(hours=1)
 
 
 class ClusterStore(SqlBase):
@@ -126,6 +131,42 @@ class ClusterStore(SqlBase):
                 .returning(lease.shard)
             )
             return result.first() is not None
+
+    @retry_conflicts
+    async def scheduler_seen(self, shard: int, holder: str) -> None:
+        replica = scheduler_replicas.c
+        async with self._write() as conn:
+            now = await self._now(conn)
+            stmt = self._insert(scheduler_replicas).values(
+                shard=shard, holder=holder, started_at=now, seen_at=now
+            )
+            await conn.execute(
+                stmt.on_conflict_do_update(  # type: ignore[attr-defined]
+                    index_elements=["shard", "holder"], set_={"seen_at": now}
+                )
+            )
+            # Replicas that died without saying so (a new pid is a new holder): the table
+            # holds at most an hour of them (a handful of rows; the scan is trivial).
+            await conn.execute(
+                scheduler_replicas.delete().where(replica.seen_at < now - REPLICA_FORGOTTEN_AFTER)
+            )
+
+    async def scheduler_gone(self, shard: int, holder: str) -> None:
+        replica = scheduler_replicas.c
+        async with self._write() as conn:
+            await conn.execute(
+                scheduler_replicas.delete().where(replica.shard == shard, replica.holder == holder)
+            )
+
+    async def list_schedulers(self, shard: int) -> list[SchedulerReplica]:
+        replica = scheduler_replicas.c
+        async with self._read() as conn:
+            result = await conn.execute(
+                select(scheduler_replicas)
+                .where(replica.shard == shard)
+                .order_by(replica.seen_at.desc(), replica.holder)
+            )
+            return [rows.replica_from_row(r._mapping) for r in result]
 
     async def get_leader(self, shard: int) -> LeaderLease | None:
         lease = scheduler_leases.c

@@ -47,7 +47,12 @@ class DefinitionStore(SqlBase):
     """Definition operations of the store."""
 
     async def register_definition(
-        self, options: JobOptions, args_schema: dict[str, Any] | None, actor: str
+        self,
+        options: JobOptions,
+        args_schema: dict[str, Any] | None,
+        actor: str,
+        *,
+        app: str | None = None,
     ) -> tuple[JobDefinition, bool]:
         async with self._write() as conn:
             now = await self._now(conn)
@@ -57,6 +62,7 @@ class DefinitionStore(SqlBase):
                     .values(
                         key=options.key,
                         args_schema=args_schema,
+                        app=app,
                         created_at=now,
                         updated_at=now,
                         updated_by=actor,
@@ -77,11 +83,14 @@ class DefinitionStore(SqlBase):
                 # registering a new job at once cannot both write it (the primary key).
                 await self._record_version(conn, inserted._mapping, DefinitionChange.REGISTER)
             else:
-                # Stored options win; only the argument schema follows the code.
+                # Stored options win; only the argument schema and the app follow the code.
+                from_code: dict[str, Any] = {"args_schema": args_schema}
+                if app is not None:
+                    from_code["app"] = app
                 await conn.execute(
                     update(job_definitions)
                     .where(job_definitions.c.key == options.key)
-                    .values(args_schema=args_schema)
+                    .values(**from_code)
                 )
             row = (
                 await conn.execute(
@@ -236,10 +245,14 @@ class DefinitionStore(SqlBase):
             raise JobNotFoundError(key)
         return found[0]
 
-    async def list_definitions(self, keys: Collection[str] | None = None) -> list[JobDefinition]:
+    async def list_definitions(
+        self, keys: Collection[str] | None = None, *, app: str | None = None
+    ) -> list[JobDefinition]:
         query = select(job_definitions).order_by(job_definitions.c.key)
         if keys is not None:
             query = query.where(job_definitions.c.key.in_(list(keys)))
+        if app is not None:
+            query = query.where(job_definitions.c.app == app)
         async with self._read() as conn:
             result = await conn.execute(query)
             return [rows.definition_from_row(r._mapping) for r in result]

@@ -198,6 +198,17 @@ class InstanceStore(SqlBase):
         items = found[:limit]
         return Page(items=items, next_cursor=items[-1].id if more else None)
 
+    async def recent_ends(self, job_key: str, limit: int) -> list[Instance]:
+        # ix_job_instances_job_key_finished_at, newest end first: at most ``limit`` rows read.
+        query = (
+            select(job_instances)
+            .where(I.job_key == job_key, I.finished_at.is_not(None))
+            .order_by(I.finished_at.desc())
+            .limit(limit)
+        )
+        async with self._read() as conn:
+            return [rows.instance_from_row(r._mapping) for r in await conn.execute(query)]
+
     async def transitions(self, instance_id: UUID) -> list[Transition]:
         t = instance_transitions.c
         async with self._read() as conn:
@@ -221,6 +232,8 @@ def filtered(query: Select[Any], filter: InstanceFilter) -> Select[Any]:
     """``query`` restricted to the instances ``filter`` selects."""
     if filter.job_key is not None:
         query = query.where(I.job_key == filter.job_key)
+    if filter.job_keys is not None:
+        query = query.where(I.job_key.in_(filter.job_keys))
     if filter.states:
         query = query.where(I.state.in_([s.value for s in filter.states]))
     # A created-time window also bounds the id (UUIDv7, time-ordered), so the listing reads

@@ -8,9 +8,10 @@ from datetime import timedelta
 
 from sqlalchemy import text
 
-from jobplane.domain.models import Bucket, JobSummary
+from jobplane.domain.models import Bucket, JobSummary, Lags
 from jobplane.domain.states import InstanceState
-from jobplane.store.stats import DAY_S, TERMINAL, StatsStore
+from jobplane.ids import id_floor
+from jobplane.store.stats import DAY_S, HOUR_S, ID_SKEW, TERMINAL, StatsStore
 
 _TERMINAL = ", ".join(f"'{s}'" for s in TERMINAL)
 
@@ -84,6 +85,37 @@ ORDER BY s.start
 
 THROUGHPUT = text(THROUGHPUT_SQL)
 
+# The Overview's lags, aggregated here. Fire lag: the cron ticks created in the window (a
+# range of the time-ordered primary key); pickup lag: the claims recorded in the window (the
+# history's ``at`` index), each paired with its instance's latest → Enqueued before it (one
+# probe of the (instance_id, seq) index).
+LAGS_SQL = """
+WITH fires AS (
+    SELECT percentile_cont(0.95) WITHIN GROUP (
+               ORDER BY EXTRACT(EPOCH FROM created_at - scheduled_at)) AS p95,
+           count(*) AS n
+    FROM job_instances
+    WHERE id >= :id_floor AND created_at >= :since AND source = 'cron'
+      AND state <> 'skipped' AND scheduled_at IS NOT NULL
+),
+pickups AS (
+    SELECT percentile_cont(0.95) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM c.at - q.at)) AS p95,
+           count(*) AS n
+    FROM instance_transitions c
+    CROSS JOIN LATERAL (
+        SELECT at FROM instance_transitions q
+        WHERE q.instance_id = c.instance_id AND q.seq < c.seq AND q.to_state = 'enqueued'
+        ORDER BY q.seq DESC
+        LIMIT 1
+    ) q
+    WHERE c.to_state = 'processing' AND c.at >= :since
+)
+SELECT fires.p95 AS fire_p95, fires.n AS fires, pickups.p95 AS pickup_p95, pickups.n AS pickups
+FROM fires, pickups
+"""
+
+LAGS = text(LAGS_SQL)
+
 
 class PostgresStatsStore(StatsStore):
     async def job_summaries(
@@ -122,3 +154,15 @@ class PostgresStatsStore(StatsStore):
                 )
                 for row in result
             ]
+
+    async def lags(self, window_s: float = HOUR_S) -> Lags:
+        async with self._read() as conn:
+            since = await self._now(conn) - timedelta(seconds=window_s)
+            params = {"since": since, "id_floor": id_floor(since - ID_SKEW)}
+            row = (await conn.execute(LAGS, params)).one()
+        return Lags(
+            fire_p95_s=float(row.fire_p95) if row.fire_p95 is not None else None,
+            fires=row.fires,
+            pickup_p95_s=float(row.pickup_p95) if row.pickup_p95 is not None else None,
+            pickups=row.pickups,
+        )

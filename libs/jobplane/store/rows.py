@@ -13,6 +13,7 @@ from jobplane.domain.models import (
     InstanceSource,
     JobDefinition,
     LeaderLease,
+    SchedulerReplica,
     Transition,
     WorkerInfo,
 )
@@ -32,6 +33,7 @@ def definition_from_row(row: Mapping[Any, Any]) -> JobDefinition:
         updated_at=row["updated_at"],
         updated_by=row["updated_by"],
         schedule_since=row["schedule_since"],
+        app=row["app"],
     )
 
 
@@ -92,6 +94,15 @@ def worker_from_row(row: Mapping[Any, Any]) -> WorkerInfo:
         started_at=row["started_at"],
         heartbeat_at=row["heartbeat_at"],
         stopped_at=row["stopped_at"],
+    )
+
+
+def replica_from_row(row: Mapping[Any, Any]) -> SchedulerReplica:
+    return SchedulerReplica(
+        shard=row["shard"],
+        holder=row["holder"],
+        started_at=row["started_at"],
+        seen_at=row["seen_at"],
     )
 
 

@@ -9,12 +9,25 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
-from sqlalchemy import Integer, String, and_, case, cast, func, literal, select, union_all
+from sqlalchemy import (
+    Integer,
+    Select,
+    String,
+    and_,
+    case,
+    cast,
+    func,
+    literal,
+    select,
+    union_all,
+)
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from jobplane.domain.models import Bucket, JobSummary
+from jobplane.domain.models import Bucket, JobSummary, Lags
 from jobplane.domain.states import TERMINAL_STATES
+from jobplane.ids import id_floor
 from jobplane.store.base import I, S, SqlBase
 from jobplane.store.tables import instance_transitions, job_definitions, job_instances, workers
 
@@ -27,6 +40,11 @@ T = instance_transitions.c
 
 #: The window of the jobs list's recent figures.
 DAY_S = 24 * 3600.0
+#: The window of the Overview's lag figures.
+HOUR_S = 3600.0
+#: Instance ids come from the creating process's clock: a window on ``created_at`` also
+#: bounds the (time-ordered) id, widened by this much (as the instance listings do).
+ID_SKEW = timedelta(minutes=5)
 
 
 def percentile_cont(values: Sequence[float], fraction: float) -> float | None:
@@ -180,3 +198,56 @@ class StatsStore(SqlBase):
             )
             for at in range(first, last + 1, width_s)
         ]
+
+    async def lags(self, window_s: float = HOUR_S) -> Lags:
+        # SQLite: the pairs are read and the percentiles taken here.
+        async with self._read() as conn:
+            since = await self._now(conn) - timedelta(seconds=window_s)
+            fires = [
+                (created - scheduled).total_seconds()
+                for created, scheduled in await conn.execute(_fire_pairs(since))
+            ]
+            pickups = [
+                (claimed - enqueued).total_seconds()
+                for claimed, enqueued in await conn.execute(_pickup_pairs(since))
+                if enqueued is not None
+            ]
+        return Lags(
+            fire_p95_s=percentile_cont(fires, 0.95),
+            fires=len(fires),
+            pickup_p95_s=percentile_cont(pickups, 0.95),
+            pickups=len(pickups),
+        )
+
+
+def _fire_pairs(since: datetime) -> Select[Any]:
+    """(created, scheduled) of the cron ticks created since ``since``: a range of the primary
+    key (time-ordered ids), not a scan."""
+    return select(I.created_at, I.scheduled_at).where(
+        I.id >= id_floor(since - ID_SKEW),
+        I.created_at >= since,
+        I.source == "cron",
+        I.state != S.SKIPPED.value,  # misfire records: ticks that were never run
+        I.scheduled_at.is_not(None),
+    )
+
+
+def _pickup_pairs(since: datetime) -> Select[Any]:
+    """(claimed, enqueued) of each claim recorded since ``since`` (the history's ``at``
+    index), with the instance's latest → Enqueued before it (its (instance, seq) index)."""
+    claim = instance_transitions.alias("claim")
+    queued = instance_transitions.alias("queued")
+    enqueued_at = (
+        select(queued.c.at)
+        .where(
+            queued.c.instance_id == claim.c.instance_id,
+            queued.c.seq < claim.c.seq,
+            queued.c.to_state == S.ENQUEUED.value,
+        )
+        .order_by(queued.c.seq.desc())
+        .limit(1)
+        .scalar_subquery()
+    )
+    return select(claim.c.at, enqueued_at).where(
+        claim.c.to_state == S.PROCESSING.value, claim.c.at >= since
+    )

@@ -59,6 +59,9 @@ job_definitions = Table(
     Column("updated_by", String(200), nullable=True),
     # When cron, time zone or start_at last changed (migration 0013); null: never edited.
     Column("schedule_since", UtcDateTime, nullable=True),
+    # The name of the App whose worker last registered the job (migration 0015); null: none
+    # since the column exists.
+    Column("app", String(200), nullable=True),
     CheckConstraint("max_concurrency >= 1", name="max_concurrency_positive"),
 )
 
@@ -262,6 +265,18 @@ scheduler_leases = Table(
     Column("term", BigInteger, nullable=False),
     Column("acquired_at", UtcDateTime, nullable=False),
     Column("expires_at", UtcDateTime, nullable=False),
+)
+
+# Every scheduler replica's last campaign (migration 0016): one row per replica, written each
+# time it campaigns, so standbys can be listed. Rows of replicas silent for an hour are pruned
+# by the next campaign; a replica that stops cleanly deletes its own.
+scheduler_replicas = Table(
+    "scheduler_replicas",
+    metadata,
+    Column("shard", Integer, primary_key=True),
+    Column("holder", String(200), primary_key=True),
+    Column("started_at", UtcDateTime, nullable=False),
+    Column("seen_at", UtcDateTime, nullable=False),
 )
 
 # Counters for backends without sequences (SQLite): name → last value handed out.

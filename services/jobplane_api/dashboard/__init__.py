@@ -8,14 +8,17 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.responses import Response
 
+from jobplane.domain.models import Lags
 from jobplane.domain.states import InstanceState
-from jobplane_api.dashboard import access, instances, jobs, overview, workers
+from jobplane_api.dashboard import access, bulkfilter, instances, jobs, overview, workers
 from jobplane_api.dashboard.render import HEADERS, HERE, templates
 from jobplane_api.dashboard.session import Forbidden, LoginRequired
 from jobplane_api.dashboard.shared import Shared
 
 #: How long the Overview's instance counts are shared by every viewer (see shared.py).
 COUNTS_TTL_S = 2.0
+#: How long the Overview's hourly lag figures are shared by every viewer.
+LAGS_TTL_S = 10.0
 
 #: Requests from the pages' own polling script carry this header: a lost session answers 401
 #: (the script shows "signed out") instead of a redirect to the login form.
@@ -26,7 +29,8 @@ def mount(app: FastAPI) -> None:
     """Add the dashboard's pages, static files and error pages to ``app``."""
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="dashboard-static")
     app.state.dashboard_counts = Shared[dict[InstanceState, int]](COUNTS_TTL_S)
-    for module in (access, overview, jobs, instances, workers):
+    app.state.dashboard_lags = Shared[Lags](LAGS_TTL_S)
+    for module in (access, overview, jobs, bulkfilter, instances, workers):
         app.include_router(module.router)
     app.add_exception_handler(LoginRequired, _login_required)  # type: ignore[arg-type]
     app.add_exception_handler(Forbidden, _forbidden)  # type: ignore[arg-type]

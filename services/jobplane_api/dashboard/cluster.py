@@ -29,7 +29,8 @@ class WorkerRow:
 
 
 async def cluster_view(store: SqlStore) -> dict[str, Any]:
-    """Workers (live first) with their busy slots, and the scheduler leader's lease."""
+    """Workers (live first) with their busy slots, the scheduler leader's lease and the other
+    scheduler replicas (standbys; silent when they have not campaigned for 30 s)."""
     now = await store.now()
     running = await store.list_instances(
         InstanceFilter(states=(InstanceState.PROCESSING,)), limit=RUNNING_READ
@@ -41,6 +42,8 @@ async def cluster_view(store: SqlStore) -> dict[str, Any]:
     rows = [WorkerRow(w, busy.get(w.id, 0), _silent(w, now)) for w in await store.list_workers()]
     online = [r for r in rows if not r.stopped]
     leader: LeaderLease | None = await store.get_leader(0)
+    holder = leader.holder if leader else None
+    standbys = [r for r in await store.list_schedulers(0) if r.holder != holder]
     return {
         "now": now,
         "workers": sorted(rows, key=lambda r: (r.stopped, r.info.id)),
@@ -48,6 +51,7 @@ async def cluster_view(store: SqlStore) -> dict[str, Any]:
         "busy": sum(r.running for r in online),
         "capacity": sum(r.info.capacity for r in online),
         "leader": leader,
+        "standbys": [(r, now - r.seen_at > SILENT_AFTER) for r in standbys],
     }
 
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from datetime import timedelta
 from typing import Annotated, Any
 from uuid import UUID
 
@@ -13,9 +12,10 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from starlette.responses import Response
 
 from jobplane.domain.attempts import attempts_of
-from jobplane.domain.models import Instance, InstanceFilter
+from jobplane.domain.models import Instance
 from jobplane.domain.states import InstanceState
 from jobplane.errors import IllegalTransitionError, InstanceNotFoundError, JobplaneError
+from jobplane_api.dashboard.listing import RANGES, listing_of
 from jobplane_api.dashboard.render import render, set_flash
 from jobplane_api.dashboard.session import OperatorDep, ViewerDep
 from jobplane_api.deps import DispatcherDep, StoreDep
@@ -25,10 +25,9 @@ from jobplane_api.security import actor_of
 router = APIRouter(include_in_schema=False)
 
 PAGE_SIZE = 50
-#: The time ranges the list offers, in minutes (0: any time).
-RANGES = {"": 0, "15m": 15, "1h": 60, "24h": 1440, "7d": 10080}
 
 
+@router.get("/apps/{app}/instances", response_class=HTMLResponse)
 @router.get("/instances", response_class=HTMLResponse)
 async def list_instances(
     request: Request,
@@ -38,25 +37,16 @@ async def list_instances(
     job: str = "",
     worker: str = "",
     since: str = "",
+    app: str = "",
     before: UUID | None = None,
     partial: bool = False,
 ) -> HTMLResponse:
-    states = tuple(InstanceState(s) for s in state or () if s in set(InstanceState))
-    now = await store.now()
-    minutes = RANGES.get(since, 0)
-    page = await store.list_instances(
-        InstanceFilter(
-            job_key=job.strip() or None,
-            states=states,
-            worker_id=worker.strip() or None,
-            created_after=now - timedelta(minutes=minutes) if minutes else None,
-        ),
-        limit=PAGE_SIZE,
-        before=before,
+    listing = await listing_of(
+        store, state=state or (), job=job, worker=worker, since=since, app=app
     )
-    query = [("state", s.value) for s in states]
-    query += [(k, v) for k, v in (("job", job), ("worker", worker), ("since", since)) if v]
-    here = "/instances" + (f"?{request.url.query}" if request.url.query else "")
+    page = await store.list_instances(listing.filter, limit=PAGE_SIZE, before=before)
+    states, query = listing.states, listing.query
+    here = request.url.path + (f"?{request.url.query}" if request.url.query else "")
     context: dict[str, Any] = {
         "nav": "instances",
         "here": here.replace("&partial=1", "").replace("?partial=1", ""),
@@ -65,9 +55,10 @@ async def list_instances(
         "before": before,
         "query": query,
         "f": {"states": {s.value for s in states}, "job": job, "worker": worker, "since": since},
+        "app": app,
         "ranges": RANGES,
-        "jobs": sorted(d.key for d in await store.list_definitions()),
-        "now": now,
+        "jobs": listing.jobs,
+        "now": await store.now(),
     }
     name = "_instances.html" if partial else "instances.html"
     return await render(request, session, name, context)
@@ -154,7 +145,8 @@ async def bulk(
     form = await request.form()
     action = form.get("action")
     back = form.get("back")
-    target = back if isinstance(back, str) and back.startswith("/instances") else "/instances"
+    listing = isinstance(back, str) and back.startswith(("/instances", "/apps/"))
+    target = back if listing and isinstance(back, str) else "/instances"
     ids: list[UUID] = []
     for raw in form.getlist("id")[:BULK_MAX]:
         try:

@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Annotated, Any
+from urllib.parse import quote
 from zoneinfo import ZoneInfo
 
 from fastapi import APIRouter, Form, HTTPException, Request, status
@@ -28,6 +29,7 @@ from jobplane_api.dashboard.argsform import (
     args_from_form,
     initial_values,
 )
+from jobplane_api.dashboard.durations import CHART_H, CHART_W, RUNS_SHOWN, DurationChart
 from jobplane_api.dashboard.editing import (
     changes_from_form,
     edit_values,
@@ -48,6 +50,13 @@ VERSIONS_SHOWN = 10
 TRIGGER_FIELDS = ("args", "delay_s", "run_at", "priority", "idempotency_key")
 
 
+@router.get("/apps/{app}", response_class=RedirectResponse)
+async def app_home(session: ViewerDep, app: str) -> RedirectResponse:
+    """An app's scope starts at its jobs."""
+    return RedirectResponse(f"/apps/{quote(app, safe='')}/jobs", status_code=303)
+
+
+@router.get("/apps/{app}/jobs", response_class=HTMLResponse)
 @router.get("/jobs", response_class=HTMLResponse)
 async def list_jobs(
     request: Request,
@@ -57,17 +66,22 @@ async def list_jobs(
     queue: str = "",
     kind: str = "",
     paused: str = "",
+    app: str = "",
 ) -> HTMLResponse:
     chosen_kind = JobKind(kind) if kind in set(JobKind) else None
     chosen_paused = {"yes": True, "no": False}.get(paused)
-    found = await api.list_jobs(store, chosen_kind, queue or None, chosen_paused, q or None)
-    queues = sorted({d.options.queue for d in await store.list_definitions()})
+    found = await api.list_jobs(
+        store, chosen_kind, queue or None, chosen_paused, q or None, app or None
+    )
+    every = await store.list_definitions()
     context: dict[str, Any] = {
         "nav": "jobs",
+        "app": app,
         "jobs": found,
-        "queues": queues,
+        "queues": sorted({d.options.queue for d in every if not app or d.app == app}),
+        "apps": sorted({d.app for d in every if d.app}),
         "kinds": list(JobKind),
-        "f": {"q": q, "queue": queue, "kind": kind, "paused": paused},
+        "f": {"q": q, "queue": queue, "kind": kind, "paused": paused, "app": app},
         "now": await store.now(),
     }
     return await render(request, session, "jobs.html", context)
@@ -151,6 +165,9 @@ async def job_page_response(
     context: dict[str, Any] = {
         "nav": "jobs",
         "job": job,
+        "durations": DurationChart.of(await store.recent_ends(key, RUNS_SHOWN)),
+        "chart_w": CHART_W,
+        "chart_h": CHART_H,
         "fires": fires_of(job),
         "instances": page.items,
         "more_instances": page.next_cursor is not None,

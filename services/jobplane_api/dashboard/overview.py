@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 
-from jobplane.domain.models import Bucket, InstanceFilter
+from jobplane.domain.models import Bucket, InstanceFilter, Lags
 from jobplane.domain.states import InstanceState
 from jobplane_api.dashboard.cluster import cluster_view
 from jobplane_api.dashboard.render import render
@@ -83,6 +83,7 @@ async def overview(
 ) -> HTMLResponse:
     shared: Shared[dict[InstanceState, int]] = request.app.state.dashboard_counts
     counts = await shared.get(store.count_by_state)
+    lags: Shared[Lags] = request.app.state.dashboard_lags
     charts = [
         Chart.of("Last hour", "min", "60 min ago", await store.throughput(60, 60)),
         Chart.of("Last day", "h", "24 h ago", await store.throughput(3600, 24)),
@@ -96,6 +97,7 @@ async def overview(
         "chart_w": CHART_W,
         "chart_h": CHART_H,
         "failures": failures.items,
+        "lags": await lags.get(store.lags),
         **await cluster_view(store),
     }
     name = "_overview.html" if partial else "overview.html"

@@ -68,12 +68,15 @@ async def list_jobs(
     queue: str | None = None,
     paused: bool | None = None,
     q: Annotated[str | None, Query(description="Text in the key, name or description.")] = None,
+    app: Annotated[
+        str | None, Query(description="Only the jobs registered by the App of this name.")
+    ] = None,
 ) -> list[JobOut]:
-    """Every job definition, filtered by kind, queue, paused state or text, with its next
+    """Every job definition, filtered by app, kind, queue, paused state or text, with its next
     fire, its latest outcome, and its success rate and p95 attempt duration over 24 h."""
     matching = []
     needle = (q or "").lower()
-    for d in await store.list_definitions():
+    for d in await store.list_definitions(app=app):
         o = d.options
         if kind is not None and o.kind is not kind:
             continue
@@ -84,8 +87,10 @@ async def list_jobs(
         if needle and needle not in f"{o.key} {o.name} {o.description}".lower():
             continue
         matching.append(d)
-    # One grouped query for every job's figures (never one query per job).
-    summaries = await store.job_summaries() if matching else {}
+    # One grouped query for the figures of every job shown (never one query per job); the
+    # jobs of one app only when the app filter narrowed the list.
+    keys = [d.key for d in matching] if app is not None else None
+    summaries = await store.job_summaries(keys) if matching else {}
     now = await store.now()
     return [_out_of(d, now, 1, summaries.get(d.key)) for d in matching]
 
