@@ -42,6 +42,15 @@ GraceOption = Annotated[
     float | None,
     typer.Option("--grace", min=0, help="Seconds running jobs get to finish on SIGTERM."),
 ]
+HealthPortOption = Annotated[
+    int | None,
+    typer.Option(
+        "--health-port",
+        min=0,
+        max=65535,
+        help="Serve /healthz, /readyz and /metrics on this port (0: off).",
+    ),
+]
 
 
 token_cli = typer.Typer(
@@ -166,15 +175,7 @@ def worker(
     worker_id: Annotated[
         str | None, typer.Option("--worker-id", help="Stable id (consumer name, leases).")
     ] = None,
-    health_port: Annotated[
-        int | None,
-        typer.Option(
-            "--health-port",
-            min=0,
-            max=65535,
-            help="Serve /healthz, /readyz and /metrics on this port (0: off).",
-        ),
-    ] = None,
+    health_port: HealthPortOption = None,
 ) -> None:
     """Run a worker: consume queues from Redis, run jobs, record outcomes in Postgres."""
     remember_early_sigterm()
@@ -193,15 +194,7 @@ def worker(
 
 @cli.command()
 def scheduler(
-    health_port: Annotated[
-        int | None,
-        typer.Option(
-            "--health-port",
-            min=0,
-            max=65535,
-            help="Serve /healthz and /readyz on this port (0: off).",
-        ),
-    ] = None,
+    health_port: HealthPortOption = None,
 ) -> None:
     """Run a scheduler replica: one leader fires cron ticks, promotes delayed instances,
     releases expired leases and republishes lost messages; the others stand by."""
