@@ -4,12 +4,8 @@ the database afterwards. A scheduler process reaps expired leases."""
 from __future__ import annotations
 
 import asyncio
-import glob
-import os
-import shutil
 import signal
 import subprocess
-import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -23,7 +19,8 @@ from jobplane.domain.states import InstanceState as S
 from jobplane.runtime import migrate_database
 from jobplane.store.factory import open_store
 from jobplane.store.sql import SqlStore
-from tests.cli_helpers import free_port, spawn_cli, stop_all
+from tests.cli_helpers import spawn_cli, stop_all
+from tests.fixtures.private_servers import private_postgres
 from tests.worker_helpers import settled, wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -135,36 +132,9 @@ async def test_a_frozen_worker_resumed_after_its_lease_expired_overwrites_nothin
 @pytest.fixture
 def own_postgres() -> Iterator[tuple[str, Callable[[], None]]]:
     """A PostgreSQL server of this test's own (initdb in a temp dir), which it may restart."""
-    bins = sorted(glob.glob("/usr/lib/postgresql/*/bin"))
-    runuser = shutil.which("runuser")
-    if not bins or os.geteuid() != 0 or runuser is None:
-        pytest.skip("needs PostgreSQL server binaries and root (to run them as postgres)")
-    pg_bin = Path(bins[-1])
-    data = Path(tempfile.mkdtemp(prefix="jobplane-pg-"))
-    shutil.chown(data, "postgres", "postgres")
-    port = free_port()
-
-    def as_postgres(*args: str) -> None:
-        subprocess.run(
-            [runuser, "-u", "postgres", "--", *args],
-            check=True,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-
-    as_postgres(str(pg_bin / "initdb"), "-D", str(data / "db"), "-A", "trust", "-U", "postgres")
-    options = f"-p {port} -k {data} -c listen_addresses=127.0.0.1 -c fsync=off"
-    ctl = [str(pg_bin / "pg_ctl"), "-D", str(data / "db"), "-l", str(data / "log"), "-w"]
-    as_postgres(*ctl, "-o", options, "start")
-
-    def restart() -> None:
-        as_postgres(*ctl, "-m", "fast", "-o", options, "restart")
-
-    try:
-        yield f"postgresql://postgres@127.0.0.1:{port}/postgres", restart
-    finally:
-        as_postgres(*ctl, "-m", "immediate", "stop")
-        shutil.rmtree(data, ignore_errors=True)
+    with private_postgres() as server:
+        server.start()
+        yield server.url, server.restart
 
 
 async def test_postgres_restarted_mid_run_loses_no_outcome(
