@@ -88,12 +88,6 @@ class Scheduler:
     async def _campaign(self) -> None:
         s = self.settings
         try:
-            # Listed as a replica (leader or standby) for the dashboard; nothing depends on it,
-            # so failing to write it changes nothing about the lease.
-            await self.store.scheduler_seen(s.shard, s.scheduler_id)
-        except UnavailableError as exc:
-            logger.debug("cannot record this replica: %s", exc)
-        try:
             lease = await self.store.acquire_leadership(s.shard, s.scheduler_id, s.lease_ttl_s)
         except UnavailableError as exc:
             logger.warning("cannot renew the lease: %s", exc, extra={"action": "scheduler.lease"})
@@ -113,6 +107,13 @@ class Scheduler:
             duties = LeaderDuties(self.store, self.bus, self.settings, lease, self.metrics)
             self._duties = asyncio.create_task(duties.run(), name="jobplane-leader")
         self.lease = lease
+        try:
+            # Listed as a replica (leader or standby) for the dashboard. Nothing depends on it,
+            # so it comes after the lease (never delaying a renewal or a takeover), and failing
+            # to write it changes nothing.
+            await self.store.scheduler_seen(s.shard, s.scheduler_id)
+        except UnavailableError as exc:
+            logger.debug("cannot record this replica: %s", exc)
 
     async def _stop_duties(self) -> None:
         if self._duties is None:
