@@ -19,7 +19,7 @@ import httpx
 from sqlalchemy import text
 
 from bench.api import api_process, print_table
-from bench.common import environment, percentile
+from bench.common import environment, kept_database, percentile
 from bench.instance_data import Spread, fill, register_jobs
 
 
@@ -35,11 +35,13 @@ def pages(job: str, cron_job: str, instance: str, fifth: str) -> list[tuple[str,
         ("Instances, failed", "/instances?state=failed&state=terminated"),
         ("Instances, one job, last 24 h", f"/instances?job={job}&since=24h"),
         ("Instances, 5th page", fifth),
+        ("Overview, one app", "/apps/bench-cron/"),
         ("Jobs, one app", "/apps/bench-cron/jobs"),
         ("Instances, one app (recurring jobs)", "/apps/bench-cron/instances"),
         ("Instances, one app (triggered jobs)", "/apps/bench/instances"),
         ("Instance", f"/instances/{instance}"),
         ("Workers", "/workers"),
+        ("Workers, one app", "/apps/bench-cron/workers"),
     ]
 
 
@@ -55,11 +57,13 @@ async def fifth_page(client: httpx.AsyncClient) -> str:
 
 async def main(ns: argparse.Namespace) -> None:
     spread = Spread(ns.instances)
-    async with environment() as (url, prefix, store):
-        await register_jobs(store, spread)
-        started = time.perf_counter()
-        await fill(store.engine, spread)
-        print(f"filled {ns.instances:,} instances in {time.perf_counter() - started:.1f} s")
+    database = kept_database(ns.keep) if ns.keep else environment()
+    async with database as (url, prefix, store):
+        if not (await store.definition_history(spread.job_keys[0])):
+            await register_jobs(store, spread)
+            started = time.perf_counter()
+            await fill(store.engine, spread)
+            print(f"filled {ns.instances:,} instances in {time.perf_counter() - started:.1f} s")
         async with store.engine.connect() as conn:
             instance = (
                 await conn.execute(text("SELECT id FROM job_instances ORDER BY id DESC LIMIT 1"))
@@ -101,5 +105,10 @@ if __name__ == "__main__":
     )
     parser.add_argument("--instances", type=int, default=1_000_000)
     parser.add_argument("--requests", type=int, default=20, help="requests per page")
+    parser.add_argument(
+        "--keep",
+        metavar="NAME",
+        help="fill the database NAME once and keep it (later runs reuse it, migrated to head)",
+    )
     parser.add_argument("--target-ms", type=float, default=100.0, help="p95 target per page")
     asyncio.run(main(parser.parse_args()))

@@ -13,7 +13,8 @@ from playwright.sync_api import Browser, expect
 
 from tests.fixtures.dashboard import DESKTOP, Cluster, screenshot, sign_in
 
-pytestmark = pytest.mark.timeout(120)
+# One worker runs the module: its cluster and browser (module fixtures) start once.
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("dashboard")]
 
 
 def test_login_overview_logout(browser: Browser, cluster: Cluster) -> None:
@@ -72,7 +73,7 @@ def test_jobs_list_filters_and_job_page(browser: Browser, cluster: Cluster) -> N
     page = sign_in(browser, cluster, "operator")
     page.get_by_role("link", name="Jobs", exact=True).click()
     rows = page.locator("table tbody tr")
-    expect(rows).to_have_count(4)
+    expect(rows).to_have_count(5)  # greet, crunch, explode, ship_order, monthly_report
     report = rows.filter(has_text="monthly_report")
     expect(report).to_contain_text("At 03:00, on day 1 of the month")
     expect(report).to_contain_text("Europe/Berlin")
@@ -137,6 +138,49 @@ def test_trigger_from_the_form_runs_live_and_escapes_args(
     page.context.close()
 
 
+def test_trigger_with_nested_arguments_adds_and_removes_rows(
+    browser: Browser, cluster: Cluster
+) -> None:
+    """An argument model with a nested object and lists: a fieldset for the address, rows
+    added and removed for the order lines, a refusal shown at the row's input."""
+    page = sign_in(browser, cluster, "operator")
+    page.goto("/jobs/ship_order")
+    page.get_by_label("Customer").fill("Ann <b>")
+    address = page.locator("#arg-address")
+    expect(address.locator("legend")).to_contain_text("Address")
+    address.get_by_label("City").fill("Oslo")
+    add_line = page.get_by_role("button", name="Add lines item")
+    for _ in range(3):
+        add_line.click()
+    lines = page.locator("#arg-lines .array-row")
+    expect(lines).to_have_count(3)
+    expect(page.locator("#arg-lines-2-sku")).to_be_focused()  # the row just added
+    page.locator("#arg-lines-0-sku").fill("A-1")
+    page.locator("#arg-lines-0-quantity").fill("2")
+    page.locator("#arg-lines-1-sku").fill("gone")
+    page.get_by_role("button", name="Remove item 1 of lines").click()
+    expect(lines).to_have_count(2)
+    page.locator("#arg-lines-2-sku").fill("B-2")
+    page.locator("#arg-lines-2-quantity").fill("0")
+    page.get_by_role("button", name="Add tags item").click()
+    page.locator("#arg-tags-0").fill("gift")
+    page.get_by_role("button", name="Trigger ship_order").click()
+    # Refused by the job's schema at lines[2].quantity: shown there, every row kept.
+    quantity = page.locator("#arg-lines-2-quantity")
+    expect(quantity).to_have_attribute("aria-invalid", "true")
+    expect(page.locator("#arg-lines-2-quantity-error")).to_contain_text("minimum of 1")
+    expect(page.locator("#arg-lines-0-sku")).to_have_value("A-1")
+    expect(page.locator("#arg-tags-0")).to_have_value("gift")
+    screenshot(page, cluster, "job-trigger-nested")
+    quantity.fill("3")
+    page.get_by_role("button", name="Trigger ship_order").click()
+    expect(page).to_have_url(re.compile(r"/instances/[0-9a-f-]{36}$"))
+    expect(page.locator(".page-head .badge").first).to_have_text("succeeded", timeout=15_000)
+    expect(page.locator("#result")).to_contain_text('"units": 5')
+    expect(page.locator("#args")).to_contain_text("Ann <b>")
+    page.context.close()
+
+
 def test_cancel_running_instances_one_and_in_bulk(browser: Browser, cluster: Cluster) -> None:
     with _api(cluster) as api:
         made = [api.post("/api/v1/jobs/crunch/instances", json={}).json() for _ in range(3)]
@@ -183,9 +227,14 @@ def test_instances_list_updates_live_and_pages(browser: Browser, cluster: Cluste
     expect(rows.filter(has_text="succeeded")).to_have_count(rows.count())
     # The job's duration chart has a bar for each of those runs, each linking to its instance.
     page.goto("/jobs/greet")
-    bars = page.locator("#durations rect.bar-ok")
-    expect(bars.nth(2)).to_be_attached()
-    page.locator("#durations a").last.click()
+    # (drawn by uPlot; its legend names the hovered run's duration)
+    plot = page.locator("#durations .u-over")
+    expect(plot).to_be_visible()
+    expect(page.locator("#durations .u-legend")).to_contain_text("Succeeded")
+    box = plot.bounding_box()
+    assert box is not None
+    page.mouse.move(box["x"] + box["width"] - 3, box["y"] + box["height"] - 3)
+    page.mouse.click(box["x"] + box["width"] - 3, box["y"] + box["height"] - 3)
     expect(page).to_have_url(re.compile(r"/instances/[0-9a-f-]{36}$"))
     page.goto("/jobs/greet")
     screenshot(page, cluster, "job-durations")
@@ -318,8 +367,11 @@ def test_overview_after_activity(browser: Browser, cluster: Cluster) -> None:
     page.reload()  # without the "signed in" message
     expect(page.locator("[data-state-count=succeeded]")).not_to_have_text("0")
     expect(page.locator("[data-state-count=terminated]")).not_to_have_text("0")
-    expect(page.locator(".chart rect.bar-ok").first).to_be_visible()
-    expect(page.locator(".chart rect.bar-bad").first).to_be_visible()
+    # Both charts drawn (uPlot canvases), with the hour's counts in their legends and tables.
+    expect(page.locator(".chart canvas")).to_have_count(2)
+    expect(page.locator(".chart .u-legend").first).to_contain_text("Failed")
+    page.get_by_text("Last hour as a table").click()
+    expect(page.locator(".chart-data table").first).not_to_contain_text("Nothing ended")
     expect(page.locator(".error-line").first).to_contain_text("ValueError")
     screenshot(page, cluster, "overview")
     page.context.close()
@@ -349,8 +401,15 @@ def test_app_scope_has_a_stable_url(browser: Browser, cluster: Cluster) -> None:
     page.get_by_role("button", name="Filter").click()
     expect(page).to_have_url(re.compile(r"/jobs\?.*app=dashboard-tests"))
     page.goto("/apps/dashboard-tests")
-    expect(page).to_have_url(re.compile(r"/apps/dashboard-tests/jobs$"))
+    expect(page).to_have_url(re.compile(r"/apps/dashboard-tests/$"))
     expect(page.locator(".scope")).to_contain_text("dashboard-tests")
+    expect(page.locator(".chart canvas")).to_have_count(2)
+    screenshot(page, cluster, "app-overview")
+    page.get_by_role("link", name="Workers", exact=True).click()
+    expect(page).to_have_url(re.compile(r"/apps/dashboard-tests/workers$"))
+    expect(page.locator("#workers tbody tr").first).to_be_visible()  # the test cluster's
+    page.get_by_role("link", name="Jobs", exact=True).click()
+    expect(page).to_have_url(re.compile(r"/apps/dashboard-tests/jobs$"))
     expect(page.locator("table tbody tr").first).to_be_visible()
     screenshot(page, cluster, "app-jobs")
     page.get_by_role("link", name="Instances", exact=True).click()

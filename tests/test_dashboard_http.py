@@ -4,8 +4,10 @@ every page renders, the session and CSRF rules hold, and the filters the pages u
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import AsyncIterator
+from uuid import UUID
 
 import httpx
 import pytest
@@ -14,7 +16,12 @@ from jobplane.auth import Role
 from jobplane.bus.abc import Bus
 from jobplane.store.sql import SqlStore
 from jobplane_api.dashboard.access import safe_next
-from jobplane_api.dashboard.argsform import arg_fields, args_from_form, initial_values
+from jobplane_api.dashboard.argsform import (
+    arg_fields,
+    args_from_form,
+    field_for_error,
+    initial_values,
+)
 from jobplane_api.dashboard.render import cron_words
 from jobplane_api.dashboard.shared import Shared
 from jobplane_api.main import create_app
@@ -208,8 +215,100 @@ def test_argument_inputs_from_a_flat_schema_only() -> None:
         "ratio": "x",
         "dry": False,
     }
-    nested = {"type": "object", "properties": {"items": {"type": "array"}}}
-    assert arg_fields(nested) is None and arg_fields(None) is None
+    untyped = {"type": "object", "properties": {"items": {"type": "array"}}}
+    assert arg_fields(untyped) is None and arg_fields(None) is None
+    either = {
+        "type": "object",
+        "properties": {"x": {"anyOf": [{"type": "string"}, {"type": "integer"}]}},
+    }
+    assert arg_fields(either) is None  # a real union: edited as JSON
+
+
+def test_argument_inputs_for_nested_objects_and_arrays() -> None:
+    """pydantic's schema of nested models ($defs, $ref): fieldsets for objects, rows for
+    arrays (as many as the form sent), values rebuilt in shape, refusals mapped to inputs."""
+    schema = jobs_app.jobs["ship_order"].args_schema()
+    assert schema is not None and "$defs" in schema
+    fields = arg_fields(schema)
+    assert fields is not None
+    # inputs, then objects, then lists; required first (jsonb keeps no key order)
+    assert [f.path for f in fields] == ["customer", "address", "lines", "tags"]
+    reordered = {**schema, "properties": dict(reversed(schema["properties"].items()))}
+    assert arg_fields(reordered) == fields
+    _customer, address, lines, tags = fields
+    assert address.type == "object" and [f.path for f in address.fields] == [
+        "address.city",
+        "address.postcode",
+    ]
+    assert lines.type == "array" and lines.fields == () and lines.item is not None
+    assert [f.path for f in lines.item.fields] == ["lines.__1__.sku", "lines.__1__.quantity"]
+    assert tags.item is not None and tags.item.type == "string"
+
+    form = {
+        "arg.customer": "Ann",
+        "arg.address.city": "Oslo",
+        "arg.address.postcode": "",
+        "arg.lines.0.#": "",
+        "arg.lines.0.sku": "A-1",
+        "arg.lines.0.quantity": "2",
+        "arg.lines.3.#": "",  # rows keep their index after others were removed
+        "arg.lines.3.sku": "B-2",
+        "arg.lines.3.quantity": "x",
+        "arg.tags.0.#": "",
+        "arg.tags.0": "gift",
+    }
+    fields = arg_fields(schema, form)
+    assert fields is not None
+    assert [row.path for row in fields[2].fields] == ["lines.0", "lines.3"]
+    assert fields[2].next_row == 4
+    assert args_from_form(fields, form) == {
+        "customer": "Ann",
+        "address": {"city": "Oslo"},
+        "lines": [{"sku": "A-1", "quantity": 2}, {"sku": "B-2", "quantity": "x"}],
+        "tags": ["gift"],
+    }
+    # The API names the position in the list sent: the second line is the form's row 3.
+    assert field_for_error(fields, "args.lines.1.quantity") == "arg.lines.3.quantity"
+    assert field_for_error(fields, "args.lines.0") == "arg.lines.0"
+    assert field_for_error(fields, "args.lines") == "arg.lines"
+    assert field_for_error(fields, "args.address") == "arg.address"
+    assert field_for_error(fields, "args.lines.9.sku") == "arg.lines"  # nearest fieldset
+    assert field_for_error(fields, "args.tags.0") == "arg.tags.0"
+    assert field_for_error(fields, "args") is None
+
+
+async def test_trigger_form_shows_a_nested_refusal_at_its_input(
+    open_dash: httpx.AsyncClient, store: SqlStore
+) -> None:
+    dash = open_dash
+    page = (await dash.get("/jobs/ship_order")).text
+    assert 'id="arg-address-city"' in page and "data-add-row" in page
+    assert 'name="arg.lines.__1__.sku"' in page  # the row template
+    csrf = re.search(r'name="csrf" value="([^"]+)"', page)
+    assert csrf
+    form = {
+        "csrf": csrf[1],
+        "arg.customer": "Ann",
+        "arg.address.city": "Oslo",
+        "arg.lines.0.#": "",
+        "arg.lines.0.sku": "A-1",
+        "arg.lines.0.quantity": "0",
+    }
+    refused = await dash.post("/jobs/ship_order/trigger", data=form)
+    assert refused.status_code == 422
+    html = refused.text
+    error = html[html.index('id="arg-lines-0-quantity-error"') :][:300]
+    assert "less than the minimum of 1" in error
+    assert 'value="A-1"' in html  # the row is shown again with what was typed
+    form["arg.lines.0.quantity"] = "3"
+    made = await dash.post("/jobs/ship_order/trigger", data=form)
+    assert made.status_code == 303
+    instance = await store.get_instance(UUID(made.headers["location"].rsplit("/", 1)[1]))
+    assert instance.args == {
+        "customer": "Ann",
+        "address": {"city": "Oslo"},
+        "lines": [{"sku": "A-1", "quantity": 3}],
+    }
 
 
 async def test_app_scope_limits_jobs_and_instances_to_one_app(
@@ -233,7 +332,7 @@ async def test_app_scope_limits_jobs_and_instances_to_one_app(
     assert shop_keys == set(jobs_app.jobs)
 
     home = await open_dash.get("/apps/billing")
-    assert home.status_code == 303 and home.headers["location"] == "/apps/billing/jobs"
+    assert home.status_code == 303 and home.headers["location"] == "/apps/billing/"
     page = (await open_dash.get("/apps/billing/jobs")).text
     assert "ledger_close" in page and "/jobs/greet" not in page
     assert 'href="/apps/billing/instances"' in page  # the navigation stays in the app
@@ -247,6 +346,63 @@ async def test_app_scope_limits_jobs_and_instances_to_one_app(
     assert str(mine.id) in live and str(theirs.id) not in live
     nothing = (await open_dash.get("/apps/nobody/instances")).text
     assert str(mine.id) not in nothing and str(theirs.id) not in nothing
+
+
+async def test_app_overview_and_workers_show_that_apps_jobs_only(
+    open_dash: httpx.AsyncClient, store: SqlStore
+) -> None:
+    """``/apps/{app}/``: the app's instances by state, failures and workers (those that
+    registered one of its jobs); the lags and the scheduler are said to be every app's."""
+    from jobplane.domain.models import NewInstance, WorkerInfo
+    from jobplane.domain.options import JobOptions
+
+    other = JobOptions.parse(key="ledger_close", kind="triggered")
+    await store.register_definition(other, None, "test", app="billing")
+    await store.create_instances([NewInstance(job_key="greet", args={"name": "a"}) for _ in "abc"])
+    await store.create_instances([NewInstance(job_key="ledger_close")])
+    for worker, jobs in (("w-shop", ("greet",)), ("w-billing", ("ledger_close",))):
+        info = WorkerInfo(worker, "h", 1, ("default",), 4, "1", jobs=jobs)
+        await store.register_worker(info)
+
+    page = (await open_dash.get("/apps/billing/")).text
+    assert 'data-state-count="enqueued">1<' in page
+    assert 'data-live="/apps/billing/?partial=1"' in page
+    assert 'href="/apps/billing/workers"' in page and "(all apps)" in page
+    every = (await open_dash.get("/?partial=1")).text
+    assert 'data-state-count="enqueued">4<' in every
+
+    workers = (await open_dash.get("/apps/billing/workers")).text
+    assert "w-billing" in workers and "w-shop" not in workers
+    assert "serves every app" in workers
+    assert "w-shop" in (await open_dash.get("/workers")).text
+
+
+async def test_workers_page_shows_runaway_slots(
+    open_dash: httpx.AsyncClient, store: SqlStore
+) -> None:
+    """A slot held by code still running after its attempt timed out is listed under its
+    worker, linking to the instance."""
+    from jobplane.domain.models import ErrorInfo, NewInstance, Outcome, WorkerInfo
+    from jobplane.domain.states import InstanceState
+
+    await store.register_worker(WorkerInfo("w-stuck", "h", 1, ("default",), 2, "1", ("greet",)))
+    [made] = await store.create_instances([NewInstance(job_key="greet", args={"name": "a"})])
+    [claim] = (await store.claim([made.id], "w-stuck", 30, ["greet"])).claimed
+    timeout = ErrorInfo(type="TimeoutError", message="execution timeout")
+    await store.complete(
+        [Outcome(made.id, claim.token, InstanceState.FAILED, error=timeout, holds_slot=True)]
+    )
+    [held] = await store.runaway_slots()
+    assert (held.instance_id, held.worker_id, held.job_key) == (made.id, "w-stuck", "greet")
+
+    page = (await open_dash.get("/workers")).text
+    assert "1 holding slot" in page
+    runaways = page[page.index('id="runaways"') :]
+    assert f'href="/instances/{made.id}"' in runaways and "<code>w-stuck</code>" in runaways
+    assert "1 runaway" in (await open_dash.get("/")).text
+
+    assert await store.release_runaway_slot(made.id, claim.token)
+    assert "None: every timed-out" in (await open_dash.get("/workers")).text
 
 
 async def test_workers_page_lists_the_scheduler_standbys(
@@ -300,11 +456,15 @@ async def test_job_page_charts_the_duration_of_its_latest_runs(
     assert len(await store.recent_ends("greet", 2)) == 2
 
     page = (await open_dash.get("/jobs/greet")).text
-    chart = page[page.index('id="durations"') : page.index("</svg>", page.index('id="durations"'))]
-    assert chart.count('class="bar-ok"') == 2 and chart.count('class="bar-bad"') == 1
+    start = page.index('id="durations"')
+    spec = json.loads(page[page.index("data-chart='", start) + 12 : page.index("'>", start)])
+    ok, not_ok = (s["values"] for s in spec["series"])
+    assert sum(v is not None for v in ok) == 2 and sum(v is not None for v in not_ok) == 1
+    assert spec["links"] == [f"/instances/{c.instance.id}" for c in claims]  # oldest first
     assert "Duration of the last 3 runs" in page
+    table = page[page.index("Runs as a table") : page.index("</details>", start)]
     for c in claims:
-        assert f'href="/instances/{c.instance.id}"' in chart
+        assert f'href="/instances/{c.instance.id}"' in table
 
 
 async def test_cancel_then_retry_everything_a_filter_selects_after_a_count(

@@ -35,6 +35,28 @@ async def explode() -> None:
     raise ValueError("the <b>reactor</b> is not responding")
 
 
+class Address(BaseModel):
+    city: str = Field(min_length=1)
+    postcode: str = ""
+
+
+class Line(BaseModel):
+    sku: str = Field(min_length=1)
+    quantity: int = Field(ge=1, description="How many")
+
+
+class Order(BaseModel):
+    customer: str
+    address: Address
+    lines: list[Line] = Field(min_length=1)
+    tags: list[str] = []
+
+
+@app.triggered(description="Ships an order: nested arguments.")
+async def ship_order(args: Order) -> dict[str, int]:
+    return {"lines": len(args.lines), "units": sum(line.quantity for line in args.lines)}
+
+
 @app.recurring("0 3 1 * *", timezone="Europe/Berlin", queue="reports", name="Monthly report")
 async def monthly_report() -> str:
     return "filed"

@@ -73,8 +73,9 @@ counts AS (
     FROM instance_transitions t
     WHERE t.at >= (SELECT min(start) FROM series)
       AND t.to_state IN ('succeeded', 'failed', 'terminated')
-      AND (CAST(:job AS text) IS NULL OR EXISTS (
-          SELECT 1 FROM job_instances i WHERE i.id = t.instance_id AND i.job_key = :job))
+      AND (CAST(:jobs AS text[]) IS NULL OR EXISTS (
+          SELECT 1 FROM job_instances i
+          WHERE i.id = t.instance_id AND i.job_key = ANY(CAST(:jobs AS text[]))))
     GROUP BY 1
 )
 SELECT s.start, COALESCE(c.succeeded, 0) AS succeeded, COALESCE(c.failed, 0) AS failed,
@@ -140,9 +141,17 @@ class PostgresStatsStore(StatsStore):
             }
 
     async def throughput(
-        self, width_s: int, count: int, job_key: str | None = None
+        self,
+        width_s: int,
+        count: int,
+        job_key: str | None = None,
+        *,
+        job_keys: Collection[str] | None = None,
     ) -> list[Bucket]:
-        params = {"width": width_s, "count": count, "job": job_key}
+        jobs = [job_key] if job_key is not None else None
+        if job_keys is not None:
+            jobs = [k for k in job_keys if jobs is None or k in jobs]
+        params = {"width": width_s, "count": count, "jobs": jobs}
         async with self._read() as conn:
             result = await conn.execute(THROUGHPUT, params)
             return [

@@ -171,7 +171,12 @@ class StatsStore(SqlBase):
         return out
 
     async def throughput(
-        self, width_s: int, count: int, job_key: str | None = None
+        self,
+        width_s: int,
+        count: int,
+        job_key: str | None = None,
+        *,
+        job_keys: Collection[str] | None = None,
     ) -> list[Bucket]:
         # SQLite: bucket on the epoch seconds of ``at`` (stored as UTC text).
         async with self._read() as conn:
@@ -184,8 +189,12 @@ class StatsStore(SqlBase):
                 .where(T.at >= datetime.fromtimestamp(first, UTC), T.to_state.in_(ENDS))
                 .group_by(start, T.to_state)
             )
+            if job_key is not None or job_keys is not None:
+                query = query.join(job_instances, I.id == T.instance_id)
             if job_key is not None:
-                query = query.join(job_instances, I.id == T.instance_id).where(I.job_key == job_key)
+                query = query.where(I.job_key == job_key)
+            if job_keys is not None:
+                query = query.where(I.job_key.in_(list(job_keys)))
             counts: dict[tuple[int, str], int] = {
                 (at, state): n for at, state, n in await conn.execute(query)
             }

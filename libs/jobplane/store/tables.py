@@ -196,12 +196,14 @@ job_instances = Table(
         "id",
         postgresql_where=text("worker_id IS NOT NULL"),
     ),
-    # The latest outcome of each job and its recent counts (the jobs list).
+    # The latest outcome of each job and its recent counts by state (the jobs list; the
+    # state is carried so that Postgres counts from the index alone).
     Index(
         "ix_job_instances_job_key_finished_at",
         "job_key",
         "finished_at",
         postgresql_where=text("finished_at IS NOT NULL"),
+        postgresql_include=["state"],
         sqlite_where=text("finished_at IS NOT NULL"),
     ),
     # Sweeps of the leader: due Scheduled instances, expired leases, stale publications.
@@ -303,4 +305,17 @@ api_tokens = Table(
     # Written at most about once a minute per token (see TokenStore.authenticate).
     Column("last_used_at", UtcDateTime, nullable=True),
     CheckConstraint("role IN ('viewer', 'operator', 'admin')", name="role_valid"),
+)
+
+# How many instances each job has in each state, kept by database triggers on job_instances
+# (migration 0017) in the same transaction as every insert, state change and delete. Postgres
+# spreads each (job, state) over shards (one per backend, modulo 16) so that concurrent
+# writers do not queue on one row; a count is the sum of its shards.
+instance_counts = Table(
+    "instance_counts",
+    metadata,
+    Column("job_key", String(200), primary_key=True),
+    Column("state", String(16), primary_key=True),
+    Column("shard", SmallInteger, primary_key=True),
+    Column("n", BigInteger, nullable=False),
 )

@@ -9,14 +9,11 @@ from fastapi.staticfiles import StaticFiles
 from starlette.responses import Response
 
 from jobplane.domain.models import Lags
-from jobplane.domain.states import InstanceState
 from jobplane_api.dashboard import access, bulkfilter, instances, jobs, overview, workers
 from jobplane_api.dashboard.render import HEADERS, HERE, templates
 from jobplane_api.dashboard.session import Forbidden, LoginRequired
 from jobplane_api.dashboard.shared import Shared
 
-#: How long the Overview's instance counts are shared by every viewer (see shared.py).
-COUNTS_TTL_S = 2.0
 #: How long the Overview's hourly lag figures are shared by every viewer.
 LAGS_TTL_S = 10.0
 
@@ -28,7 +25,6 @@ LIVE_HEADER = "x-live"
 def mount(app: FastAPI) -> None:
     """Add the dashboard's pages, static files and error pages to ``app``."""
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="dashboard-static")
-    app.state.dashboard_counts = Shared[dict[InstanceState, int]](COUNTS_TTL_S)
     app.state.dashboard_lags = Shared[Lags](LAGS_TTL_S)
     for module in (access, overview, jobs, bulkfilter, instances, workers):
         app.include_router(module.router)

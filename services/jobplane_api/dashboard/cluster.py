@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from jobplane.domain.models import InstanceFilter, LeaderLease, WorkerInfo
-from jobplane.domain.states import InstanceState
+from jobplane.domain.models import LeaderLease, RunawaySlot, WorkerInfo
 from jobplane.store.sql import SqlStore
 
 #: A worker whose heartbeat is older than this is shown as silent (the leader's sweep marks
 #: it stopped later, by its own setting).
 SILENT_AFTER = timedelta(seconds=30)
-#: The most running instances read to count each worker's busy slots.
-RUNNING_READ = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,24 +20,35 @@ class WorkerRow:
     info: WorkerInfo
     running: int
     silent: bool
+    runaways: list[RunawaySlot]
 
     @property
     def stopped(self) -> bool:
         return self.info.stopped_at is not None
 
 
-async def cluster_view(store: SqlStore) -> dict[str, Any]:
-    """Workers (live first) with their busy slots, the scheduler leader's lease and the other
-    scheduler replicas (standbys; silent when they have not campaigned for 30 s)."""
+async def app_jobs(store: SqlStore, app: str) -> tuple[str, ...] | None:
+    """The keys of the jobs ``app`` registered (``None``: no app, every job)."""
+    if not app:
+        return None
+    return tuple(sorted(d.key for d in await store.list_definitions(app=app)))
+
+
+async def cluster_view(store: SqlStore, jobs: Collection[str] | None = None) -> dict[str, Any]:
+    """Workers (live first) with their busy slots and runaway slots, the scheduler leader's
+    lease and the other scheduler replicas (standbys; silent when they have not campaigned
+    for 30 s). With ``jobs``, only the workers that registered one of them (an app's
+    workers); the scheduler replicas are the cluster's."""
     now = await store.now()
-    running = await store.list_instances(
-        InstanceFilter(states=(InstanceState.PROCESSING,)), limit=RUNNING_READ
-    )
-    busy: dict[str, int] = {}
-    for instance in running.items:
-        if instance.worker_id:
-            busy[instance.worker_id] = busy.get(instance.worker_id, 0) + 1
-    rows = [WorkerRow(w, busy.get(w.id, 0), _silent(w, now)) for w in await store.list_workers()]
+    busy = await store.running_by_worker()
+    runaways: dict[str, list[RunawaySlot]] = {}
+    for slot in await store.runaway_slots():
+        runaways.setdefault(slot.worker_id, []).append(slot)
+    rows = [
+        WorkerRow(w, busy.get(w.id, 0), _silent(w, now), runaways.get(w.id, []))
+        for w in await store.list_workers()
+        if jobs is None or set(w.jobs) & set(jobs)
+    ]
     online = [r for r in rows if not r.stopped]
     leader: LeaderLease | None = await store.get_leader(0)
     holder = leader.holder if leader else None
@@ -51,6 +60,7 @@ async def cluster_view(store: SqlStore) -> dict[str, Any]:
         "busy": sum(r.running for r in online),
         "capacity": sum(r.info.capacity for r in online),
         "leader": leader,
+        "runaways": sum(len(r.runaways) for r in online),
         "standbys": [(r, now - r.seen_at > SILENT_AFTER) for r in standbys],
     }
 

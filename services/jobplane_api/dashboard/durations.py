@@ -1,9 +1,11 @@
 """A job's duration chart: the last attempt of each of its latest ended instances, oldest to
-newest, one bar each, scaled to the longest."""
+newest, one bar each. Drawn in the browser by uPlot (static/vendor/uplot) from the data
+here; the same runs are listed in a table under the chart."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from jobplane.domain.models import Instance
 from jobplane.domain.states import InstanceState
@@ -11,48 +13,70 @@ from jobplane_api.dashboard.render import duration
 
 #: How many ended instances the chart shows (read newest end first, by an index).
 RUNS_SHOWN = 50
-#: Drawing area, in SVG user units (the Overview's charts use the same).
-CHART_W, CHART_H = 600, 90
 
 
 @dataclass(frozen=True, slots=True)
-class RunBar:
-    x: float
-    width: float
-    height: float
-    ok: bool
-    href: str
-    label: str
+class Run:
+    instance: Instance
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.instance.state is InstanceState.SUCCEEDED
+
+    @property
+    def href(self) -> str:
+        return f"/instances/{self.instance.id}"
+
+    @property
+    def label(self) -> str:
+        i = self.instance
+        return (
+            f"{i.finished_at:%Y-%m-%d %H:%M:%S} UTC: {i.state.value} after "
+            f"{duration(self.seconds)} (attempt {i.attempt})"
+        )
 
 
 @dataclass(frozen=True, slots=True)
 class DurationChart:
-    bars: list[RunBar]
+    runs: list[Run]
     longest_s: float
-    shown: int
+
+    @property
+    def shown(self) -> int:
+        return len(self.runs)
 
     @classmethod
     def of(cls, ended: list[Instance]) -> DurationChart:
         """``ended``: latest end first (as ``Store.recent_ends`` returns them). Instances that
         ended without starting (cancelled while waiting, misfire records) have no bar."""
         runs = [
-            (i, (i.finished_at - i.started_at).total_seconds())
+            Run(i, (i.finished_at - i.started_at).total_seconds())
             for i in reversed(ended)
             if i.started_at is not None and i.finished_at is not None
         ]
-        longest = max((s for _, s in runs), default=0.0)
-        scale = CHART_H / longest if longest > 0 else 0.0
-        step = CHART_W / max(len(runs), 1)
-        bars = [
-            RunBar(
-                x=n * step + 1,
-                width=max(step - 2, 1),
-                height=max(seconds * scale, 1.0),
-                ok=i.state is InstanceState.SUCCEEDED,
-                href=f"/instances/{i.id}",
-                label=f"{i.finished_at:%Y-%m-%d %H:%M:%S} UTC: {i.state.value} after "
-                f"{duration(seconds)} (attempt {i.attempt})",
-            )
-            for n, (i, seconds) in enumerate(runs)
-        ]
-        return cls(bars, longest, len(runs))
+        return cls(runs, max((r.seconds for r in runs), default=0.0))
+
+    def data(self) -> dict[str, Any]:
+        """What the page's script draws: a bar per run, succeeded and not succeeded in two
+        series (``None`` where a run belongs to the other), and where each bar links."""
+        return {
+            "kind": "durations",
+            "ends": [
+                r.instance.finished_at.timestamp() for r in self.runs if r.instance.finished_at
+            ],
+            "series": [
+                {
+                    "label": "Succeeded",
+                    "color": "ok",
+                    "values": [r.seconds if r.ok else None for r in self.runs],
+                },
+                {
+                    "label": "Not succeeded",
+                    "color": "bad",
+                    "values": [None if r.ok else r.seconds for r in self.runs],
+                },
+            ],
+            "links": [r.href for r in self.runs],
+            "unit": "s",
+        }

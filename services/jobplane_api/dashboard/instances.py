@@ -19,7 +19,6 @@ from jobplane_api.dashboard.listing import RANGES, listing_of
 from jobplane_api.dashboard.render import render, set_flash
 from jobplane_api.dashboard.session import OperatorDep, ViewerDep
 from jobplane_api.deps import DispatcherDep, StoreDep
-from jobplane_api.routers import instances as api
 from jobplane_api.security import actor_of
 
 router = APIRouter(include_in_schema=False)
@@ -106,12 +105,10 @@ async def run_now(session: OperatorDep, dispatcher: DispatcherDep, instance_id: 
 
 
 @router.post("/instances/{instance_id}/retry")
-async def retry(
-    session: OperatorDep, dispatcher: DispatcherDep, store: StoreDep, instance_id: UUID
-) -> Response:
+async def retry(session: OperatorDep, dispatcher: DispatcherDep, instance_id: UUID) -> Response:
     try:
-        new = await api.retry_instance(dispatcher, store, instance_id, None)
-    except (IllegalTransitionError, InstanceNotFoundError) as exc:
+        new = await dispatcher.retry(instance_id, actor_of(session.token))
+    except JobplaneError as exc:  # not terminal, unknown, its job disabled or args now invalid
         return _redirect(instance_id, "error", f"Not retried: {exc}")
     response = RedirectResponse(f"/instances/{new.id}", status_code=303)
     set_flash(response, "ok", f"Retried as a new instance (retry of {instance_id}).")

@@ -27,9 +27,10 @@ from jobplane_api.dashboard.argsform import (
     ArgField,
     arg_fields,
     args_from_form,
+    field_for_error,
     initial_values,
 )
-from jobplane_api.dashboard.durations import CHART_H, CHART_W, RUNS_SHOWN, DurationChart
+from jobplane_api.dashboard.durations import RUNS_SHOWN, DurationChart
 from jobplane_api.dashboard.editing import (
     changes_from_form,
     edit_values,
@@ -52,8 +53,8 @@ TRIGGER_FIELDS = ("args", "delay_s", "run_at", "priority", "idempotency_key")
 
 @router.get("/apps/{app}", response_class=RedirectResponse)
 async def app_home(session: ViewerDep, app: str) -> RedirectResponse:
-    """An app's scope starts at its jobs."""
-    return RedirectResponse(f"/apps/{quote(app, safe='')}/jobs", status_code=303)
+    """An app's scope starts at its Overview."""
+    return RedirectResponse(f"/apps/{quote(app, safe='')}/", status_code=303)
 
 
 @router.get("/apps/{app}/jobs", response_class=HTMLResponse)
@@ -155,6 +156,11 @@ async def job_page_response(
     """A job's page; ``overrides`` replace context entries (a form re-shown with its input
     and errors: ``form``/``errors`` for the trigger form, ``edit``/``edit_errors`` for the
     options form)."""
+    if request.query_params.get("partial") == "instances":
+        # The live list polled by the page: its instances alone.
+        page = await store.list_instances(InstanceFilter(job_key=key), limit=INSTANCES_SHOWN)
+        live = {"instances": page.items, "now": await store.now()}
+        return await render(request, session, "_job_instances.html", live)
     try:
         job = await api.get_job(store, key)
     except JobNotFoundError:
@@ -166,8 +172,6 @@ async def job_page_response(
         "nav": "jobs",
         "job": job,
         "durations": DurationChart.of(await store.recent_ends(key, RUNS_SHOWN)),
-        "chart_w": CHART_W,
-        "chart_h": CHART_H,
         "fires": fires_of(job),
         "instances": page.items,
         "more_instances": page.next_cursor is not None,
@@ -182,9 +186,7 @@ async def job_page_response(
         "now": await store.now(),
         **overrides,
     }
-    partial = request.query_params.get("partial") == "instances"
-    name = "_job_instances.html" if partial else "job.html"
-    return await render(request, session, name, context, status=status)
+    return await render(request, session, "job.html", context, status=status)
 
 
 @router.get("/jobs/{key}", response_class=HTMLResponse)
@@ -228,7 +230,7 @@ async def trigger(
     form["idempotency_key"] = idempotency_key
     sent = await request.form()
     form.update({k: v for k, v in sent.items() if k.startswith(PREFIX) and isinstance(v, str)})
-    fields = arg_fields((await store.get_definition(key)).args_schema)
+    fields = arg_fields((await store.get_definition(key)).args_schema, form)
     errors: dict[str, str] = {}
     body = _trigger_body(form, fields, errors)
     if body is not None:
@@ -245,16 +247,16 @@ async def trigger(
             set_flash(response, "ok", f"Triggered {key}. This page follows the instance live.")
             return response
     return await job_page_response(
-        request, session, store, key, form=form, errors=errors, status=422
+        request, session, store, key, form=form, errors=errors, arg_fields=fields, status=422
     )
 
 
 def _at_field(exc: InvalidOptionsError, fields: list[ArgField] | None) -> dict[str, str]:
-    """Where the page shows a refusal: at the generated input of the argument it names, at
-    the trigger field it names, or at the arguments."""
-    names = {f"args.{f.name}": f.input_name for f in fields or ()}
-    if exc.field in names:
-        return {names[exc.field]: exc.reason}
+    """Where the page shows a refusal: at the generated input of the argument it names (or
+    the nearest fieldset holding it), at the trigger field it names, or at the arguments."""
+    at = field_for_error(fields or [], exc.field)
+    if at is not None:
+        return {at: exc.reason}
     if exc.field in TRIGGER_FIELDS:
         return {exc.field: exc.reason}
     return {"args": f"{exc.field}: {exc.reason}"}

@@ -7,6 +7,7 @@ import json
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 from zoneinfo import ZoneInfo
 
 from cron_descriptor import FormatException, Options, get_description
@@ -138,7 +139,7 @@ async def render(
     response = templates.TemplateResponse(
         request,
         name,
-        {"session": session, "flash": flash, **context},
+        {"session": session, "flash": flash, "scope": _scope(context.get("app")), **context},
         status_code=status,
         headers=HEADERS,
     )
@@ -146,6 +147,11 @@ async def render(
         response.delete_cookie(FLASH, path="/")
     keep(response, request, session)
     return response
+
+
+def _scope(app: object) -> str:
+    """The URL prefix of the pages of one app's scope ("" for every app)."""
+    return f"/apps/{quote(app, safe='')}" if isinstance(app, str) and app else ""
 
 
 def set_flash(response: Response, kind: str, text: str) -> None:

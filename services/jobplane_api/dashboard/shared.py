@@ -1,10 +1,9 @@
 """A value every viewer of a page shares for a short time.
 
-The Overview counts instances by state, a scan of the whole instance table (~250 ms at
-1,000,000 instances), and every open Overview polls it every few seconds. Shared, the count
-is computed at most once per ``ttl_s`` per api process, however many tabs are open, and
-requests that arrive while it is being computed wait for that computation instead of
-starting their own."""
+The Overview's lag percentiles read the last hour of history, and every open Overview polls
+every few seconds. Shared, they are computed at most once per ``ttl_s`` per api process,
+however many tabs are open, and requests that arrive while they are being computed wait for
+that computation instead of starting their own."""
 
 from __future__ import annotations
 
