@@ -1,9 +1,10 @@
-"""The fault-injection harness, short form: about a minute of load and overlapping faults (every
-kind at least once) on servers of its own, then zero violations. And the checker itself: each
+"""The fault-injection harness, short form: 40 s of load and overlapping faults (every kind at
+least once) on servers of its own, then zero violations. And the checker itself: each
 invariant it checks is broken on purpose, directly in a database, and must be reported."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -16,6 +17,7 @@ from jobplane.store.tables import instance_transitions, job_instances
 from tests.chaos.checker import Findings, Run, check
 from tests.chaos.faults import KINDS
 from tests.chaos.harness import Harness
+from tests.chaos.logscan import scan
 from tests.chaos.servers import missing_requirement
 from tests.store_helpers import define
 
@@ -112,7 +114,9 @@ async def test_the_checker_reports_each_planted_violation(pg_store: SqlStore) ->
     assert revived in named("transition_out_of_terminal")
     assert illegal in named("illegal_transition")
     assert zombie in named("stale_claim_write")
-    assert "one_at_a_time: 2 ran at once, limit 1" in named("max_concurrency_exceeded")
+    assert "one_at_a_time: 2 ran at once (runaways included), limit 1" in named(
+        "max_concurrency_exceeded"
+    )
     assert "tick_once: nothing between" in named("cron_tick_missing")
     assert "tick_once at 2026-01-01T00:00:00+00:00: 2 instances" in named("cron_tick_twice")
     assert "retries 1/0" in named("attempts_over_limit")
@@ -141,18 +145,129 @@ async def test_the_checker_reports_two_copies_of_an_instance_running_at_once(
     }
 
 
+async def _plant_steps(
+    store: SqlStore, job: str, steps: list[tuple[str | None, str, int | None, float, str | None]]
+) -> str:
+    """An instance whose history is ``steps``: (from, to, claim token, seconds after T0,
+    reason); each step by worker ``w1``."""
+    instance_id = uuid.uuid4()
+    values = {
+        "id": instance_id,
+        "job_key": job,
+        "state": steps[-1][1],
+        "source": "trigger",
+        "queue": "default",
+        "priority": 5,
+        "created_at": T0,
+    }
+    async with store.engine.begin() as conn:
+        await conn.execute(insert(job_instances).values(**values))
+        for from_state, to_state, token, after_s, reason in steps:
+            await conn.execute(
+                insert(instance_transitions).values(
+                    instance_id=instance_id,
+                    from_state=from_state,
+                    to_state=to_state,
+                    at=T0 + timedelta(seconds=after_s),
+                    actor="w1",
+                    reason=reason,
+                    claim_token=token,
+                )
+            )
+    return str(instance_id)
+
+
+async def test_a_runaway_holds_its_slot_in_the_concurrency_replay(pg_store: SqlStore) -> None:
+    """A sync job recorded Failed on its timeout at +1 s whose code ran on until +3 s: an
+    attempt of the same job (limit 1) claimed at +2 s ran beside it; one claimed at +4 s
+    did not."""
+    await define(pg_store, "alone", max_concurrency=1)
+    await define(pg_store, "alone_later", max_concurrency=1)
+    runs = []
+    for job, next_claim_s in (("alone", 2.0), ("alone_later", 4.0)):
+        timed_out = await _plant_steps(
+            pg_store,
+            job,
+            [
+                (None, "enqueued", None, 0, None),
+                ("enqueued", "processing", 1, 0, None),
+                ("processing", "failed", 1, 1, "timeout"),
+                ("failed", "terminated", 1, 1, None),
+            ],
+        )
+        await _plant_steps(
+            pg_store,
+            job,
+            [
+                (None, "enqueued", None, 0, None),
+                ("enqueued", "processing", 2, next_claim_s, None),
+                ("processing", "succeeded", 2, next_claim_s + 1, None),
+            ],
+        )
+        start = T0.timestamp()
+        runs.append(Run(timed_out, 1, "w1", start, start + 3, job))
+    found = await check(pg_store, {}, NOW, runs=runs)
+    assert list(found.violations) == ["max_concurrency_exceeded"], found.violations
+    [detail] = found.violations["max_concurrency_exceeded"]
+    assert detail.startswith("alone: 2 ran at once (runaways included), limit 1")
+    assert found.runaways_held == 2
+    # Without the runaway's run noted, its slot ends with its Failed step: no violation.
+    assert (await check(pg_store, {}, NOW)).total == 0
+
+
+def test_the_log_scan_tells_a_crash_from_a_handled_error() -> None:
+    handled_retry = {
+        "level": "WARNING",
+        "logger": "jobplane_worker.worker",
+        "message": "store unreachable; retrying",
+        "action": "worker.store_retry",
+        "exc": "Traceback (most recent call last):\n  ...\nOSError: refused",
+    }
+    handled_error = {"level": "ERROR", "message": "refused", "action": "worker.outcome_refused"}
+    unhandled = {
+        "level": "ERROR",
+        "logger": "asyncio",
+        "message": "Task exception was never retrieved",
+        "exc": "Traceback (most recent call last):\nRuntimeError: boom",
+    }
+    text = "\n".join(
+        [
+            json.dumps(handled_retry),
+            json.dumps(handled_error),
+            json.dumps({"level": "INFO", "message": "Traceback (most recent call last) quoted"}),
+            json.dumps(unhandled),
+            "Exception in thread Thread-3:",
+            "Traceback (most recent call last):",
+            '  File "x.py", line 1, in run',
+            "ValueError: bad",
+            json.dumps({"level": "CRITICAL", "message": "gave up", "action": "worker.stop"}),
+        ]
+    )
+    found = scan("w1", text)
+    assert len(found.crashes) == 3, found.crashes
+    assert "asyncio: Task exception was never retrieved" in found.crashes[0]
+    assert "RuntimeError: boom" in found.crashes[0]
+    assert "ValueError: bad" in found.crashes[1]
+    assert "gave up" in found.crashes[2]
+    assert found.handled == {"WARNING worker.store_retry": 1, "ERROR worker.outcome_refused": 1}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-async def test_a_minute_of_overlapping_faults_breaks_no_guarantee() -> None:
+async def test_forty_seconds_of_overlapping_faults_break_no_guarantee() -> None:
     reason = missing_requirement()
     if reason:
         pytest.skip(reason)
     async with Harness() as harness:
-        report = await harness.run(60, seed=12, fault_every_s=(3.0, 5.0))
+        # Every kind once first: the 11th fault starts by 2 + 10 * 3.5 = 37 s.
+        report = await harness.run(40, seed=12, fault_every_s=(2.5, 3.5))
         print(report.render())  # noqa: T201 (shown when the test fails)
         assert report.ok, report.render()
         assert set(KINDS) <= set(report.faults.kinds), report.faults.kinds
         assert report.acknowledged > 100 and report.drained_in_s is not None
+        # Both ways in, and the guarantees' observers at work.
+        assert {op.split(":")[0] for op in report.ops} == {"rest", "client"}, report.ops
+        assert report.streams.samples > 0
         # The checker sees what the harness's own database holds: a transition out of a
         # terminal state planted there is reported.
         done = next(i for i, s in await _states(harness.db) if s == "succeeded")

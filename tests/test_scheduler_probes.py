@@ -33,9 +33,13 @@ async def test_leader_and_follower_are_both_ready(
                 if any(leaders) or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.2)
+            # The definition cache, read-only: the leader's (its jobs by key), none on a follower.
+            cached = [(await client.get(f"http://127.0.0.1:{p}/definitions")).json() for p in ports]
         assert [a.status_code for a in answers] == [200, 200]
         assert sorted(leaders) == [False, True]
         assert answers[0].json()["checks"]["postgres"]["ok"] is True
+        assert [c["leader"] for c in cached] == leaders
+        assert [c["definitions"] is None for c in cached] == [not lead for lead in leaders]
     finally:
         stop_all(procs, sig=signal.SIGTERM)
     assert [p.returncode for p in procs] == [0, 0]

@@ -201,3 +201,23 @@ async def test_after_an_outage_longer_than_the_lease_a_finished_outcome_is_kept(
     assert done.state is S.SUCCEEDED and done.attempt == 1
     moves = [(t.from_state, t.to_state) for t in await pg_store.transitions(instance.id)]
     assert (S.PROCESSING, S.ENQUEUED) not in moves  # never reaped and run again
+
+
+async def test_a_store_outage_while_registering_is_waited_out(
+    pg_store: SqlStore, redis_bus: Bus
+) -> None:
+    """Postgres restarting right after the startup check: the worker's first registrations
+    fail as unavailable, and it registers once the store answers, instead of exiting."""
+    app = App("late")
+
+    @app.triggered()
+    async def quick(ctx: JobContext) -> int:
+        return ctx.attempt
+
+    flaky = FlakyStore(pg_store)
+    flaky.fail_next["register_definition"] = 2
+    async with running_worker(app, flaky, redis_bus):
+        made = await Dispatcher(pg_store, redis_bus).trigger("quick")
+        [done] = await settled(pg_store, [made.id], timeout_s=15)
+    assert [name for name, _ in flaky.refused] == ["register_definition"] * 2
+    assert done.state is S.SUCCEEDED

@@ -14,7 +14,8 @@ from sqlalchemy.engine import make_url
 from jobplane.bus.factory import open_bus
 from jobplane.dispatch import Dispatcher
 from jobplane.store.sql import SqlStore
-from tests.cli_helpers import spawn_cli, stop_all
+from tests.chaos.servers import ChaosProxy
+from tests.cli_helpers import output_of, spawn_cli, stop_all
 from tests.fixtures.proxy import TcpProxy
 from tests.worker_helpers import wait_for
 
@@ -49,7 +50,9 @@ def _notes(path: Path) -> list[tuple[float, str, int, int]]:
     return out
 
 
+@pytest.mark.parametrize("job", ["holds", "checkpoints"])
 async def test_a_partitioned_worker_stops_its_attempt_before_another_runs_it(
+    job: str,
     pg_store: SqlStore,
     pg_database_url: str,
     redis_url: str,
@@ -84,13 +87,13 @@ async def test_a_partitioned_worker_stops_its_attempt_before_another_runs_it(
     procs.append(spawn_cli("scheduler", JOBPLANE_DATABASE_URL=pg_database_url, **env))
 
     async def registered() -> bool:
-        return bool(await pg_store.list_definitions(["holds"]))
+        return bool(await pg_store.list_definitions([job]))
 
     await wait_for(registered, timeout_s=60, what="the job's registration")
     notes = tmp_path / "notes.txt"
     bus = open_bus(redis_url, redis_prefix)
     try:
-        await Dispatcher(pg_store, bus).trigger("holds", {"path": str(notes)})
+        await Dispatcher(pg_store, bus).trigger(job, {"path": str(notes)})
     finally:
         await bus.close()
 
@@ -113,3 +116,64 @@ async def test_a_partitioned_worker_stops_its_attempt_before_another_runs_it(
     # The cut-off copy stopped before the other one started: never two at once.
     assert first_stopped_at < second_started_at, _notes(notes)
     assert cut_off.poll() is None  # the worker itself keeps running
+
+
+async def test_a_claim_answered_after_its_lease_could_end_never_starts_the_job(
+    pg_store: SqlStore,
+    pg_database_url: str,
+    redis_url: str,
+    redis_prefix: str,
+    procs: list[subprocess.Popen[str]],
+    tmp_path: Path,
+) -> None:
+    """A partition that holds the bytes (as TCP does) and then heals delivers a claim's
+    answer late: by then the lease may have ended and another worker may run the instance.
+    The worker must not start the code of such a claim (the chaos suite saw two copies
+    overlap this way). Here every answer from Postgres is held longer than the lease."""
+    url = make_url(pg_database_url)
+    slow = ChaosProxy(url.port or 5432)
+    await slow.start()
+    try:
+        env = {
+            "JOBPLANE_REDIS_URL": redis_url,
+            "JOBPLANE_KEY_PREFIX": redis_prefix,
+            "JOBPLANE_HEARTBEAT_S": "0.5",
+            "JOBPLANE_LEASE_S": "2",
+            "JOBPLANE_POLL_MS": "100",
+            "JOBPLANE_LEASE_TTL_S": "1.5",
+            "JOBPLANE_SWEEP_INTERVAL_S": "0.2",
+        }
+        behind = url.set(host="127.0.0.1", port=slow.port).render_as_string(hide_password=False)
+        worker = spawn_cli(
+            "worker", "--app", "tests.apps.fencing:app", JOBPLANE_DATABASE_URL=behind, **env
+        )
+        procs.append(worker)
+        procs.append(spawn_cli("scheduler", JOBPLANE_DATABASE_URL=pg_database_url, **env))
+
+        async def ready() -> bool:
+            return " ready: queues " in output_of(worker)
+
+        await wait_for(ready, timeout_s=60, what="the worker to be ready")
+        # Each chunk now waits 1 s each way: a claim's answer arrives 2 s or more after it
+        # was sent, when the 2 s lease it starts may have ended.
+        slow.delay_s = 1.0
+        notes = tmp_path / "notes.txt"
+        bus = open_bus(redis_url, redis_prefix)
+        try:
+            instance = await Dispatcher(pg_store, bus).trigger("holds", {"path": str(notes)})
+        finally:
+            await bus.close()
+
+        async def claimed_twice() -> bool:
+            history = await pg_store.transitions(instance.id)
+            return sum(t.to_state.value == "processing" for t in history) >= 2
+
+        # Claimed, its lease ended unrenewed (the reaper released it), claimed again.
+        await wait_for(claimed_twice, timeout_s=60, what="two claims of the instance")
+        assert _notes(notes) == []  # its code never started
+        assert "answered after its lease could end" in output_of(worker)
+    finally:
+        slow.delay_s = 0.0
+        stop_all(procs)
+        procs.clear()
+        await slow.close()

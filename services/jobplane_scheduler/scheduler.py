@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import defaultdict
 from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Any
@@ -26,7 +27,7 @@ from jobplane.definitions import DefinitionCache
 from jobplane.dispatch import Dispatcher, envelope_for
 from jobplane.domain.models import Instance, JobDefinition, LeaderLease, NewInstance
 from jobplane.enqueue import CHANNEL as ENQUEUED_CHANNEL
-from jobplane.errors import UnavailableError
+from jobplane.errors import BusUnavailableError, UnavailableError
 from jobplane.store.base import NotLeaderError
 from jobplane.store.sql import SqlStore
 from jobplane.tasks import cancel_and_wait, run_together
@@ -47,6 +48,16 @@ class Scheduler:
         self.lease: LeaderLease | None = None
         self.metrics = SchedulerMetrics(lambda: self.lease)
         self._duties: asyncio.Task[None] | None = None
+        #: The current term's duties (read-only use: :meth:`cached_definitions`).
+        self._leader: LeaderDuties | None = None
+
+    def cached_definitions(self) -> dict[str, tuple[int, bool]] | None:
+        """The leader's definition cache as job key → (version, paused), for the probe server;
+        ``None`` when this replica does not lead (a follower caches nothing). Reads memory
+        only."""
+        if self._leader is None or self._duties is None:
+            return None
+        return {k: (d.version, d.paused) for k, d in self._leader.cache.definitions.items()}
 
     async def run(self, stop: asyncio.Event) -> None:
         """Campaign until ``stop``; then hand leadership over at once (release the lease)."""
@@ -106,6 +117,7 @@ class Scheduler:
             )
             duties = LeaderDuties(self.store, self.bus, self.settings, lease, self.metrics)
             self._duties = asyncio.create_task(duties.run(), name="jobplane-leader")
+            self._leader = duties
         self.lease = lease
         try:
             # Listed as a replica (leader or standby) for the dashboard. Nothing depends on it,
@@ -120,6 +132,7 @@ class Scheduler:
             return
         await cancel_and_wait([self._duties])
         self._duties = None
+        self._leader = None
         logger.info("no longer leading", extra={"action": "scheduler.following"})
 
     async def _resign(self) -> None:
@@ -421,7 +434,9 @@ class LeaderDuties:
                 released = await self.store.release_expired(self.lease)
                 self.metrics.count(SweepStep.EXPIRED_LEASES, released)
                 await self._publish(released)
-        await self._check_bus_epoch()
+        with self._refused("bus epoch"):
+            # Its marker is written only after the republish: a refused one is tried again.
+            await self._check_bus_epoch()
         with self._refused("republish"):
             stale = await self.store.unpublished(self.settings.republish_after_s)
             await self._republish(await self._lost(stale))
@@ -437,8 +452,9 @@ class LeaderDuties:
             self.metrics.count(SweepStep.DEAD_WORKERS, dead)
         with self._refused("orphaned pins"):
             unpinned = await self.store.resolve_orphaned_pins(self.lease)
-            self.metrics.count(SweepStep.ORPHANED_PINS, unpinned)
-            await self._publish(unpinned)
+            self.metrics.count(SweepStep.ORPHANED_PINS, [i for i, _ in unpinned])
+            await self._publish([i for i, _ in unpinned])
+            await self._drop_old_pins(unpinned)
         self._delayed = await self.store.scheduled_due_within(self.settings.sweep_interval_s)
 
     async def _promote(self) -> None:
@@ -535,6 +551,28 @@ class LeaderDuties:
         before = await self.store.now() - timedelta(days=self.settings.retention_days)
         while await self.store.delete_finished_before(before, fence=self.lease):
             pass
+
+    async def _drop_old_pins(self, unpinned: list[tuple[Instance, str]]) -> None:
+        """Delete the entries of instances just given away from their gone worker's stream,
+        which nobody reads any more: left there, each would stay for good (the streams would
+        outgrow what is Enqueued). After the publish, so a stop in between leaves a harmless
+        duplicate, never no entry. Should the worker come back meanwhile and read one first,
+        it finds the instance unpinned: a claim is a compare-and-set either way."""
+        by_worker: dict[str, list[UUID]] = defaultdict(list)
+        for instance, worker_id in unpinned:
+            by_worker[worker_id].append(instance.id)
+        for worker_id, ids in sorted(by_worker.items()):
+            try:
+                await self.bus.drop_pinned(worker_id, ids)
+            except BusUnavailableError as exc:
+                # Harmless leftovers: a worker that reads one finds the instance unpinned.
+                logger.warning(
+                    "could not delete %d old entries from the stream of gone worker %s: %s",
+                    len(ids),
+                    worker_id,
+                    exc,
+                    extra={"action": "scheduler.old_pins_kept", "worker_id": worker_id},
+                )
 
     async def _publish(self, instances: list[Instance], *, force: bool = False) -> None:
         await self.dispatcher.publish(instances, force=force)

@@ -51,6 +51,7 @@ from jobplane.errors import (
     WorkerEvictedError,
 )
 from jobplane.settings import WorkerSettings
+from jobplane.startup import wait_until_reachable
 from jobplane.store.abc import Store
 from jobplane.tasks import cancel_and_wait
 from jobplane_worker.attempt import TIMEOUT, Attempt, run_attempt
@@ -130,7 +131,12 @@ class Worker:
     async def _run_until(self, stop: asyncio.Event, watched: list[asyncio.Task[Any]]) -> None:
         async with self.app.lifespan() as resources:
             self._resources = resources
-            await self.register()
+            # Postgres may go away right after the startup check (a restart): registering is
+            # idempotent, so an outage here is waited out as the startup wait does (up to
+            # ``startup_timeout_s``, or until stopped), not a crash of the worker.
+            await wait_until_reachable(
+                self.register, "registration", self.settings.startup_timeout_s, stop
+            )
             consumer = self.bus.consumer(self.id, self.settings.queues)
             side = [
                 asyncio.create_task(self._record_loop(), name="jobplane-record"),
@@ -309,10 +315,27 @@ class Worker:
         traces = claim_spans(known, result.claimed, self.id, began_ns)
         # The claim has committed: Postgres and the lease own these instances now. They start
         # whatever the bus does next: they must not wait, unrenewed, for the reaper.
+        lease_until = sent + self.settings.lease_s
         for claim in result.claimed:
             self.metrics.claims.labels(job=claim.instance.job_key).inc()
             self.metrics.picked_up(claim.instance)
-            self._start(claim, sent + self.settings.lease_s, traces.get(claim.instance.id))
+            if time.monotonic() >= lease_until - self._fence_margin(claim):
+                # The claim's answer came so late (a partition or a stalled connection held
+                # it) that the fence would stop the attempt at once: its lease may already
+                # have ended and another worker may be running the instance. Its code never
+                # starts; the reaper hands it on, and the claim token refuses our writes.
+                self.metrics.lease_lost_writes.labels(write="claim").inc()
+                logger.warning(
+                    "claim of instance %s answered after its lease could end; not running it",
+                    claim.instance.id,
+                    extra={
+                        "action": "worker.claim_too_late",
+                        "instance_id": str(claim.instance.id),
+                        "job_key": claim.instance.job_key,
+                    },
+                )
+                continue
+            self._start(claim, lease_until, traces.get(claim.instance.id))
         for instance_id in result.cancelled:
             logger.info(
                 "instance %s not run: a cancel was requested",
@@ -714,14 +737,14 @@ class Worker:
     def _fence_at(self, attempt: Attempt) -> float | None:
         """When (monotonic) the fence stops ``attempt`` unless its lease is renewed first."""
         until = self._lease_until.get(attempt.claim.instance.id)
-        return None if until is None else until - self._fence_margin(attempt)
+        return None if until is None else until - self._fence_margin(attempt.claim)
 
-    def _fence_margin(self, attempt: Attempt) -> float:
+    def _fence_margin(self, claim: Claim) -> float:
         """How long before its lease ends an attempt is stopped: a heartbeat (the interval the
         fence loop and a last renewal need), plus the kill grace of an isolated child (SIGTERM,
         then SIGKILL ``timeout_grace_s`` later); never more than half the lease."""
         margin = self.settings.heartbeat_s
-        if attempt.claim.options.isolation is Isolation.PROCESS:
+        if claim.options.isolation is Isolation.PROCESS:
             margin += self.settings.timeout_grace_s
         return min(margin, self.settings.lease_s / 2)
 

@@ -32,7 +32,7 @@ def recorded(ctx: JobContext) -> Iterator[None]:
     if not path:
         yield
         return
-    who = f"{ctx.instance_id} {ctx.attempt} {ctx.worker_id}"
+    who = f"{ctx.instance_id} {ctx.attempt} {ctx.worker_id} {ctx.job_key}"
     _append(path, f"start {who} {time.time():.3f}\n")
     try:
         yield
@@ -66,6 +66,24 @@ def sync_work(ctx: JobContext, args: Args) -> int:
         deadline = time.monotonic() + 0.3
         while time.monotonic() < deadline and not ctx.cancelled:
             time.sleep(0.02)
+    return args.value
+
+
+#: Seconds the runaway job runs, and its timeout: past it (and the worker's timeout grace, 0.3 s
+#: in the harness) it is recorded Failed while its code runs on, holding its slot (a runaway).
+RUNAWAY_RUNS_S = 1.5
+RUNAWAY_TIMEOUT_S = 0.5
+
+
+#: Jobs whose code cannot be stopped: a copy of theirs may run on after its lease is lost.
+UNSTOPPABLE = frozenset({"runaway"})
+
+
+@app.triggered(max_concurrency=2, timeout_s=RUNAWAY_TIMEOUT_S)
+def runaway(ctx: JobContext, args: Args) -> int:
+    """A sync job that ignores its timeout and the cancellation signal."""
+    with recorded(ctx):
+        time.sleep(RUNAWAY_RUNS_S)
     return args.value
 
 

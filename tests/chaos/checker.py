@@ -16,11 +16,12 @@ from sqlalchemy import func, select
 from jobplane.domain.states import TERMINAL_STATES, InstanceState, can_transition
 from jobplane.store.sql import SqlStore
 from jobplane.store.tables import instance_transitions, job_definitions, job_instances
-from tests.apps.chaos import TICKS
-from tests.store_helpers import max_running
+from tests.apps.chaos import TICKS, UNSTOPPABLE
 
 S = InstanceState
 Transition = tuple[int, S | None, S, int | None]  # seq, from, to, claim token
+#: The reason a Processing → Failed carries when the attempt timed out.
+TIMEOUT_REASON = "timeout"
 
 
 @dataclass
@@ -30,6 +31,8 @@ class Findings:
 
     violations: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     states: Counter[str] = field(default_factory=Counter)
+    #: Attempts recorded Failed on timeout whose code ran on, holding their slot (runaways).
+    runaways_held: int = 0
 
     def add(self, invariant: str, detail: str) -> None:
         self.violations[invariant].append(detail)
@@ -49,6 +52,7 @@ class Run:
     worker: str
     start: float
     end: float | None
+    job: str = ""
 
 
 #: Seconds two copies may seem to overlap by: the job notes its end a little after it stops.
@@ -61,10 +65,13 @@ def read_runs(path: Path) -> list[Run]:
     ends: dict[tuple[str, int, str], float] = {}
     if not path.exists():
         return []
+    jobs: dict[tuple[str, int, str], str] = {}
     for line in path.read_text().splitlines():
-        what, instance, attempt, worker, at = line.split()
-        (starts if what == "start" else ends)[(instance, int(attempt), worker)] = float(at)
-    return [Run(*who, start, ends.get(who)) for who, start in starts.items()]
+        what, instance, attempt, worker, job, at = line.split()
+        who = (instance, int(attempt), worker)
+        (starts if what == "start" else ends)[who] = float(at)
+        jobs[who] = job
+    return [Run(*who, start, ends.get(who), jobs[who]) for who, start in starts.items()]
 
 
 async def check(
@@ -83,14 +90,25 @@ async def check(
     async with store.engine.connect() as conn:
         instances = {str(r.id): r._mapping for r in await conn.execute(select(job_instances))}
         history: dict[str, list[Transition]] = defaultdict(list)
+        steps: dict[int, Step] = {}
         t = instance_transitions.c
         rows = await conn.execute(
-            select(t.seq, t.instance_id, t.from_state, t.to_state, t.claim_token).order_by(t.seq)
+            select(
+                t.seq,
+                t.instance_id,
+                t.from_state,
+                t.to_state,
+                t.claim_token,
+                t.at,
+                t.actor,
+                t.reason,
+            ).order_by(t.seq)
         )
-        for seq, instance_id, from_state, to_state, token in rows:
+        for seq, instance_id, from_state, to_state, token, at, actor, reason in rows:
             history[str(instance_id)].append(
                 (seq, S(from_state) if from_state else None, S(to_state), token)
             )
+            steps[seq] = Step(at.timestamp(), actor, reason)
         definitions = {r.key: r._mapping for r in await conn.execute(select(job_definitions))}
         db_now = now or await conn.scalar(select(func.now()))
     assert isinstance(db_now, datetime)
@@ -100,7 +118,7 @@ async def check(
     _cron_ticks(found, instances.values())
     for instance_id, path in history.items():
         _legal_path(found, instance_id, path)
-    _concurrency(found, instances, history, definitions)
+    _concurrency(found, instances, history, definitions, steps, runs)
     _attempts(found, instances.values(), definitions)
     _idempotency(found, instances.values())
     return found
@@ -111,13 +129,14 @@ def _two_copies(
 ) -> None:
     """No two attempts of one instance ran at once: an attempt whose lease was lost (a
     partition) stopped before another began. A frozen worker cannot stop its code, so its
-    attempts are left out (they may run on after it resumes, as a crash's would have)."""
+    attempts are left out (they may run on after it resumes, as a crash's would have), and so
+    are the attempts of a job whose code cannot be stopped (a runaway runs on by design)."""
     by_instance: dict[str, list[Run]] = defaultdict(list)
     for run in runs:
         thawed = not any(
             w == run.worker and a <= (run.end or b) and run.start <= b for w, a, b in frozen
         )
-        if run.end is not None and thawed:
+        if run.end is not None and thawed and run.job not in UNSTOPPABLE:
             by_instance[run.instance].append(run)
     for instance, attempts in by_instance.items():
         for a, b in itertools.combinations(attempts, 2):
@@ -198,24 +217,104 @@ def _legal_path(found: Findings, instance_id: str, path: list[Transition]) -> No
         previous = to_state
 
 
+@dataclass(frozen=True)
+class Step:
+    """What the checker reads of a transition besides its states: when (the database's
+    clock, epoch seconds), by whom (a worker id for an attempt's outcome), why."""
+
+    at: float
+    actor: str
+    reason: str | None
+
+
 def _concurrency(
     found: Findings,
     instances: dict[str, Any],
     history: dict[str, list[Transition]],
     definitions: dict[str, Any],
+    steps: dict[int, Step],
+    runs: Sequence[Run],
 ) -> None:
     """Replaying each job's history in commit order, no more attempts run at once than its
-    max concurrency."""
-    per_job: dict[str, list[tuple[int, S | None, S]]] = defaultdict(list)
+    max concurrency — counting a runaway as running until its code returned.
+
+    An attempt is running from its Enqueued → Processing to its Processing → X, except a
+    runaway: a Processing → Failed for a timeout whose code (as the job noted it, on that
+    worker) ran on past that step holds its slot until the code's end. Its end is placed in
+    the replay before the job's first step committed after it (the slot goes back only after
+    the code returns, so a claim that used the slot legitimately comes after)."""
+    per_job: dict[str, list[tuple[float, int]]] = defaultdict(list)
+    ran_until = _runaway_ends(runs)
+    held = 0
     for instance_id, path in history.items():
         row = instances.get(instance_id)
-        if row is not None:
-            per_job[row["job_key"]].extend((seq, f, to) for seq, f, to, _ in path)
-    for key, transitions in per_job.items():
+        if row is None:
+            continue
+        events = per_job[row["job_key"]]
+        for seq, from_state, to_state, _ in path:
+            if to_state is S.PROCESSING:
+                events.append((seq, +1))
+            elif from_state is S.PROCESSING:
+                end = _runaway_end(instance_id, steps[seq], to_state, ran_until)
+                if end is None:
+                    events.append((seq, -1))
+                else:
+                    held += 1
+                    events.append((-end, -1))  # placed below, once the job's steps are known
+    for key, events in per_job.items():
         limit = definitions[key]["max_concurrency"]
-        peak = max_running(transitions)
+        peak, at = _peak(events, steps)
         if peak > limit:
-            found.add("max_concurrency_exceeded", f"{key}: {peak} ran at once, limit {limit}")
+            found.add(
+                "max_concurrency_exceeded",
+                f"{key}: {peak} ran at once (runaways included), limit {limit}, "
+                f"at transition seq {at}",
+            )
+    found.runaways_held = held
+
+
+def _runaway_ends(runs: Sequence[Run]) -> dict[tuple[str, str], list[Run]]:
+    ended: dict[tuple[str, str], list[Run]] = defaultdict(list)
+    for run in runs:
+        if run.end is not None:
+            ended[(run.instance, run.worker)].append(run)
+    return ended
+
+
+def _runaway_end(
+    instance_id: str, step: Step, to_state: S, ran_until: dict[tuple[str, str], list[Run]]
+) -> float | None:
+    """When the code of the attempt this step ended returned, if it ran on past the step (a
+    runaway); else ``None``. A run of that instance on the step's worker that began before
+    the step and ended after it is that attempt's code. (Code whose process died has no end:
+    it stopped with its process, and its slot is given back by the dead-worker sweep.)"""
+    if to_state is not S.FAILED or step.reason != TIMEOUT_REASON:
+        return None
+    ends = [
+        run.end
+        for run in ran_until.get((instance_id, step.actor), [])
+        if run.end is not None and run.start <= step.at < run.end
+    ]
+    return max(ends) if ends else None
+
+
+def _peak(events: list[tuple[float, int]], steps: dict[int, Step]) -> tuple[int, int]:
+    """The most attempts running at once, and the seq of the step that reached it. Events
+    are (seq, delta) for steps, or (-end, -1) for a runaway's end at wall time ``end``."""
+    placed = sorted((seq, delta) for seq, delta in events if seq >= 0)
+    times = [(steps[int(seq)].at, seq) for seq, _ in placed]
+    for key, delta in events:
+        if key < 0:
+            # Just before the first of this job's steps (in seq order) committed after the end.
+            after = next((seq for at, seq in times if at > -key), None)
+            placed.append(((after - 0.5) if after is not None else float("inf"), delta))
+    running = peak = 0
+    peak_at = 0
+    for seq, delta in sorted(placed):
+        running += delta
+        if running > peak:
+            peak, peak_at = running, int(seq)
+    return peak, peak_at
 
 
 def _attempts(found: Findings, instances: Iterable[Any], definitions: dict[str, Any]) -> None:

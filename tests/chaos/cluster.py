@@ -6,12 +6,21 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.apps.chaos import RUNS_ENV
+from tests.chaos.logscan import Scan, scan
 from tests.chaos.servers import ChaosProxy, Postgres, Redis
-from tests.cli_helpers import free_port, output_of, spawn_cli, stop_all, wait_http_ok
+from tests.cli_helpers import (
+    free_port,
+    output_of,
+    output_size,
+    spawn_cli,
+    stop_all,
+    wait_http_ok,
+)
 
 APP = "tests.apps.chaos:app"
 #: Short leases and sweeps, so that a fault is noticed and repaired within seconds.
@@ -21,11 +30,15 @@ TIMING = {
     "JOBPLANE_POLL_MS": "200",
     "JOBPLANE_RECLAIM_IDLE_S": "3",
     "JOBPLANE_GRACE_S": "3",
+    # A sync job past its timeout is a runaway 0.3 s later (the ``runaway`` job).
+    "JOBPLANE_TIMEOUT_GRACE_S": "0.3",
     "JOBPLANE_LEASE_TTL_S": "2",
     "JOBPLANE_SWEEP_INTERVAL_S": "0.5",
     "JOBPLANE_REPUBLISH_AFTER_S": "5",
     "JOBPLANE_DEAD_WORKER_AFTER_S": "10",
     "JOBPLANE_DB_POOL_SIZE": "5",
+    # One JSON object a line: the crash scan (``logscan``) reads each record's level and action.
+    "JOBPLANE_LOG_FORMAT": "json",
 }
 
 
@@ -44,6 +57,8 @@ class Role:
     #: Set while a fault holds the role (no second fault takes it).
     busy: bool = False
     exits: list[int] = field(default_factory=list)
+    #: When (monotonic) its current process answered its health probe; ``None`` while down.
+    ready_at: float | None = None
 
     @property
     def running(self) -> bool:
@@ -68,7 +83,10 @@ class Cluster:
         self.token = token
         self.roles: dict[str, Role] = {}
         self.unexpected: list[Unexpected] = []
-        self._old: list[subprocess.Popen[str]] = []
+        #: Every process started, with its role's name.
+        self._procs: list[tuple[str, subprocess.Popen[str]]] = []
+        #: Bytes a process had printed when the harness sent it SIGKILL (by pid).
+        self._killed_at: dict[int, int] = {}
 
     async def add(self, name: str, kind: str) -> Role:
         pg, redis = ChaosProxy(self.pg.port), ChaosProxy(self.redis.port)
@@ -77,6 +95,13 @@ class Cluster:
         role = Role(name, kind, pg, redis, port=free_port())
         self.roles[name] = role
         return role
+
+    def up_for(self, name: str) -> float | None:
+        """Seconds since role ``name``'s current process became ready; ``None`` while down."""
+        role = self.roles.get(name)
+        if role is None or role.ready_at is None or not role.running:
+            return None
+        return time.monotonic() - role.ready_at
 
     def of_kind(self, kind: str) -> list[Role]:
         return [r for r in self.roles.values() if r.kind == kind]
@@ -104,8 +129,11 @@ class Cluster:
             args += ["--health-port", str(role.port)]
         role.stopping = False
         role.proc = spawn_cli(*args, **env)
+        self._procs.append((role.name, role.proc))
         url = f"http://127.0.0.1:{role.port}/healthz"
-        await asyncio.to_thread(wait_http_ok, url, 60)
+        # Generous: six processes importing at once on a busy machine can take over a minute.
+        await asyncio.to_thread(wait_http_ok, url, 150)
+        role.ready_at = time.monotonic()
 
     def send(self, role: Role, sig: signal.Signals) -> None:
         if role.running and role.proc is not None:
@@ -118,7 +146,10 @@ class Cluster:
         if proc is None:
             return None
         role.stopping = True
+        role.ready_at = None
         if proc.poll() is None:
+            if sig is signal.SIGKILL:
+                self._killed_at[proc.pid] = output_size(proc)
             proc.send_signal(signal.SIGCONT)
             proc.send_signal(sig)
         try:
@@ -128,9 +159,10 @@ class Cluster:
             status = await asyncio.to_thread(proc.wait, 10)
             self.unexpected.append(Unexpected(role.name, None, "did not stop within 60 s"))
         role.exits.append(status)
-        if sig is signal.SIGTERM and status != 0:
-            self.unexpected.append(Unexpected(role.name, status, output_of(proc)[-3000:]))
-        self._old.append(proc)
+        # A SIGTERM must end in 0 (a graceful stop); any other signal in death by that signal.
+        expected = 0 if sig is signal.SIGTERM else -sig
+        if status != expected:
+            self.unexpected.append(Unexpected(role.name, status, _tail(proc)))
         role.proc = None
         return status
 
@@ -139,22 +171,31 @@ class Cluster:
         for role in self.roles.values():
             proc = role.proc
             if proc is not None and not role.stopping and proc.poll() is not None:
-                tail = output_of(proc)[-3000:]
-                self.unexpected.append(Unexpected(role.name, proc.returncode, tail))
-                self._old.append(proc)
+                self.unexpected.append(Unexpected(role.name, proc.returncode, _tail(proc)))
                 role.proc = None
+                role.ready_at = None
 
-    def tracebacks(self) -> int:
-        """Tracebacks printed by every process so far (reported, not an invariant: a role
-        may log one for an outage it then rides out)."""
-        procs = self._old + [r.proc for r in self.roles.values() if r.proc is not None]
-        return sum(output_of(p).count("Traceback (most recent call last)") for p in procs)
+    def scan_logs(self) -> Scan:
+        """Crashes in the output of every process so far, and the errors they handled (see
+        :mod:`tests.chaos.logscan`); output printed after a SIGKILL is not judged."""
+        found = Scan()
+        for name, proc in self._procs:
+            killed_at = self._killed_at.get(proc.pid)
+            if killed_at is None:
+                text = output_of(proc, limit=0)
+            else:
+                text = output_of(proc, limit=killed_at) if killed_at else ""
+            scan(name, text, found)
+        return found
 
     async def close(self) -> None:
-        procs = self._old + [r.proc for r in self.roles.values() if r.proc is not None]
-        await asyncio.to_thread(_quietly_stop, procs)
+        await asyncio.to_thread(_quietly_stop, [p for _, p in self._procs])
         for proxy in self.proxies:
             await proxy.close()
+
+
+def _tail(proc: subprocess.Popen[str]) -> str:
+    return output_of(proc, limit=0)[-3000:]
 
 
 def _quietly_stop(procs: list[subprocess.Popen[str]]) -> None:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import secrets
 import signal
@@ -17,22 +18,29 @@ from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 
+import httpx
 import redis.asyncio as aioredis
 from sqlalchemy import func, select
 
 from jobplane.domain.states import TERMINAL_STATES
+from jobplane.errors import UnavailableError
 from jobplane.store.factory import open_store
 from jobplane.store.sql import SqlStore
-from jobplane.store.tables import job_instances
+from jobplane.store.tables import job_definitions, job_instances
 from tests.chaos.checker import Findings, check, read_runs
 from tests.chaos.cluster import Cluster
 from tests.chaos.faults import FaultLog, Faults
 from tests.chaos.load import Load
+from tests.chaos.logscan import Scan
 from tests.chaos.servers import Postgres, Redis
+from tests.chaos.streams import StreamWatch
 from tests.cli_helpers import run_cli
 
 WORKERS = ("w1", "w2", "w3")
 SCHEDULERS = ("s1", "s2")
+#: Seconds the leader's definition cache has, once asked after the quiet period, to match the
+#: store: its sweep checks every version against Postgres each 0.5 s (guarantee 6's backstop).
+CONVERGE_S = 10.0
 
 
 @dataclass
@@ -44,7 +52,8 @@ class Report:
     ops: Counter[str]
     acknowledged: int
     runs_noted: int
-    tracebacks: int
+    logs: Scan
+    streams: StreamWatch
     drained_in_s: float | None
     notes: list[str] = field(default_factory=list)
 
@@ -66,7 +75,16 @@ class Report:
         lines.append("instances by final state: " + _counts(self.findings.states))
         drained = "not drained" if self.drained_in_s is None else f"{self.drained_in_s:.1f} s"
         lines.append(f"quiet period drained in: {drained}")
-        lines.append(f"tracebacks printed by the roles (not an invariant): {self.tracebacks}")
+        lines.append(f"runaways (slot held past their Failed step): {self.findings.runaways_held}")
+        w = self.streams
+        lines.append(
+            f"stream samples: {w.samples} (skipped while a server was down: {w.skipped}); "
+            f"most entries {w.max_entries}, most Enqueued {w.max_enqueued}, most entries of "
+            f"instances no longer Enqueued {w.max_not_enqueued}"
+        )
+        lines.append(
+            "errors the roles handled (by level and action): " + _counts(self.logs.handled)
+        )
         lines += self.notes
         lines.append(f"violations: {self.findings.total}")
         for invariant, details in sorted(self.findings.violations.items()):
@@ -157,6 +175,8 @@ class Harness:
         faults = Faults(self.cluster, self.db, random.Random(rng.random()))
         stop_load, stop_faults = asyncio.Event(), asyncio.Event()
         watching = asyncio.create_task(self._watch())
+        streams = StreamWatch(self.redis.port, self.db, self.cluster.up_for)
+        sampling = asyncio.create_task(streams.run())
         loading = asyncio.create_task(load.run(stop_load))
         await asyncio.sleep(2)  # some work in flight before the first fault
         faulting = asyncio.create_task(faults.run(stop_faults, fault_every_s))
@@ -165,13 +185,23 @@ class Harness:
         await faulting
         stop_load.set()
         await loading
-        drained = await self._quiet(quiet_s)
+        sampling.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampling
+        drained, diverged = await self._quiet(quiet_s)
         watching.cancel()
         self.cluster.check_alive()
         runs = read_runs(self.runs)
         findings = await check(self.db, load.acks, runs=runs, frozen=faults.log.frozen)
         for gone in self.cluster.unexpected:
             findings.add("unexpected_exit", f"{gone.role} (status {gone.status}): {gone.tail}")
+        logs = self.cluster.scan_logs()
+        for crash in logs.crashes:
+            findings.add("crash_in_log", crash)
+        for invariant, detail in streams.violations:
+            findings.add(invariant, detail)
+        for detail in diverged:
+            findings.add("definitions_not_converged", detail)
         for key, n in self.streams_left.items():
             findings.add("stream_entries_left", f"{key}: {n} entries, nothing Enqueued")
         for broken in load.violations:
@@ -188,7 +218,8 @@ class Harness:
             load.ops,
             len(load.acks),
             len(runs),
-            self.cluster.tracebacks(),
+            logs,
+            streams,
             drained,
             notes,
         )
@@ -198,24 +229,67 @@ class Harness:
             self.cluster.check_alive()
             await asyncio.sleep(0.5)
 
-    async def _quiet(self, quiet_s: float) -> float | None:
+    async def _quiet(self, quiet_s: float) -> tuple[float | None, list[str]]:
         """Let everything finish: first what was made before the load stopped (schedulers
-        still running: delays, reaping, ticks), then — schedulers stopped — the last ticks.
-        Then note the stream entries left over, and stop every role with SIGTERM. The seconds
-        it took, or ``None`` if it never did."""
+        still running: delays, reaping, ticks), then check that the leader's definition cache
+        matches the store, then — schedulers stopped — let the last ticks finish. Then note the
+        stream entries left over, and stop every role with SIGTERM. The seconds it took (or
+        ``None`` if it never did), and how the cache differed from the store."""
         began = time.monotonic()
         since = await self._db_now()
         done = await self._settled(since, quiet_s)
-        for name in ("s1", "s2"):
-            await self.cluster.stop(self.cluster.roles[name], signal.SIGTERM)
+        diverged = await self._converged(CONVERGE_S)
+        schedulers = [self.cluster.roles[name] for name in SCHEDULERS]
+        await asyncio.gather(*(self.cluster.stop(r, signal.SIGTERM) for r in schedulers))
         done = await self._settled(None, 30) and done
         took = time.monotonic() - began
         if done:
             self.streams_left = await self._streams_left(15)
-        for role in list(self.cluster.roles.values()):
-            if role.running:
-                await self.cluster.stop(role, signal.SIGTERM)
-        return took if done else None
+        running = [r for r in self.cluster.roles.values() if r.running]
+        await asyncio.gather(*(self.cluster.stop(r, signal.SIGTERM) for r in running))
+        return (took if done else None), diverged
+
+    async def _converged(self, timeout_s: float) -> list[str]:
+        """Guarantee 6: every cache of definitions converges on the store. The leader holds
+        the only one (workers read a job's options with each claim; the api and a follower
+        read the store): ask its probe server's ``/definitions`` until it matches the store's
+        (version, paused) of every job, for ``timeout_s``. The differences left, if any."""
+        d = job_definitions.c
+        async with self.db.engine.connect() as conn:
+            rows = await conn.execute(select(d.key, d.version, d.paused))
+            stored = {key: {"version": v, "paused": p} for key, v, p in rows}
+        deadline = time.monotonic() + timeout_s
+        differences = ["no scheduler answered as the leader"]
+        async with httpx.AsyncClient(timeout=2) as client:
+            while time.monotonic() < deadline:
+                differences = await self._cache_differences(client, stored)
+                if not differences:
+                    return []
+                await asyncio.sleep(0.5)
+        return differences
+
+    async def _cache_differences(
+        self, client: httpx.AsyncClient, stored: dict[str, dict[str, object]]
+    ) -> list[str]:
+        try:
+            lease = await self.db.get_leader(0)
+        except UnavailableError as error:
+            return [f"the store did not answer: {error}"]
+        role = self.cluster.roles.get(lease.holder) if lease is not None else None
+        if role is None or not role.running:
+            return ["no scheduler answered as the leader"]
+        try:
+            answer = (await client.get(f"http://127.0.0.1:{role.port}/definitions")).json()
+        except httpx.HTTPError as error:
+            return [f"{role.name}: /definitions did not answer: {error!r}"]
+        cached = answer["definitions"]
+        if cached is None:
+            return [f"{role.name} holds the lease but does not lead yet"]
+        return [
+            f"{role.name}: {key} cached as {cached.get(key)}, stored as {stored.get(key)}"
+            for key in sorted(set(stored) | set(cached))
+            if cached.get(key) != stored.get(key)
+        ]
 
     async def _streams_left(self, timeout_s: float) -> dict[str, int]:
         """With nothing Enqueued any more, every stream entry must have been consumed (acked

@@ -1,18 +1,29 @@
-"""Load over REST at a bounded rate: single and batch triggers (some delayed, some pinned),
-Idempotency-Key replays and conflicting reuses, cancels, retries of terminal instances, pauses,
-resumes and option edits of a recurring job. It records every acknowledged (201) instance for
-the checker."""
+"""Load over REST and through the Python client (``jobplane.client.Client``), at a bounded
+rate: single and batch triggers (some delayed, some pinned), Idempotency-Key replays and
+conflicting reuses, cancels of queued and of running instances, retries of terminal instances,
+pauses, resumes and option edits of a recurring job. Each request goes one way or the other at
+random. It records every acknowledged instance (a 201, or a client call that returned one) for
+the checker.
+
+The client is the synchronous one, as a program would use it: it runs in a thread of its own
+(it keeps a private event loop, which must not be the harness's)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
+import time
 from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+from jobplane.client import ApiError, Client
+from jobplane.errors import JobplaneError
 from tests.apps.chaos import PAUSED_TICK
 
 #: Triggered job keys and their weight in the mix (isolated children are costly: rare).
@@ -26,8 +37,15 @@ JOBS = {
     "checkpointing": 2,
     "pinned": 1,
     "isolated": 1,
+    "runaway": 1,
 }
 TERMINAL = {"succeeded", "skipped", "cancelled", "terminated"}
+
+
+#: Jobs long enough to be running a moment after their trigger (cancels of running ones).
+LONG = ("slow_async", "checkpointing")
+#: Seconds after its trigger a long job is taken to be running.
+RUNNING_AFTER_S = (0.4, 1.2)
 
 
 @dataclass
@@ -38,6 +56,16 @@ class Sent:
     job: str
     body: dict[str, Any]
     instance_id: str
+    at: float = field(default_factory=time.monotonic)
+
+
+class Answer:
+    """A REST answer or a client call's outcome, read alike: ``status`` (the client's 2xx
+    shows as 200/201 by the call) and ``body``."""
+
+    def __init__(self, status: int, body: Any) -> None:
+        self.status = status
+        self.body = body
 
 
 @dataclass
@@ -55,33 +83,83 @@ class Load:
     #: reuse accepted).
     violations: list[str] = field(default_factory=list)
     _n: int = 0
+    _http: httpx.AsyncClient | None = None
+    _client: Client | None = None
+    _thread: ThreadPoolExecutor | None = None
+    #: How the current request goes: "rest" or "client" (the prefix of its ops counter).
+    _via: str = "rest"
 
     async def run(self, stop: asyncio.Event) -> None:
         headers = {"Authorization": f"Bearer {self.token}"}
-        async with httpx.AsyncClient(base_url=self.base, headers=headers, timeout=5) as client:
-            while not stop.is_set():
-                try:
-                    await self._one(client)
-                except httpx.TransportError:
-                    self.ops["transport_error"] += 1  # api down or restarting: not acknowledged
-                await asyncio.sleep(self.rng.expovariate(self.rate_per_s))
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="chaos-client")
+        loop = asyncio.get_running_loop()
+        self._client = await loop.run_in_executor(
+            self._thread, functools.partial(Client, self.base, self.token, timeout_s=5)
+        )
+        try:
+            async with httpx.AsyncClient(base_url=self.base, headers=headers, timeout=5) as http:
+                self._http = http
+                while not stop.is_set():
+                    self._via = self.rng.choice(["rest", "client"])
+                    try:
+                        await self._one()
+                    except (httpx.TransportError, JobplaneError):
+                        # The api down or restarting: not acknowledged.
+                        self.ops[f"{self._via}:transport_error"] += 1
+                    await asyncio.sleep(self.rng.expovariate(self.rate_per_s))
+        finally:
+            await loop.run_in_executor(self._thread, self._client.close)
+            self._thread.shutdown()
 
-    async def _one(self, client: httpx.AsyncClient) -> None:
+    def _count(self, what: str, answer: Answer, detail: str = "") -> None:
+        self.ops[f"{self._via}:{what}:{answer.status}{detail}"] += 1
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        client_call: Callable[[Client], Any],
+        *,
+        created: bool = False,
+        **kwargs: Any,
+    ) -> Answer:
+        """The request over REST (``method path`` with httpx ``kwargs``) or through the
+        client (``client_call``), as ``_via`` says. A client error is an :class:`ApiError`
+        (its status); a client success answers ``201`` when ``created`` else ``200``."""
+        if self._via == "rest":
+            assert self._http is not None
+            response = await self._http.request(method, path, **kwargs)
+            try:
+                body = response.json()
+            except ValueError:
+                body = response.text
+            return Answer(response.status_code, body)
+        assert self._client is not None
+        client = self._client
+        try:
+            body = await asyncio.get_running_loop().run_in_executor(
+                self._thread, functools.partial(client_call, client)
+            )
+        except ApiError as error:
+            return Answer(error.status, error.problem)
+        return Answer(201 if created else 200, body)
+
+    async def _one(self) -> None:
         roll = self.rng.random()
         if roll < 0.55 or not self.sent:
-            await self._trigger(client)
+            await self._trigger()
         elif roll < 0.65:
-            await self._batch(client)
+            await self._batch()
         elif roll < 0.73:
-            await self._replay(client)
+            await self._replay()
         elif roll < 0.77:
-            await self._conflict(client)
+            await self._conflict()
         elif roll < 0.87:
-            await self._cancel(client)
+            await self._cancel()
         elif roll < 0.95:
-            await self._retry(client)
+            await self._retry()
         else:
-            await self._pause_or_resume(client)
+            await self._pause_or_resume()
 
     def _next(self) -> int:
         self._n += 1
@@ -95,87 +173,126 @@ class Load:
             body["pinned_worker"] = self.rng.choice(self.workers)
         return body
 
-    async def _trigger(self, client: httpx.AsyncClient) -> None:
+    async def _post_trigger(self, job: str, body: dict[str, Any], key: str) -> Answer:
+        return await self._call(
+            "POST",
+            f"/api/v1/jobs/{job}/instances",
+            lambda c: c.trigger(
+                job,
+                body["args"],
+                delay_s=body.get("delay_s"),
+                pinned_worker=body.get("pinned_worker"),
+                idempotency_key=key,
+            ),
+            # A replay through the client cannot tell 200 from 201: it is read as a replay.
+            created=True,
+            json=body,
+            headers={"Idempotency-Key": key},
+        )
+
+    async def _trigger(self) -> None:
         job = self.rng.choices(list(JOBS), weights=list(JOBS.values()))[0]
         body, key = self._body(job), f"k{self._n}"
-        answer = await client.post(
-            f"/api/v1/jobs/{job}/instances", json=body, headers={"Idempotency-Key": key}
-        )
-        self.ops[f"trigger:{answer.status_code}"] += 1
-        if answer.status_code == 201:
-            made = answer.json()["id"]
+        answer = await self._post_trigger(job, body, key)
+        self._count("trigger", answer)
+        if answer.status == 201:
+            made = answer.body["id"]
             self.acks[made] = job
             self.sent.append(Sent(key, job, body, made))
 
-    async def _batch(self, client: httpx.AsyncClient) -> None:
+    async def _batch(self) -> None:
         items = []
         for _ in range(self.rng.randint(2, 10)):
             job = self.rng.choice(["fast", "sync_work", "flaky", "limited_wait"])
             items.append({"job_key": job, **self._body(job), "idempotency_key": f"b{self._n}"})
-        answer = await client.post("/api/v1/instances/batch", json={"items": items})
-        self.ops[f"batch:{answer.status_code}"] += 1
-        if answer.status_code == 201:
-            for item, made in zip(items, answer.json(), strict=True):
+        answer = await self._call(
+            "POST",
+            "/api/v1/instances/batch",
+            lambda c: c.trigger_batch(items),
+            created=True,
+            json={"items": items},
+        )
+        self._count("batch", answer)
+        if answer.status == 201:
+            for item, made in zip(items, answer.body, strict=True):
                 self.acks[made["id"]] = item["job_key"]
 
-    async def _replay(self, client: httpx.AsyncClient) -> None:
+    async def _replay(self) -> None:
         first = self.rng.choice(self.sent)
-        answer = await client.post(
-            f"/api/v1/jobs/{first.job}/instances",
-            json=first.body,
-            headers={"Idempotency-Key": first.key},
-        )
-        self.ops[f"replay:{answer.status_code}"] += 1
-        if answer.status_code in (200, 201) and answer.json()["id"] != first.instance_id:
+        answer = await self._post_trigger(first.job, first.body, first.key)
+        self._count("replay", answer)
+        if answer.status in (200, 201) and answer.body["id"] != first.instance_id:
             self.violations.append(
-                f"replay of {first.key} gave {answer.json()['id']}, not {first.instance_id}"
+                f"replay of {first.key} ({self._via}) gave {answer.body['id']}, "
+                f"not {first.instance_id}"
             )
 
-    async def _conflict(self, client: httpx.AsyncClient) -> None:
+    async def _conflict(self) -> None:
         first = self.rng.choice(self.sent)
         body = {**first.body, "args": {"value": -1}}
-        answer = await client.post(
-            f"/api/v1/jobs/{first.job}/instances", json=body, headers={"Idempotency-Key": first.key}
+        answer = await self._post_trigger(first.job, body, first.key)
+        self._count("conflict", answer)
+        if answer.status in (200, 201):
+            self.violations.append(
+                f"conflicting reuse of {first.key} accepted ({self._via}): {answer.body}"
+            )
+
+    async def _cancel(self) -> None:
+        """Cancel one of the latest triggers (most are still queued or delayed), or a long job
+        triggered a moment ago (most are running by now). Counted by the state answered:
+        ``processing`` is a running one, asked to stop."""
+        now = time.monotonic()
+        running = [
+            s
+            for s in self.sent[-60:]
+            if s.job in LONG and RUNNING_AFTER_S[0] <= now - s.at <= RUNNING_AFTER_S[1]
+        ]
+        pool = running if running and self.rng.random() < 0.5 else self.sent[-4:]
+        target = self.rng.choice(pool).instance_id
+        answer = await self._call(
+            "POST", f"/api/v1/instances/{target}/cancel", lambda c: c.cancel(target)
         )
-        self.ops[f"conflict:{answer.status_code}"] += 1
-        if answer.status_code in (200, 201):
-            self.violations.append(f"conflicting reuse of {first.key} accepted: {answer.text}")
+        state = f":{answer.body['state']}" if answer.status == 200 else ""
+        self._count("cancel", answer, state)
 
-    async def _cancel(self, client: httpx.AsyncClient) -> None:
-        """Cancel one of the latest triggers: most are still queued, delayed or running."""
-        target = self.rng.choice(self.sent[-4:]).instance_id
-        answer = await client.post(f"/api/v1/instances/{target}/cancel")
-        self.ops[f"cancel:{answer.status_code}"] += 1
-
-    async def _retry(self, client: httpx.AsyncClient) -> None:
+    async def _retry(self) -> None:
         target = self.rng.choice(self.sent[-200:])
-        state = await client.get(f"/api/v1/instances/{target.instance_id}")
-        if state.status_code != 200 or state.json()["state"] not in TERMINAL:
-            self.ops["retry:not_terminal"] += 1
+        path = f"/api/v1/instances/{target.instance_id}"
+        state = await self._call("GET", path, lambda c: c.instance(target.instance_id))
+        if state.status != 200 or state.body["state"] not in TERMINAL:
+            self.ops[f"{self._via}:retry:not_terminal"] += 1
             return
-        answer = await client.post(f"/api/v1/instances/{target.instance_id}/retry")
-        self.ops[f"retry:{answer.status_code}"] += 1
-        if answer.status_code == 201:
-            self.acks[answer.json()["id"]] = target.job
+        answer = await self._call(
+            "POST", f"{path}/retry", lambda c: c.retry(target.instance_id), created=True
+        )
+        self._count("retry", answer)
+        if answer.status == 201:
+            self.acks[answer.body["id"]] = target.job
 
-    async def _pause_or_resume(self, client: httpx.AsyncClient) -> None:
+    async def _pause_or_resume(self) -> None:
         action = self.rng.choice(["pause", "resume", "edit"])
         if action == "edit":
-            await self._edit(client)
+            await self._edit()
             return
-        answer = await client.post(f"/api/v1/jobs/{PAUSED_TICK}/{action}")
-        self.ops[f"{action}:{answer.status_code}"] += 1
+        answer = await self._call(
+            "POST",
+            f"/api/v1/jobs/{PAUSED_TICK}/{action}",
+            lambda c: c.pause(PAUSED_TICK) if action == "pause" else c.resume(PAUSED_TICK),
+        )
+        self._count(action, answer)
 
-    async def _edit(self, client: httpx.AsyncClient) -> None:
+    async def _edit(self) -> None:
         """Edit the paused-and-resumed recurring job's options at the version just read (a
         409 when another edit won meanwhile)."""
-        job = await client.get(f"/api/v1/jobs/{PAUSED_TICK}")
-        if job.status_code != 200:
-            self.ops[f"edit:read_{job.status_code}"] += 1
+        job = await self._call("GET", f"/api/v1/jobs/{PAUSED_TICK}", lambda c: c.job(PAUSED_TICK))
+        if job.status != 200:
+            self.ops[f"{self._via}:edit:read_{job.status}"] += 1
             return
-        patch = {
-            "version": job.json()["version"],
-            "options": {"max_concurrency": self.rng.randint(5, 10)},
-        }
-        answer = await client.patch(f"/api/v1/jobs/{PAUSED_TICK}", json=patch)
-        self.ops[f"edit:{answer.status_code}"] += 1
+        version, limit = job.body["version"], self.rng.randint(5, 10)
+        answer = await self._call(
+            "PATCH",
+            f"/api/v1/jobs/{PAUSED_TICK}",
+            lambda c: c.edit_job(PAUSED_TICK, version, max_concurrency=limit),
+            json={"version": version, "options": {"max_concurrency": limit}},
+        )
+        self._count("edit", answer)
