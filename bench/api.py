@@ -43,8 +43,9 @@ BATCH_PATH = "/api/v1/instances/batch"
 
 
 @asynccontextmanager
-async def api_process(url: str, prefix: str) -> AsyncIterator[str]:
-    """A ``jobplane api`` subprocess without auth on a free port; yields its base URL."""
+async def api_process(url: str, prefix: str, workers: int | None = None) -> AsyncIterator[str]:
+    """A ``jobplane api`` subprocess without auth on a free port (``JOBPLANE_API_WORKERS``
+    set to ``workers`` when given); yields its base URL."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -56,6 +57,8 @@ async def api_process(url: str, prefix: str) -> AsyncIterator[str]:
         "JOBPLANE_AUTH_ENABLED": "false",
         "JOBPLANE_LOG_LEVEL": "WARNING",
     }
+    if workers is not None:
+        env["JOBPLANE_API_WORKERS"] = str(workers)
     command = [str(Path(sys.executable).parent / "jobplane"), "api", "--host", "127.0.0.1"]
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(

@@ -57,6 +57,24 @@ async def environment() -> AsyncIterator[tuple[str, str, SqlStore]]:
         await client.aclose()
 
 
+@asynccontextmanager
+async def kept_database(name: str) -> AsyncIterator[tuple[str, str, SqlStore]]:
+    """(database url, key prefix, store) on the database ``name``, created when absent and
+    migrated to head, kept afterwards (a large table is filled once for several runs)."""
+    dsn = make_url(POSTGRES_URL).set(drivername="postgresql").render_as_string(False)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+    if not exists:
+        _admin(f'CREATE DATABASE "{name}"')
+    url = make_url(POSTGRES_URL).set(database=name).render_as_string(False)
+    await migrate_database(url)
+    store = open_store(url, pool_size=5)
+    try:
+        yield url, f"jpbench-{uuid.uuid4().hex[:10]}", store
+    finally:
+        await store.close()
+
+
 def spawn_worker(url: str, prefix: str, index: int, concurrency: int) -> subprocess.Popen[bytes]:
     env = {
         **os.environ,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from uuid import uuid4
+from uuid import UUID, uuid4
 
 import httpx
 import pytest
@@ -156,3 +156,31 @@ async def test_tokens_are_hashed_shown_once_revocable_and_never_logged(
 async def test_health_and_metrics_need_no_token(client: httpx.AsyncClient) -> None:
     for path in ("/healthz", "/readyz", "/metrics"):
         assert (await client.get(path)).status_code == 200
+
+
+async def test_every_mutating_instance_route_records_the_token_that_acted(
+    client: httpx.AsyncClient, pg_store: SqlStore
+) -> None:
+    """History names who acted: the token's name, never a generic "api"."""
+    _, secret = await pg_store.create_token("deploy-bot", Role.OPERATOR, "test")
+    auth = {"Authorization": f"Bearer {secret}"}
+    batch = await client.post(
+        "/api/v1/instances/batch",
+        json={"items": [{"job_key": "echo", "args": {"value": 1}}]},
+        headers=auth,
+    )
+    assert batch.status_code == 201, batch.text
+    instance_id = batch.json()[0]["id"]
+    cancelled = await client.post(f"/api/v1/instances/{instance_id}/cancel", headers=auth)
+    assert cancelled.status_code == 200, cancelled.text
+    retried = await client.post(f"/api/v1/instances/{instance_id}/retry", headers=auth)
+    assert retried.status_code == 201, retried.text
+    assert retried.json()["retry_of"] == instance_id
+
+    first = await pg_store.transitions(UUID(instance_id))
+    second = await pg_store.transitions(UUID(retried.json()["id"]))
+    assert [(t.to_state.value, t.actor) for t in first] == [
+        ("enqueued", "token:deploy-bot"),
+        ("cancelled", "token:deploy-bot"),
+    ]
+    assert [t.actor for t in second] == ["token:deploy-bot"]

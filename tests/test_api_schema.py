@@ -30,7 +30,8 @@ from schemathesis.specs.openapi.checks import (
 
 from tests.cli_helpers import free_port, run_cli, spawn_cli, stop_all, wait_http_ok
 
-pytestmark = pytest.mark.timeout(300)
+# One worker runs the module: its api process (a module fixture) starts once.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("api-schema")]
 
 #: Checks that do not hold by design. Positive data may still be refused (arguments are
 #: validated against each job's own JSON Schema, which OpenAPI cannot express); negative data

@@ -112,6 +112,18 @@ async def test_pinned_entries_reach_only_their_worker(bus: Bus) -> None:
     assert [d.envelope for d in got] == [pinned]
 
 
+async def test_drop_pinned_deletes_only_the_given_instances_entries(bus: Bus) -> None:
+    given_away, other, kept = (envelope(pinned="gone") for _ in range(3))
+    await bus.publish([("default", e) for e in (given_away, other, kept)])
+    gone = bus.consumer("gone", ["default"])
+    [delivered] = await gone.read(1, 50)  # delivered, never acknowledged: pending
+    assert delivered.envelope == given_away
+    assert await bus.drop_pinned("gone", [given_away.instance_id, uuid.uuid4()]) == 1
+    assert await bus.drop_pinned("never-registered", [kept.instance_id]) == 0
+    assert await gone.reclaim(0, 10) == []  # not left pending either
+    assert [d.envelope for d in await gone.read(10, 50)] == [other, kept]
+
+
 async def test_empty_read_returns_after_the_block(bus: Bus) -> None:
     consumer = bus.consumer("w1", ["default"])
     assert await asyncio.wait_for(consumer.read(10, 100), timeout=5) == []
@@ -321,12 +333,11 @@ async def test_unreachable_redis_is_a_clear_error() -> None:
         b"{}",
         b'{"v": 2, "kind": "run", "id": "x", "job": "j", "prio": 1}',
         b'{"v": 1, "kind": "run", "id": "not-a-uuid", "job": "j", "prio": 1}',
-        b'{"v": 1, "kind": "fly", "id": "'
-        + str(uuid.uuid4()).encode()
-        + b'", "job": "j", "prio": 1}',
-        b'{"v": 1, "kind": "run", "id": "'
-        + str(uuid.uuid4()).encode()
-        + b'", "job": 3, "prio": 1}',
+        # Fixed ids, not uuid4(): a test id must be the same in every process collecting it.
+        b'{"v": 1, "kind": "fly", "id": "00000000-0000-4000-8000-000000000001", "job": "j", '
+        b'"prio": 1}',
+        b'{"v": 1, "kind": "run", "id": "00000000-0000-4000-8000-000000000002", "job": 3, '
+        b'"prio": 1}',
     ],
 )
 def test_envelope_decode_errors(raw: bytes) -> None:

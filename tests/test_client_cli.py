@@ -3,6 +3,7 @@ scheduler, on Postgres and Redis, with authentication on."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -12,7 +13,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from jobplane.auth import Role
 from jobplane.client import ApiError, AsyncClient, Client
+from jobplane.store.factory import open_store
 from tests.cli_helpers import free_port, run_cli, spawn_cli, stop_all, wait_http_ok
 
 pytestmark = pytest.mark.timeout(180)
@@ -27,21 +30,40 @@ def stack(pg_database_url: str, redis_url: str, redis_prefix: str) -> Iterator[d
         "JOBPLANE_POLL_MS": "100",
     }
     port = free_port()
+    two_processes = {"JOBPLANE_API_WORKERS": "2"}
     procs = [
-        spawn_cli("api", "--host", "127.0.0.1", "--port", str(port), **env),
+        # Two API processes: every call below may land on either, each with its own
+        # remembered definitions, which edits made through the other must not outwit.
+        spawn_cli("api", "--host", "127.0.0.1", "--port", str(port), **env, **two_processes),
         spawn_cli("worker", "--app", "tests.apps.basic:app", "--worker-id", "cli-w", **env),
         spawn_cli("scheduler", **env),
     ]
-    created = run_cli("token", "create", "--role", "operator", "--name", "test", **env)
-    assert created.returncode == 0, created.stderr
-    viewer = run_cli("token", "create", "--role", "viewer", **env).stdout.strip()
-    admin = run_cli("token", "create", "--role", "admin", **env).stdout.strip()
     url = f"http://127.0.0.1:{port}"
     try:
+        tokens = asyncio.run(_tokens(pg_database_url))  # while the processes start
         wait_http_ok(f"{url}/healthz")
-        yield {"url": url, "token": created.stdout.strip(), "viewer": viewer, "admin": admin, **env}
+        yield {"url": url, **tokens, **env}
     finally:
         stop_all(procs, sig=signal.SIGTERM)
+
+
+async def _tokens(database_url: str) -> dict[str, str]:
+    """An operator, a viewer and an admin token, straight from the store (the ``token create``
+    command itself is tested in test_api_security.py; three more CLI starts per test here
+    would only add seconds)."""
+    store = open_store(database_url)
+    try:
+        made = {
+            key: await store.create_token(name, role, "test")
+            for key, name, role in (
+                ("token", "test", Role.OPERATOR),
+                ("viewer", "cli", Role.VIEWER),
+                ("admin", "cli", Role.ADMIN),
+            )
+        }
+    finally:
+        await store.close()
+    return {key: secret for key, (_, secret) in made.items()}
 
 
 def _cli(

@@ -26,10 +26,12 @@ from jobplane.errors import (
     IllegalTransitionError,
     InstanceNotFoundError,
     JobNotFoundError,
+    StaleDefinitionError,
 )
 from jobplane.ids import new_id
 from jobplane.store.lifecycle import CANCEL_BEFORE_CLAIM_REASON, CANCEL_WINS_REASON
 from jobplane.store.sql import SqlStore
+from jobplane.store.sweeps import NEVER_PUBLISHED_GRACE_S
 from jobplane.store.tables import job_instances
 from tests.store_helpers import define, enqueue, slots_used
 
@@ -157,6 +159,83 @@ async def test_create_instances_initial_states_and_history(store: SqlStore) -> N
     [creation] = await store.transitions(skipped.id)
     assert creation.from_state is None and creation.to_state is S.SKIPPED
     assert creation.reason == "misfire"
+
+
+async def test_create_published_writes_one_instance_marked_published(store: SqlStore) -> None:
+    """The single-trigger write: the instance, its creation history, and (Enqueued only) its
+    publication, together; held and delayed instances are not published."""
+    await define(store, "job", priority=3, queue="mail")
+    definition = await store.get_definition("job")
+    now = await store.now()
+    enq = await store.create_published(NewInstance(job_key="job", args={"n": 1}), definition)
+    assert enq.state is S.ENQUEUED and enq.args == {"n": 1} and enq.published_at is not None
+    assert enq.queue == "mail" and enq.priority == 3
+    assert enq == await store.get_instance(enq.id)
+    [creation] = await store.transitions(enq.id)
+    assert creation.from_state is None and creation.to_state is S.ENQUEUED
+    delayed = await store.create_published(
+        NewInstance(job_key="job", run_at=now + timedelta(hours=1)), definition
+    )
+    held = await store.create_published(NewInstance(job_key="job", held=True), definition)
+    assert delayed.state is S.SCHEDULED and delayed.run_at is not None
+    assert held.state is S.SCHEDULED and held.run_at is None
+    assert delayed.published_at is None and held.published_at is None
+
+
+async def test_create_published_refuses_a_definition_that_moved_on(store: SqlStore) -> None:
+    """Validated against version 1, the job was disabled since (version 2): nothing is
+    written, and the caller is told to decide again; an unknown job likewise."""
+    await define(store, "job")
+    current = await store.get_definition("job")
+    edited = await store.save_definition(
+        current.options.edited(disabled=True), expected_version=current.version, actor="t"
+    )
+    assert edited is not None
+    with pytest.raises(StaleDefinitionError) as info:
+        await store.create_published(NewInstance(job_key="job"), current)
+    assert info.value.key == "job" and info.value.version == current.version
+    with pytest.raises(StaleDefinitionError):
+        await store.create_published(NewInstance(job_key="nope"), current)
+    # A worker's registration replaces the argument schema and keeps the version.
+    options = JobOptions.parse(key="other", kind="triggered")
+    registered, _ = await store.register_definition(options, {"type": "object"}, "w1")
+    again, _ = await store.register_definition(options, {"type": "array"}, "w2")
+    assert again.version == registered.version
+    with pytest.raises(StaleDefinitionError):
+        await store.create_published(NewInstance(job_key="other"), registered)
+    assert (await store.list_instances(InstanceFilter())).items == []
+    made = await store.create_published(NewInstance(job_key="other", args=[]), again)
+    assert made.state is S.ENQUEUED
+
+
+async def test_create_published_replays_an_idempotency_key(store: SqlStore) -> None:
+    await define(store, "job")
+    definition = await store.get_definition("job")
+    first = await store.create_published(
+        NewInstance(job_key="job", args={"n": 1}, idempotency_key="k"), definition
+    )
+    again = await store.create_published(
+        NewInstance(job_key="job", args={"n": 1}, idempotency_key="k"), definition
+    )
+    assert again.id == first.id
+    with pytest.raises(IdempotencyConflictError):
+        await store.create_published(
+            NewInstance(job_key="job", args={"n": 2}, idempotency_key="k"), definition
+        )
+    assert len((await store.list_instances(InstanceFilter())).items) == 1
+
+
+async def test_unmark_published_leaves_it_to_the_sweep(store: SqlStore) -> None:
+    """A publication that never reached the bus is forgotten: the instance is found by the
+    sweep's never-published query once its grace is over."""
+    await define(store, "job")
+    definition = await store.get_definition("job")
+    made = await store.create_published(NewInstance(job_key="job"), definition)
+    assert await store.unpublished(older_than_s=3600) == []
+    await store.unmark_published([made.id])
+    assert (await store.get_instance(made.id)).published_at is None
+    await asyncio.sleep(NEVER_PUBLISHED_GRACE_S + 0.1)
+    assert [i.id for i in await store.unpublished(older_than_s=3600)] == [made.id]
 
 
 async def test_run_now_moves_a_waiting_instance_once(store: SqlStore) -> None:

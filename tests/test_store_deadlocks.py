@@ -26,7 +26,7 @@ from jobplane_api.main import create_app
 from jobplane_api.settings import ApiSettings
 from tests.apps.basic import app
 from tests.store_helpers import define, slots_used
-from tests.worker_helpers import running_worker, settled
+from tests.worker_helpers import running_worker, settled, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -173,7 +173,13 @@ async def test_a_statement_cancelled_by_its_timeout_is_retried_by_the_store(
                 text("SELECT 1 FROM job_instances WHERE id = :id FOR UPDATE"), {"id": made[0].id}
             )
             beat = asyncio.create_task(timed.heartbeat(leases, 30))
-            await asyncio.sleep(0.3)  # the first try has timed out by now
+
+            # Hold the row until a try has timed out (polled: connecting takes longer than
+            # the statement timeout on a loaded machine).
+            async def timed_out() -> bool:
+                return bool(_conflict_retries(caplog))
+
+            await wait_for(timed_out, timeout_s=20, what="a try to time out")
             await conn.commit()
         kept = await asyncio.wait_for(beat, 30)
     finally:

@@ -165,8 +165,9 @@ async def test_instances_pinned_to_a_gone_worker_fall_back_or_fail(store: SqlSto
     [kept] = await enqueue(store, "any_job", pinned_worker="alive")
     [moved] = await enqueue(store, "any_job", pinned_worker="ghost")
     [failed] = await enqueue(store, "strict_job", pinned_worker="ghost")
-    [unpinned] = await store.resolve_orphaned_pins(lease)
+    [(unpinned, was_pinned_to)] = await store.resolve_orphaned_pins(lease)
     assert unpinned.id == moved.id and unpinned.pinned_worker is None
+    assert was_pinned_to == "ghost"
     assert unpinned.state is S.ENQUEUED and unpinned.published_at is None
     assert (await store.get_instance(kept.id)).pinned_worker == "alive"
     gone = await store.get_instance(failed.id)

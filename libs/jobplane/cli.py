@@ -216,6 +216,16 @@ def scheduler(
 def api(
     host: Annotated[str | None, typer.Option("--host", help="Interface to bind.")] = None,
     port: Annotated[int | None, typer.Option("--port", help="Port to listen on.")] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            "--workers",
+            min=1,
+            max=64,
+            help="Processes serving the API on the one port [env: JOBPLANE_API_WORKERS; "
+            "default 1].",
+        ),
+    ] = None,
 ) -> None:
     """Serve the REST API (/api/v1), health, readiness and metrics."""
     remember_early_sigterm()
@@ -226,7 +236,19 @@ def api(
         overrides["host"] = host
     if port is not None:
         overrides["port"] = port
+    if workers is not None:
+        overrides["api_workers"] = workers
     settings = ApiSettings(**overrides)
+    if settings.api_workers > 1:
+        from jobplane_api.main import run_api_processes
+
+        configure_logging(settings.log_level, settings.log_format, {"role": "api"})
+        try:
+            code = run_api_processes(settings)
+        except JobplaneError as exc:
+            typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
+            raise typer.Exit(2) from None
+        raise typer.Exit(code)
 
     async def go() -> None:
         from jobplane_api.main import run_api

@@ -35,17 +35,23 @@ from jobplane.domain.options import JobKind
 from jobplane.domain.states import InstanceState
 from jobplane.errors import (
     BusUnavailableError,
+    IllegalTransitionError,
     InvalidOptionsError,
+    JobNotFoundError,
     JobplaneError,
+    StaleDefinitionError,
     UnavailableError,
 )
 from jobplane.idempotency import fingerprint
 from jobplane.store.abc import Store
+from jobplane.store.base import StoreConflictError
 
 logger = logging.getLogger(__name__)
 
 #: Retries created per store statement by :meth:`Dispatcher.retry_many`.
 RETRY_BATCH = 500
+#: Tries of a single trigger whose job's definition is edited while it is being triggered.
+STALE_TRIES = 5
 
 
 class JobDisabledError(JobplaneError):
@@ -79,6 +85,9 @@ class Dispatcher:
         #: Debug mode: instances triggered for triggered jobs are held (Scheduled with no due
         #: time) until someone runs them (:meth:`run_now`).
         self.hold_triggered = hold_triggered
+        #: Definitions as last read, by key: a single trigger is validated against these and
+        #: the store refuses it if the stored version moved on (see :meth:`_trigger_one`).
+        self._definitions: dict[str, JobDefinition] = {}
 
     async def trigger(
         self,
@@ -113,6 +122,8 @@ class Dispatcher:
         """Validate, create in one batch, publish what is Enqueued. Raises JobNotFoundError,
         JobDisabledError or InvalidArgumentsError before anything is created. In the hold
         debug mode, triggers of triggered jobs are created held."""
+        if len(requests) == 1 and self.fence is None:
+            return [await self._trigger_one(requests[0])]
         definitions = {
             d.key: d for d in await self.store.list_definitions({r.job_key for r in requests})
         }
@@ -121,10 +132,7 @@ class Dispatcher:
             definition = definitions.get(request.job_key)
             if definition is None:
                 continue  # create_instances raises JobNotFoundError with the key
-            if definition.options.disabled:
-                raise JobDisabledError(request.job_key)
-            if definition.args_schema is not None:
-                validate_args(definition.args_schema, request.args)
+            check_request(request, definition)
         if self.hold_triggered:
             requests = [
                 replace(r, held=True) if held_in_debug(r, definitions.get(r.job_key)) else r
@@ -134,6 +142,69 @@ class Dispatcher:
             instances = await self.store.create_instances(requests)
             await self.publish(instances)
         return instances
+
+    async def _trigger_one(self, request: NewInstance) -> Instance:
+        """One request, one database statement and one bus round trip: validated against the
+        definition this dispatcher remembers, created only if that is still the stored
+        version (else read again and decided again), recorded as published in the same
+        statement, then published."""
+        check_json(request.args, "args")
+        for _ in range(STALE_TRIES):
+            definition = await self._definition(request.job_key)
+            try:
+                check_request(request, definition)
+            except (JobDisabledError, InvalidArgumentsError):
+                # Refused by what is remembered: ask the store before answering (the job
+                # may have been enabled, or given a new schema, since).
+                self._definitions.pop(request.job_key, None)
+                definition = await self._definition(request.job_key)
+                check_request(request, definition)
+            new = request
+            if self.hold_triggered and held_in_debug(request, definition):
+                new = replace(request, held=True)
+            with telemetry.span("jobplane.trigger", source="trigger", instances=1):
+                try:
+                    instance = await self.store.create_published(new, definition)
+                except StaleDefinitionError:
+                    # Edited or deleted since it was remembered: nothing was created.
+                    self._definitions.pop(request.job_key, None)
+                    continue
+                if instance.id == request.id and instance.state is InstanceState.ENQUEUED:
+                    await self._publish_created(instance)
+                else:
+                    await self.publish([instance])  # held, delayed, or an earlier one replayed
+            return instance
+        raise StoreConflictError(f"job {request.job_key!r} kept changing while triggered")
+
+    async def _definition(self, key: str) -> JobDefinition:
+        """The definition of ``key`` as this dispatcher last read it (the store checks the
+        version at each write); read from the store when not remembered. Raises
+        JobNotFoundError."""
+        found = self._definitions.get(key)
+        if found is None:
+            stored = await self.store.list_definitions([key])
+            if not stored:
+                raise JobNotFoundError(key)
+            found = self._definitions[key] = stored[0]
+        return found
+
+    async def _publish_created(self, instance: Instance) -> None:
+        """Publish an instance that :meth:`Store.create_published` recorded as published; if
+        the bus is out of reach, clear that record so the sweep publishes it shortly."""
+        if await self._send([instance]):
+            return
+        try:
+            await self.store.unmark_published([instance.id])
+        except (UnavailableError, SQLAlchemyError) as exc:
+            # Still recovered: the sweep republishes it once its publication looks too old.
+            logger.warning(
+                "could not clear the publication of instance %s: %s; the sweep republishes "
+                "it after its republish threshold",
+                instance.id,
+                exc,
+                exc_info=not isinstance(exc, UnavailableError),
+                extra={"action": "dispatch.unmark_failed", "instance_id": str(instance.id)},
+            )
 
     async def run_now(self, instance_id: UUID, actor: str = "client") -> Instance:
         """Run a Scheduled instance (held or delayed) now: Enqueued and published. Raises
@@ -160,6 +231,32 @@ class Dispatcher:
             if instance.state is InstanceState.PROCESSING:
                 await self._announce_cancel(instance)
         return done
+
+    async def retry(
+        self, instance_id: UUID, actor: str = "client", idempotency_key: str | None = None
+    ) -> Instance:
+        """A new instance linked by ``retry_of`` for one terminal instance; the old one's
+        history is never rewritten. The new one is validated like a trigger (the job must
+        exist, be enabled and still accept the arguments). ``idempotency_key`` works as a
+        trigger's: a replay returns the first retry. Raises IllegalTransitionError when the
+        instance is not terminal, InstanceNotFoundError if unknown."""
+        old = await self.store.get_instance(instance_id)
+        if not old.state.is_terminal:
+            raise IllegalTransitionError(old.state, "retry (only terminal instances)")
+        [new] = await self.trigger_many(
+            [
+                NewInstance(
+                    job_key=old.job_key,
+                    args=old.args,
+                    source=InstanceSource.RETRY,
+                    priority=old.priority,
+                    retry_of=old.id,
+                    idempotency_key=idempotency_key,
+                    actor=actor,
+                )
+            ]
+        )
+        return new
 
     async def retry_many(
         self, instances: Sequence[Instance], actor: str
@@ -228,19 +325,7 @@ class Dispatcher:
             for i in instances
             if i.state is InstanceState.ENQUEUED and (force or not i.published_at)
         ]
-        if not due:
-            return
-        try:
-            with telemetry.span("jobplane.publish", instances=len(due)):
-                trace = telemetry.traceparent()  # one per batch: its entries share the span
-                await self.bus.publish([(i.queue, envelope_for(i, trace)) for i in due])
-        except BusUnavailableError:
-            # Not an error for the caller: the instance is stored; the sweep republishes it.
-            logger.warning(
-                "bus unavailable; %d instance(s) left for the sweep to publish",
-                len(due),
-                extra={"action": "dispatch.publish_deferred"},
-            )
+        if not due or not await self._send(due):
             return
         try:
             await self.store.mark_published([i.id for i in due], fence=self.fence)
@@ -257,6 +342,31 @@ class Dispatcher:
                 exc_info=not isinstance(exc, UnavailableError),
                 extra={"action": "dispatch.mark_published_failed"},
             )
+
+    async def _send(self, due: Sequence[Instance]) -> bool:
+        """Hand ``due`` to the bus; False (logged) when it is out of reach."""
+        try:
+            with telemetry.span("jobplane.publish", instances=len(due)):
+                trace = telemetry.traceparent()  # one per batch: its entries share the span
+                await self.bus.publish([(i.queue, envelope_for(i, trace)) for i in due])
+        except BusUnavailableError:
+            # Not an error for the caller: the instance is stored; the sweep republishes it.
+            logger.warning(
+                "bus unavailable; %d instance(s) left for the sweep to publish",
+                len(due),
+                extra={"action": "dispatch.publish_deferred"},
+            )
+            return False
+        return True
+
+
+def check_request(request: NewInstance, definition: JobDefinition) -> None:
+    """Raise JobDisabledError or InvalidArgumentsError unless ``definition`` takes
+    ``request``."""
+    if definition.options.disabled:
+        raise JobDisabledError(request.job_key)
+    if definition.args_schema is not None:
+        validate_args(definition.args_schema, request.args)
 
 
 def trigger_request(

@@ -48,6 +48,17 @@ class JobNotFoundError(JobplaneError, LookupError):
         self.key = key
 
 
+class StaleDefinitionError(JobplaneError):
+    """The job's definition is no longer the one a caller validated against (edited, its
+    argument schema replaced, or deleted): nothing was written. Read it again and decide
+    again."""
+
+    def __init__(self, key: str, version: int) -> None:
+        super().__init__(f"job {key!r} changed since version {version} was read")
+        self.key = key
+        self.version = version
+
+
 class DefinitionVersionNotFoundError(JobplaneError, LookupError):
     """A job has no saved version with this number."""
 

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing
+import signal
 import socket
-from collections.abc import AsyncIterator, Iterator
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -85,3 +90,48 @@ async def probe_server(app: ASGIApp, host: str, port: int, log_level: str) -> As
 
 #: How long a probe server gets to finish its requests when its role stops.
 PROBE_STOP_TIMEOUT_S = 5.0
+
+
+def supervise(
+    target: Callable[..., None], args: Sequence[tuple[Any, ...]], *, grace_s: float
+) -> int:
+    """Run ``target(*a)`` in a spawned process for each ``a`` in ``args`` until SIGTERM or
+    SIGINT, or until one of them ends by itself (then the role is broken: it stops whole, and
+    the orchestrator restarts it). Each process is then sent SIGTERM (its graceful stop),
+    given ``grace_s`` in all, and killed if still running. Returns the exit code: 0 after a
+    signal when every process stopped cleanly, else the first failure's (1 for a killed one)."""
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in STOP_SIGNALS}
+    context = multiprocessing.get_context("spawn")
+    processes = [context.Process(target=target, args=a) for a in args]
+    try:
+        for process in processes:
+            process.start()
+        while not stop.wait(SUPERVISE_POLL_S):
+            if any(p.exitcode is not None for p in processes):
+                break
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+        deadline = time.monotonic() + grace_s
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    codes = [p.exitcode for p in processes]
+    # After a stop signal, a process that ended by the SIGTERM sent to it was still starting
+    # (its own handler, which stops it gracefully, was not installed yet): nothing was lost.
+    failed = [c for c in codes if c != 0 and not (stop.is_set() and c == -signal.SIGTERM)]
+    if stop.is_set() and not failed:
+        return 0
+    first = failed[0] if failed else 1  # one ended cleanly by itself: still a broken role
+    return first if first is not None and first > 0 else 1
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: How often :func:`supervise` checks that every process still runs.
+SUPERVISE_POLL_S = 0.2

@@ -1,5 +1,7 @@
 """Dependencies of the routes, as ``Annotated`` aliases. Everything comes from app.state, which
-the lifespan fills: nothing is built at import time."""
+the lifespan fills: nothing is built at import time. They are ``async def`` although they do
+no I/O: FastAPI runs a plain ``def`` dependency in its thread pool, a thread hop per request
+that cost more than the trigger's own database write."""
 
 from __future__ import annotations
 
@@ -13,22 +15,22 @@ from jobplane.store.sql import SqlStore
 from jobplane_api.settings import ApiSettings
 
 
-def get_store(request: Request) -> SqlStore:
+async def get_store(request: Request) -> SqlStore:
     store: SqlStore = request.app.state.store
     return store
 
 
-def get_bus(request: Request) -> Bus:
+async def get_bus(request: Request) -> Bus:
     bus: Bus = request.app.state.bus
     return bus
 
 
-def get_dispatcher(request: Request) -> Dispatcher:
+async def get_dispatcher(request: Request) -> Dispatcher:
     dispatcher: Dispatcher = request.app.state.dispatcher
     return dispatcher
 
 
-def get_settings(request: Request) -> ApiSettings:
+async def get_settings(request: Request) -> ApiSettings:
     settings: ApiSettings = request.app.state.settings
     return settings
 

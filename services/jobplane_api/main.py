@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import sys
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
+import click
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
 from starlette.datastructures import Headers, MutableHeaders
@@ -16,7 +19,7 @@ from jobplane import __version__
 from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
 from jobplane.runtime import backends
-from jobplane.serving import serve_until
+from jobplane.serving import bind, serve_until, supervise
 from jobplane.store.sql import SqlStore
 from jobplane_api import dashboard, docs, problems
 from jobplane_api.authn import AuthenticateFirst, Authenticator
@@ -189,12 +192,52 @@ class SecurityHeaders:
         await self.app(scope, receive, send_with_headers)
 
 
-async def run_api(settings: ApiSettings, stop: asyncio.Event) -> None:
+async def run_api(
+    settings: ApiSettings, stop: asyncio.Event, sockets: list[socket.socket] | None = None
+) -> None:
     """Serve until ``stop`` is set, with a store and bus of its own. They are opened (and
     waited for) before uvicorn starts, so an unreachable backend is the role's one-line error
-    rather than a failed lifespan inside uvicorn."""
+    rather than a failed lifespan inside uvicorn. ``sockets``: listen on these (bound by a
+    supervisor, shared by its processes) instead of binding ``settings.host:port``."""
     async with backends(settings, stop) as (store, bus):
-        await serve(settings, stop, store=store, bus=bus)
+        await serve(settings, stop, store=store, bus=bus, sockets=sockets)
+
+
+def run_api_processes(settings: ApiSettings) -> int:
+    """Serve with ``settings.api_workers`` processes on one listening socket, bound here and
+    inherited by each; returns the exit code (see :func:`jobplane.serving.supervise`)."""
+    sock = bind(settings.host, settings.port)
+    try:
+        logger.info(
+            "serving on %s:%d with %d processes",
+            settings.host,
+            settings.port,
+            settings.api_workers,
+            extra={"action": "api.processes"},
+        )
+        args = [(settings, sock, n) for n in range(settings.api_workers)]
+        return supervise(serve_process, args, grace_s=PROCESS_STOP_TIMEOUT_S)
+    finally:
+        sock.close()
+
+
+def serve_process(settings: ApiSettings, sock: socket.socket, index: int) -> None:
+    """One API process of :func:`run_api_processes` (the spawned process's entry point)."""
+    from jobplane.cli import remember_early_sigterm, run, stop_on_signals
+
+    remember_early_sigterm()
+
+    async def go() -> None:
+        await run_api(settings, stop_on_signals(), [sock])
+
+    try:
+        run(go, settings, {"role": "api", "api_process": index})
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+
+
+#: How long the API processes get to finish their requests once told to stop.
+PROCESS_STOP_TIMEOUT_S = 30.0
 
 
 async def serve(
@@ -203,6 +246,7 @@ async def serve(
     *,
     store: SqlStore | None = None,
     bus: Bus | None = None,
+    sockets: list[socket.socket] | None = None,
 ) -> None:
     """Serve ``create_app(settings, store=…, bus=…)`` with uvicorn until ``stop`` is set."""
     config = uvicorn.Config(
@@ -213,4 +257,4 @@ async def serve(
         log_config=None,  # uvicorn logs through the role's handler (text or JSON)
         lifespan="on",
     )
-    await serve_until(config, stop)
+    await serve_until(config, stop, sockets)

@@ -22,5 +22,9 @@ class ApiSettings(CommonSettings):
     #: A /metrics answer is reused this long (two database statements and one Redis round
     #: trip per refresh).
     metrics_cache_s: float = Field(default=5.0, ge=0, le=300)
-    #: Requests in flight each hold a connection: a bigger pool than the other roles'.
+    #: Requests in flight each hold a connection: a bigger pool than the other roles'
+    #: (per process: with ``api_workers`` processes the role opens that many pools).
     db_pool_size: int = Field(default=32, ge=1, le=1000)
+    #: Processes serving the API on the one port (``jobplane api --workers``), each with its
+    #: own event loop, store and bus connections; a supervisor process starts and stops them.
+    api_workers: int = Field(default=1, ge=1, le=64)

@@ -117,6 +117,12 @@ class Bus(Protocol):
         only grow the stream. With ``stuck_after_ms``, an entry delivered that long ago and
         still unacknowledged does not count (its consumer may be gone)."""
 
+    async def drop_pinned(self, worker_id: str, instance_ids: Collection[UUID]) -> int:
+        """Delete (acknowledge and delete) the entries of ``instance_ids`` from
+        ``worker_id``'s own stream; other entries stay. For a worker that is gone, whose
+        pinned instances were given to any worker: nobody reads its stream, so their old
+        entries would stay there for good. Returns the entries deleted."""
+
     def consumer(self, worker_id: str, queues: Sequence[str]) -> Consumer:
         """The consumer of ``worker_id`` on ``queues`` (groups are created on first read)."""
 

@@ -114,6 +114,20 @@ class MemoryBus:
                     found.add(instance_id)
         return found
 
+    async def drop_pinned(self, worker_id: str, instance_ids: Collection[uuid.UUID]) -> int:
+        stream, wanted = self._stream(self.keys.worker_stream(worker_id)), set(instance_ids)
+        doomed = []
+        for entry_id, raw in stream.entries.items():
+            try:
+                if Envelope.decode(raw).instance_id in wanted:
+                    doomed.append(entry_id)
+            except EnvelopeError:
+                continue
+        for entry_id in doomed:
+            stream.entries.pop(entry_id, None)
+            stream.pending.pop(entry_id, None)
+        return len(doomed)
+
     def consumer(self, worker_id: str, queues: Sequence[str]) -> MemoryConsumer:
         return MemoryConsumer(self, worker_id, queues)
 

@@ -121,6 +121,31 @@ class RedisBus:
                 start = "(" + _text(page[-1][0])
         return found
 
+    async def drop_pinned(self, worker_id: str, instance_ids: Collection[uuid.UUID]) -> int:
+        key, wanted, doomed = self.keys.worker_stream(worker_id), set(instance_ids), []
+        start = "-"
+        while wanted:
+            async with _translated("xrange"):
+                page: Any = await self.client.xrange(key, min=start, count=XRANGE_PAGE)
+            for entry_id, fields in page or []:
+                try:
+                    instance_id = Envelope.decode(fields.get(b"d", b"")).instance_id
+                except EnvelopeError:
+                    continue  # the reader dead-letters it
+                if instance_id in wanted:
+                    doomed.append(entry_id)
+            if len(page or []) < XRANGE_PAGE:
+                break
+            start = "(" + _text(page[-1][0])
+        if not doomed:
+            return 0
+        pipe = self.client.pipeline(transaction=False)
+        pipe.xack(key, GROUP, *doomed)  # 0 when the worker never read: no group, no error
+        pipe.xdel(key, *doomed)
+        async with _translated("xdel"):
+            await pipe.execute()
+        return len(doomed)
+
     async def _stuck(self, key: str, idle_ms: int) -> set[str]:
         """Ids of ``key``'s entries delivered at least ``idle_ms`` ago and not acknowledged."""
         stuck: set[str] = set()

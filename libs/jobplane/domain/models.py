@@ -287,6 +287,18 @@ class SchedulerReplica:
 
 
 @dataclass(frozen=True, slots=True)
+class RunawaySlot:
+    """A concurrency slot still held by an attempt's code after its outcome was recorded (a
+    sync job that ignored its timeout), until the code returns or its worker goes away."""
+
+    instance_id: UUID
+    claim_token: int
+    job_key: str
+    worker_id: str
+    held_since: datetime
+
+
+@dataclass(frozen=True, slots=True)
 class InstanceFilter:
     """Filters for :meth:`Store.list_instances`; every field is optional (AND-ed)."""
 

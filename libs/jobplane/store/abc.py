@@ -28,6 +28,7 @@ from jobplane.domain.models import (
     NewInstance,
     Outcome,
     Page,
+    RunawaySlot,
     SchedulerReplica,
     Transition,
     WorkerInfo,
@@ -113,6 +114,25 @@ class Store(Protocol):
         is not inserted again: the existing instance is returned in its place.
         """
 
+    async def create_published(self, new: NewInstance, definition: JobDefinition) -> Instance:
+        """Insert one instance with its creation history, as :meth:`create_instances` does,
+        only if its job's stored definition is still ``definition`` (the one the caller
+        validated the request against: same version and same argument schema, which a
+        worker's registration may change without a new version), and record an Enqueued one
+        as published in the same write: the caller publishes it next and, if it cannot,
+        calls :meth:`unmark_published`. An instance whose publisher died in between is
+        republished by the sweep once its ``published_at`` is older than the republish
+        threshold.
+
+        Raises :class:`~jobplane.errors.StaleDefinitionError` when the stored definition
+        differs or is gone (nothing inserted). An idempotency key already used for the
+        job returns the existing instance (or raises IdempotencyConflictError).
+        """
+
+    async def unmark_published(self, ids: Collection[UUID]) -> None:
+        """Forget the publication of ``ids`` that are still Enqueued (their message never
+        reached the bus): the sweep publishes them within its never-published grace."""
+
     async def mark_published(
         self, ids: Collection[UUID], *, fence: LeaderLease | None = None
     ) -> None:
@@ -139,8 +159,13 @@ class Store(Protocol):
     async def transitions(self, instance_id: UUID) -> list[Transition]:
         """History of one instance, in sequence order."""
 
-    async def count_by_state(self, job_key: str | None = None) -> dict[InstanceState, int]:
-        """Number of instances in each state."""
+    async def count_by_state(
+        self, job_key: str | None = None, *, job_keys: Collection[str] | None = None
+    ) -> dict[InstanceState, int]:
+        """Number of instances in each state (states with none are absent), of every job,
+        of ``job_key`` or of the jobs in ``job_keys``. Read from counters the database keeps
+        in the same transaction as each change, so exact and independent of the table's
+        size."""
 
     async def gauges(self) -> tuple[dict[tuple[str, InstanceState], int], int]:
         """Instances by (job, state), and how many workers have not stopped, in one
@@ -159,11 +184,17 @@ class Store(Protocol):
         within it. A job with no ended instance and no attempt may be absent."""
 
     async def throughput(
-        self, width_s: int, count: int, job_key: str | None = None
+        self,
+        width_s: int,
+        count: int,
+        job_key: str | None = None,
+        *,
+        job_keys: Collection[str] | None = None,
     ) -> list[Bucket]:
         """Ends recorded in the history (→ Succeeded, → Failed, → Terminated) in each of
         the last ``count`` buckets of ``width_s`` seconds (aligned on the epoch; the last one
-        holds the store's now, so it is still filling), oldest first; empty buckets included."""
+        holds the store's now, so it is still filling), oldest first; empty buckets included.
+        Of every job, of ``job_key``, or of the jobs in ``job_keys``."""
 
     async def lags(self, window_s: float = 3600.0) -> Lags:
         """The p95 fire lag (cron ticks created in the window, misfire records excluded:
@@ -289,6 +320,13 @@ class Store(Protocol):
     async def list_schedulers(self, shard: int) -> list[SchedulerReplica]:
         """Every replica remembered for ``shard``, the most recently seen first."""
 
+    async def running_by_worker(self) -> dict[str, int]:
+        """How many Processing instances each worker holds (workers with none are absent)."""
+
+    async def runaway_slots(self) -> list[RunawaySlot]:
+        """Slots held by runaway code (an attempt whose outcome is recorded while its sync
+        code runs on), the longest-held first; at most a few hundred."""
+
     # -- leader duties (each fenced by the leader's lease; NotLeaderError when deposed) ----
 
     async def fire(self, lease: LeaderLease, new: Sequence[NewInstance]) -> list[Instance]:
@@ -310,9 +348,9 @@ class Store(Protocol):
         Terminated when unexpected retries are exhausted, → Cancelled if a cancel was pending.
         Returns the released (Enqueued) ones, to publish."""
 
-    async def resolve_orphaned_pins(self, lease: LeaderLease) -> list[Instance]:
-        """Instances pinned to a worker that is gone: unpinned (returned, to publish) or
-        Terminated, per the job's ``pin_fallback``."""
+    async def resolve_orphaned_pins(self, lease: LeaderLease) -> list[tuple[Instance, str]]:
+        """Instances pinned to a worker that is gone: unpinned (returned, to publish, each
+        with the worker it was pinned to) or Terminated, per the job's ``pin_fallback``."""
 
     async def terminate_unknown_jobs(
         self, lease: LeaderLease, after_s: float, limit: int = 1000

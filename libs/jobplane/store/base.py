@@ -114,6 +114,15 @@ class SqlBase:
     _read = _write
 
     @asynccontextmanager
+    async def _statement(self) -> AsyncIterator[AsyncConnection]:
+        """A connection in autocommit: each statement is a transaction of its own, so a write
+        that is one statement costs one round trip (no BEGIN, no COMMIT). Only for writes that
+        are a single statement; reads after it see what it committed."""
+        async with self._reachable(), self.engine.connect() as conn:
+            await conn.execution_options(isolation_level="AUTOCOMMIT")
+            yield conn
+
+    @asynccontextmanager
     async def _reachable(self) -> AsyncIterator[None]:
         try:
             yield

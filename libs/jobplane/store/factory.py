@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from sqlalchemy import event
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.pool import PoolProxiedConnection
 
 from jobplane.errors import ConfigurationError
 from jobplane.settings import SessionLimits, normalise_database_url
@@ -21,18 +24,34 @@ def make_engine(
     url = normalise_database_url(url)
     if url.startswith("postgresql+asyncpg://"):
         connect_args = _session_args(limits) if limits else {}
-        return create_async_engine(
+        engine = create_async_engine(
             url,
             pool_size=pool_size,
             max_overflow=pool_size,
-            pool_pre_ping=True,
+            # No ping round trip per checkout (it cost as much as a trigger's insert): a
+            # connection the server closed is replaced at checkout (below), and one that
+            # breaks in use fails that one call as StoreUnavailableError, which every role
+            # waits out, while SQLAlchemy invalidates the rest of the pool.
+            pool_pre_ping=False,
             connect_args=connect_args,
         )
+        event.listen(engine.sync_engine, "checkout", _replace_closed)
+        return engine
     if url.startswith("sqlite+aiosqlite://"):
         return sqlite_engine(url)
     raise ConfigurationError(
         f"unsupported database URL {redact(url)!r}: use postgresql://… or sqlite:///path"
     )
+
+
+def _replace_closed(_dbapi_connection: Any, _record: Any, proxy: PoolProxiedConnection) -> None:
+    """Refuse a pooled connection that asyncpg already knows is closed: the server ended it
+    (a restart, a failover, an administrator) and its socket said so while it sat in the
+    pool. No round trip: asyncpg marks the connection when it reads the EOF. The pool then
+    connects anew (``DisconnectionError`` makes it retry the checkout)."""
+    driver = proxy.driver_connection
+    if driver is not None and driver.is_closed():
+        raise DisconnectionError("connection closed by the server while pooled")
 
 
 def _session_args(limits: SessionLimits) -> dict[str, Any]:

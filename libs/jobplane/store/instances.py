@@ -20,6 +20,7 @@ from jobplane.domain.models import (
     Instance,
     InstanceFilter,
     InstanceSource,
+    JobDefinition,
     LeaderLease,
     NewInstance,
     Page,
@@ -30,12 +31,14 @@ from jobplane.domain.states import InstanceState
 from jobplane.errors import (
     InstanceNotFoundError,
     JobNotFoundError,
+    StaleDefinitionError,
 )
 from jobplane.idempotency import fingerprint_of, replay_candidates, replayed
 from jobplane.ids import id_floor
 from jobplane.store import rows
 from jobplane.store.base import I, S, SqlBase, locked_in_id_order, retry_conflicts
 from jobplane.store.tables import (
+    instance_counts,
     instance_transitions,
     job_definitions,
     job_instances,
@@ -53,49 +56,96 @@ class InstanceStore(SqlBase):
             return []
         async with self._write() as conn:
             await self._fence(conn, fence)
-            now = await self._now(conn)
-            keys = {n.job_key for n in new}
-            defs = {
-                r.key: JobOptions.from_stored(r.options)
-                for r in await conn.execute(
-                    select(job_definitions.c.key, job_definitions.c.options).where(
-                        job_definitions.c.key.in_(keys)
+            return await self._create(conn, new)
+
+    async def _create(self, conn: AsyncConnection, new: Sequence[NewInstance]) -> list[Instance]:
+        """The body of :meth:`create_instances`, in the caller's transaction."""
+        now = await self._now(conn)
+        keys = {n.job_key for n in new}
+        defs = {
+            r.key: JobOptions.from_stored(r.options)
+            for r in await conn.execute(
+                select(job_definitions.c.key, job_definitions.c.options).where(
+                    job_definitions.c.key.in_(keys)
+                )
+            )
+        }
+        for key in keys - defs.keys():
+            raise JobNotFoundError(key)
+        values = [_new_instance_values(n, defs[n.job_key], now) for n in new]
+        # A duplicate cron occurrence or idempotency key is not inserted (unique indexes):
+        # the existing instance stands in for it below.
+        inserted_ids = {
+            r.id
+            for r in await conn.execute(
+                self._insert(job_instances)
+                .values(values)
+                .on_conflict_do_nothing()  # type: ignore[attr-defined]
+                .returning(I.id)
+            )
+        }
+        await self._history(
+            conn,
+            [
+                {
+                    "instance_id": v["id"],
+                    "from_state": None,
+                    "to_state": v["state"],
+                    "actor": n.actor,
+                    "reason": n.skip_reason,
+                }
+                for n, v in zip(new, values, strict=True)
+                if v["id"] in inserted_ids
+            ],
+        )
+        by_id = {
+            r.id: rows.instance_from_row(r._mapping)
+            for r in await conn.execute(select(job_instances).where(I.id.in_(inserted_ids)))
+        }
+        return await self._resolve_created(conn, new, by_id)
+
+    @retry_conflicts
+    async def create_published(self, new: NewInstance, definition: JobDefinition) -> Instance:
+        async with self._write() as conn:
+            found = (
+                await conn.execute(
+                    select(job_definitions.c.version, job_definitions.c.args_schema).where(
+                        job_definitions.c.key == new.job_key
                     )
                 )
-            }
-            for key in keys - defs.keys():
-                raise JobNotFoundError(key)
-            values = [_new_instance_values(n, defs[n.job_key], now) for n in new]
-            # A duplicate cron occurrence or idempotency key is not inserted (unique indexes):
-            # the existing instance stands in for it below.
-            inserted_ids = {
-                r.id
-                for r in await conn.execute(
-                    self._insert(job_instances)
-                    .values(values)
-                    .on_conflict_do_nothing()  # type: ignore[attr-defined]
-                    .returning(I.id)
+            ).first()
+            if found is None or tuple(found) != (definition.version, definition.args_schema):
+                raise StaleDefinitionError(new.job_key, definition.version)
+            [instance] = await self._create(conn, [new])
+            if instance.id != new.id or instance.state is not S.ENQUEUED:
+                return instance  # a replayed idempotency key: the first instance, as it is
+            row = (
+                await conn.execute(
+                    update(job_instances)
+                    .where(I.id == instance.id)
+                    .values(published_at=self._clock())
+                    .returning(job_instances)
                 )
-            }
-            await self._history(
-                conn,
-                [
-                    {
-                        "instance_id": v["id"],
-                        "from_state": None,
-                        "to_state": v["state"],
-                        "actor": n.actor,
-                        "reason": n.skip_reason,
-                    }
-                    for n, v in zip(new, values, strict=True)
-                    if v["id"] in inserted_ids
-                ],
+            ).one()
+            return rows.instance_from_row(row._mapping)
+
+    async def unmark_published(self, ids: Collection[UUID]) -> None:
+        if not ids:
+            return
+        wanted = list(ids)
+        async with self._write() as conn:
+            # Only Enqueued rows: a claimed one needs no message any more. Rows a claim holds
+            # are skipped rather than waited for, as in mark_published.
+            await conn.execute(
+                update(job_instances)
+                .where(
+                    locked_in_id_order(
+                        lambda c: c.id.in_(wanted) & (c.state == S.ENQUEUED.value),
+                        skip_locked=True,
+                    )
+                )
+                .values(published_at=None)
             )
-            by_id = {
-                r.id: rows.instance_from_row(r._mapping)
-                for r in await conn.execute(select(job_instances).where(I.id.in_(inserted_ids)))
-            }
-            return await self._resolve_created(conn, new, by_id)
 
     async def _check_keys(self, conn: AsyncConnection, keys: set[str]) -> None:
         """Raise JobNotFoundError for the first key without a definition."""
@@ -217,12 +267,20 @@ class InstanceStore(SqlBase):
             )
             return [rows.transition_from_row(r._mapping) for r in result]
 
-    async def count_by_state(self, job_key: str | None = None) -> dict[InstanceState, int]:
-        query = select(I.state, func.count()).group_by(I.state)
+    async def count_by_state(
+        self, job_key: str | None = None, *, job_keys: Collection[str] | None = None
+    ) -> dict[InstanceState, int]:
+        # The counters the triggers of migration 0017 keep: at most (jobs x states x shards)
+        # rows, however many instances there are.
+        C = instance_counts.c
+        total = func.sum(C.n)
+        query = select(C.state, total).group_by(C.state).having(total != 0)
         if job_key is not None:
-            query = query.where(I.job_key == job_key)
+            query = query.where(C.job_key == job_key)
+        if job_keys is not None:
+            query = query.where(C.job_key.in_(list(job_keys)))
         async with self._read() as conn:
-            return {S(state): count for state, count in await conn.execute(query)}
+            return {S(state): int(count) for state, count in await conn.execute(query)}
 
 
 ID_CLOCK_SKEW = timedelta(minutes=5)

@@ -17,13 +17,14 @@ from jobplane.domain.models import (
     Claim,
     ClaimResult,
     Instance,
+    JobDefinition,
     LeaderLease,
     NewInstance,
     Outcome,
 )
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState, check_transition
-from jobplane.errors import StoreUnavailableError
+from jobplane.errors import StaleDefinitionError, StoreUnavailableError
 from jobplane.idempotency import fingerprint_of
 from jobplane.store import rows
 from jobplane.store.base import retry_conflicts
@@ -251,10 +252,69 @@ SELECT * FROM ins
 """
 
 
+# One statement, one round trip, creates a single triggered instance (the hot path of
+# ``Dispatcher.trigger``), in autocommit: its implicit transaction is the statement's, so no
+# BEGIN/COMMIT round trips. The races it closes:
+# - an edit (disable, deletion) or a new argument schema (a worker's registration, which keeps
+#   the version) committed after the caller validated the request against the definition it
+#   had: the insert happens only while the stored definition is the one the caller checked
+#   (version and schema, read in the statement's snapshot); otherwise nothing is written and
+#   the row says so (``checked`` false), so the caller reads it again and decides again;
+# - a replayed idempotency key: not inserted (unique index), the caller reads the first one.
+# An Enqueued instance is recorded as published in the same row: its publication follows at
+# once; if it fails, the caller clears the mark (``unmark_published``); if the caller dies
+# first, the sweep republishes it once the mark is older than its republish threshold.
+# The single row always comes back: the instance's columns are NULL when nothing was inserted.
+CREATE_ONE_SQL = f"""
+WITH d AS (
+    SELECT key, version, options, args_schema FROM job_definitions WHERE key = :job_key
+),
+input AS (
+    SELECT d.options,
+           CASE WHEN CAST(:skip_reason AS text) IS NOT NULL THEN 'skipped'
+                WHEN CAST(:held AS boolean) OR CAST(:run_at AS timestamptz) > now()
+                THEN 'scheduled'
+                ELSE 'enqueued' END AS state
+    FROM d
+    WHERE d.version = :version
+      AND COALESCE(d.args_schema, 'null') = CAST(CAST(:args_schema AS text) AS jsonb)
+),
+ins AS (
+    INSERT INTO job_instances (
+        id, job_key, state, source, queue, priority, args, created_at, scheduled_at, run_at,
+        published_at, finished_at, pinned_worker, retry_of, idempotency_key,
+        idempotency_fingerprint, reason
+    )
+    SELECT CAST(:id AS uuid), :job_key, state, :source,
+           COALESCE(CAST(:queue AS text), options ->> 'queue'),
+           COALESCE(CAST(:priority AS integer), CAST(options ->> 'priority' AS integer)),
+           CAST(CAST(:args AS text) AS jsonb), now(), CAST(:scheduled_at AS timestamptz),
+           CASE WHEN CAST(:held AS boolean) THEN NULL ELSE CAST(:run_at AS timestamptz) END,
+           CASE WHEN state = 'enqueued' THEN now() END,
+           CASE WHEN state = 'skipped' THEN now() END, CAST(:pinned AS text),
+           CAST(:retry_of AS uuid), CAST(:idempotency AS text), CAST(:fingerprint AS text),
+           CAST(:skip_reason AS text)
+    FROM input
+    ON CONFLICT DO NOTHING
+    RETURNING {_cols("job_instances")}
+),
+history AS (
+    INSERT INTO instance_transitions (instance_id, from_state, to_state, actor, reason)
+    SELECT id, NULL, state, :actor, reason FROM ins
+    RETURNING 1
+)
+SELECT ins.*, EXISTS (SELECT 1 FROM input) AS checked
+FROM (SELECT 1) AS one LEFT JOIN ins ON true
+"""
+
+
 # Built once: SQLAlchemy then compiles each of them once per process, not once per call.
 CREATE = text(CREATE_SQL).columns(*job_instances.c)
 CLAIM = text(CLAIM_SQL).columns(*job_instances.c, job_options=job_instances.c.args.type)
 COMPLETE = text(COMPLETE_SQL)
+CREATE_ONE = text(CREATE_ONE_SQL).columns(
+    *job_instances.c, checked=job_instances.c.cancel_requested.type
+)
 
 
 class PostgresStore(PostgresStatsStore, SqlStore):
@@ -319,6 +379,39 @@ class PostgresStore(PostgresStatsStore, SqlStore):
             by_id = {row.id: rows.instance_from_row(row._mapping) for row in result}
             return await self._resolve_created(conn, new, by_id)
 
+    @retry_conflicts
+    async def create_published(self, new: NewInstance, definition: JobDefinition) -> Instance:
+        params: dict[str, Any] = {
+            "id": new.id,
+            "job_key": new.job_key,
+            "version": definition.version,
+            # (no schema: JSON null, as the column stores it)
+            "args_schema": json.dumps(definition.args_schema),
+            "source": new.source.value,
+            "queue": new.queue,
+            "priority": new.priority,
+            "args": None if new.args is None else json.dumps(new.args),
+            "scheduled_at": new.scheduled_at,
+            "run_at": new.run_at,
+            "held": new.held,
+            "pinned": new.pinned_worker,
+            "retry_of": new.retry_of,
+            "idempotency": new.idempotency_key,
+            "fingerprint": fingerprint_of(new),
+            "skip_reason": new.skip_reason,
+            "actor": new.actor,
+        }
+        async with self._statement() as conn:
+            row = (await conn.execute(CREATE_ONE, params)).one()
+            if row.id is not None:
+                return rows.instance_from_row(row._mapping)
+            if not row.checked:
+                raise StaleDefinitionError(new.job_key, definition.version)
+            # Not inserted at the checked version: its idempotency key was used before. The
+            # first instance is committed (the insert waited for it), so this read finds it.
+            [instance] = await self._resolve_created(conn, [new], {})
+            return instance
+
     async def _next_tokens(self, conn: AsyncConnection, count: int) -> list[int]:
         result = await conn.execute(
             text("SELECT nextval('claim_token_seq') FROM generate_series(1, :n)"), {"n": count}
@@ -331,7 +424,9 @@ class PostgresStore(PostgresStatsStore, SqlStore):
     ) -> ClaimResult:
         if not ids:
             return ClaimResult()
-        async with self._write() as conn:
+        # One statement: in autocommit it is its own transaction (no BEGIN/COMMIT round
+        # trips before a job can start); its row locks last until it ends, as before.
+        async with self._statement() as conn:
             result = await conn.execute(
                 CLAIM,
                 {

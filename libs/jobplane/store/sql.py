@@ -11,6 +11,7 @@ from jobplane.store.lifecycle import LIMIT_REASON, LifecycleStore
 from jobplane.store.stats import StatsStore
 from jobplane.store.sweeps import SweepStore
 from jobplane.store.tokens import TokenStore
+from jobplane.store.workload import WorkloadStore
 
 
 class SqlStore(
@@ -22,6 +23,7 @@ class SqlStore(
     TokenStore,
     StatsStore,
     BulkStore,
+    WorkloadStore,
 ):
     """Generic implementation of :class:`jobplane.store.abc.Store`; owns its engine."""
 

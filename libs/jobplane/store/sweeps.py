@@ -218,16 +218,17 @@ class SweepStore(SqlBase):
         return moved
 
     @retry_conflicts
-    async def resolve_orphaned_pins(self, lease: LeaderLease) -> list[Instance]:
+    async def resolve_orphaned_pins(self, lease: LeaderLease) -> list[tuple[Instance, str]]:
         """Enqueued instances pinned to a worker that is gone (stopped, marked dead, or never
-        registered): unpinned for any worker (``pin_fallback=any``; returned, to publish on
-        the queue) or Terminated with the reason "pinned worker gone" (``fail``)."""
+        registered): unpinned for any worker (``pin_fallback=any``; returned with the worker
+        they were pinned to, to publish on the queue) or Terminated with the reason "pinned
+        worker gone" (``fail``)."""
         async with self._write() as conn:
             await self._fence(conn, lease)
             live = select(workers.c.id).where(workers.c.stopped_at.is_(None))
             orphans = (
                 await conn.execute(
-                    select(I.id, job_definitions.c.options)
+                    select(I.id, I.pinned_worker, job_definitions.c.options)
                     .join(job_definitions, job_definitions.c.key == I.job_key)
                     .where(
                         I.state == S.ENQUEUED.value,
@@ -244,6 +245,7 @@ class SweepStore(SqlBase):
                 if JobOptions.from_stored(r.options).pin_fallback is PinFallback.FAIL
             ]
             unpin = [r.id for r in orphans if r.id not in fail]
+            pinned_to = {r.id: r.pinned_worker for r in orphans}
             await self._move_many(conn, fail, S.ENQUEUED, S.TERMINATED, PIN_GONE, {})
             if not unpin:
                 return []
@@ -253,7 +255,7 @@ class SweepStore(SqlBase):
                 .values(pinned_worker=None, published_at=None, reason=PIN_GONE + "; unpinned")
                 .returning(*job_instances.c)
             )
-            return [rows.instance_from_row(r._mapping) for r in result]
+            return [(rows.instance_from_row(r._mapping), pinned_to[r.id]) for r in result]
 
     @retry_conflicts
     async def terminate_unknown_jobs(

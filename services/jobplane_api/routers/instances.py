@@ -9,9 +9,9 @@ from uuid import UUID
 from fastapi import APIRouter, Header, Query, status
 
 from jobplane.dispatch import trigger_request
-from jobplane.domain.models import InstanceFilter, InstanceSource, NewInstance
+from jobplane.domain.models import InstanceFilter
 from jobplane.domain.states import InstanceState
-from jobplane.errors import IllegalTransitionError, InvalidOptionsError
+from jobplane.errors import InvalidOptionsError
 from jobplane_api.deps import DispatcherDep, StoreDep
 from jobplane_api.inputs import FilterTime, IdempotencyKey, ShortText
 from jobplane_api.schemas import (
@@ -86,11 +86,13 @@ BATCH_EXAMPLE = {
     summary="Trigger many instances",
     status_code=status.HTTP_201_CREATED,
     response_model=list[InstanceOut],
-    dependencies=[Operator],
     openapi_extra={"requestBody": {"content": {"application/json": {"example": BATCH_EXAMPLE}}}},
 )
 async def batch_trigger(
-    dispatcher: DispatcherDep, store: StoreDep, body: BatchTriggerIn
+    dispatcher: DispatcherDep,
+    store: StoreDep,
+    body: BatchTriggerIn,
+    principal: Annotated[Principal, Operator],
 ) -> list[InstanceOut]:
     """Create up to 1,000 instances in one statement; all or none. An item's
     ``idempotency_key`` works as a single trigger's Idempotency-Key header: a replayed item
@@ -111,7 +113,7 @@ async def batch_trigger(
                 priority=item.priority,
                 pinned_worker=item.pinned_worker,
                 idempotency_key=item.idempotency_key,
-                actor="api",
+                actor=actor_of(principal),
             )
         )
     return [InstanceOut.of(i) for i in await dispatcher.trigger_many(requests)]
@@ -190,11 +192,12 @@ async def get_instance(store: StoreDep, instance_id: UUID) -> InstanceOut:
     "/{instance_id}/cancel",
     summary="Cancel an instance",
     response_model=InstanceOut,
-    dependencies=[Operator],
 )
-async def cancel_instance(dispatcher: DispatcherDep, instance_id: UUID) -> InstanceOut:
+async def cancel_instance(
+    dispatcher: DispatcherDep, instance_id: UUID, principal: Annotated[Principal, Operator]
+) -> InstanceOut:
     """Queued instances end Cancelled; a running one is told to stop. 409 when terminal."""
-    return InstanceOut.of(await dispatcher.cancel(instance_id, "api"))
+    return InstanceOut.of(await dispatcher.cancel(instance_id, actor_of(principal)))
 
 
 @router.post("/{instance_id}/run", summary="Run a waiting instance now", response_model=InstanceOut)
@@ -211,32 +214,16 @@ async def run_instance(
     summary="Retry a terminal instance",
     status_code=status.HTTP_201_CREATED,
     response_model=InstanceOut,
-    dependencies=[Operator],
 )
 async def retry_instance(
     dispatcher: DispatcherDep,
-    store: StoreDep,
     instance_id: UUID,
+    principal: Annotated[Principal, Operator],
     idempotency_key: Annotated[IdempotencyKey | None, Header()] = None,
 ) -> InstanceOut:
     """A new instance linked by ``retry_of``; the old one's history is never rewritten.
     Replaying an ``Idempotency-Key`` (a client retrying this POST) returns the first retry
     instead of creating another; the key reused for another request (a retry of another
     instance, or a trigger) is a 409 and creates nothing."""
-    old = await store.get_instance(instance_id)
-    if not old.state.is_terminal:
-        raise IllegalTransitionError(old.state, "retry (only terminal instances)")
-    [new] = await dispatcher.trigger_many(
-        [
-            NewInstance(
-                job_key=old.job_key,
-                args=old.args,
-                source=InstanceSource.RETRY,
-                priority=old.priority,
-                retry_of=old.id,
-                idempotency_key=idempotency_key,
-                actor="api",
-            )
-        ]
-    )
+    new = await dispatcher.retry(instance_id, actor_of(principal), idempotency_key)
     return InstanceOut.of(new)

@@ -1,0 +1,89 @@
+"""``jobplane api --workers N``: N processes serve one port under a supervisor that stops them
+together, gracefully on SIGTERM, and stops the role when one of them dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.cli_helpers import free_port, spawn_cli, stop_all, wait_http_ok
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid ...: comm may hold spaces, so split after its ")"
+        if int(stat.rpartition(")")[2].split()[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def _servers(pid: int) -> list[int]:
+    """The API processes among ``pid``'s children (not multiprocessing's resource tracker)."""
+    return [c for c in _children(pid) if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def _start(env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
+    port = free_port()
+    proc = spawn_cli("api", "--host", "127.0.0.1", "--port", str(port), "--workers", "2", **env)
+    url = f"http://127.0.0.1:{port}"
+    wait_http_ok(f"{url}/readyz", timeout_s=60)
+    return proc, url
+
+
+def test_two_processes_serve_and_stop_gracefully(
+    pg_database_url: str, redis_url: str, redis_prefix: str
+) -> None:
+    env = {
+        "JOBPLANE_DATABASE_URL": pg_database_url,
+        "JOBPLANE_REDIS_URL": redis_url,
+        "JOBPLANE_KEY_PREFIX": redis_prefix,
+        "JOBPLANE_AUTH_ENABLED": "false",
+    }
+    proc, url = _start(env)
+    try:
+        assert len(_servers(proc.pid)) == 2
+        with httpx.Client(base_url=url) as client:
+            answers = [client.get("/api/v1/jobs").status_code for _ in range(20)]
+        assert set(answers) == {200}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        stop_all([proc])
+
+
+def test_a_dead_process_stops_the_role(
+    pg_database_url: str, redis_url: str, redis_prefix: str
+) -> None:
+    """One API process is SIGKILLed: the supervisor stops the other and exits non-zero, so
+    the orchestrator restarts the whole role instead of leaving it at half capacity."""
+    env = {
+        "JOBPLANE_DATABASE_URL": pg_database_url,
+        "JOBPLANE_REDIS_URL": redis_url,
+        "JOBPLANE_KEY_PREFIX": redis_prefix,
+        "JOBPLANE_AUTH_ENABLED": "false",
+    }
+    proc, _ = _start(env)
+    try:
+        servers = _servers(proc.pid)
+        os.kill(servers[0], signal.SIGKILL)
+        assert proc.wait(timeout=60) != 0
+        time.sleep(0.2)
+        assert not Path(f"/proc/{servers[1]}").exists()
+    finally:
+        stop_all([proc])

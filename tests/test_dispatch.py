@@ -1,0 +1,86 @@
+"""Single triggers through the Dispatcher: validated against the definition it remembers, but
+never created against one that moved on; published, or left for the sweep when the bus is
+out of reach."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobplane.bus.abc import Bus
+from jobplane.bus.factory import open_bus
+from jobplane.dispatch import Dispatcher, InvalidArgumentsError, JobDisabledError
+from jobplane.domain.models import InstanceFilter
+from jobplane.domain.options import JobOptions
+from jobplane.domain.states import InstanceState as S
+from jobplane.errors import JobNotFoundError
+from jobplane.store.sql import SqlStore
+from tests.store_helpers import define
+
+
+async def _edit(store: SqlStore, key: str, **changes: object) -> None:
+    """An edit saved in the store only: no mark, no event reaches the dispatcher."""
+    current = await store.get_definition(key)
+    saved = await store.save_definition(
+        current.options.edited(**changes), expected_version=current.version, actor="test"
+    )
+    assert saved is not None
+
+
+async def _count(store: SqlStore) -> int:
+    return len((await store.list_instances(InstanceFilter(), limit=1000)).items)
+
+
+async def test_a_job_disabled_since_it_was_remembered_takes_no_trigger(
+    store: SqlStore, bus: Bus
+) -> None:
+    await define(store, "job")
+    dispatcher = Dispatcher(store, bus)
+    first = await dispatcher.trigger("job")  # the definition is remembered from here
+    assert first.state is S.ENQUEUED and first.published_at is not None
+    await _edit(store, "job", disabled=True)
+    with pytest.raises(JobDisabledError):
+        await dispatcher.trigger("job")
+    assert await _count(store) == 1
+    await _edit(store, "job", disabled=False)
+    assert (await dispatcher.trigger("job")).state is S.ENQUEUED
+
+
+async def test_arguments_are_checked_against_the_stored_schema(store: SqlStore, bus: Bus) -> None:
+    """A worker registers a new argument schema (same version) after the dispatcher read
+    the old one: the next trigger is validated against the new schema."""
+    options = JobOptions.parse(key="job", kind="triggered")
+    await store.register_definition(options, {"type": "object"}, "w1")
+    dispatcher = Dispatcher(store, bus)
+    await dispatcher.trigger("job", {"n": "one"})
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    await store.register_definition(options, schema, "w2")
+    with pytest.raises(InvalidArgumentsError) as info:
+        await dispatcher.trigger("job", {"n": "one"})
+    assert info.value.field == "args.n"
+    await dispatcher.trigger("job", {"n": 1})
+    assert await _count(store) == 2
+
+
+async def test_unknown_job(store: SqlStore, bus: Bus) -> None:
+    with pytest.raises(JobNotFoundError):
+        await Dispatcher(store, bus).trigger("nope")
+
+
+async def test_held_and_delayed_triggers_are_not_published(store: SqlStore, bus: Bus) -> None:
+    await define(store, "job")
+    held = await Dispatcher(store, bus, hold_triggered=True).trigger("job")
+    assert held.state is S.SCHEDULED and held.run_at is None and held.published_at is None
+
+
+@pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
+async def test_a_trigger_the_bus_did_not_take_is_left_for_the_sweep(store: SqlStore) -> None:
+    """Redis is out of reach: the trigger still succeeds (it is committed), and its
+    publication record is cleared so the sweep publishes it after its short grace."""
+    await define(store, "job")
+    unreachable = open_bus("redis://127.0.0.1:1/0", "nowhere")
+    try:
+        made = await Dispatcher(store, unreachable).trigger("job")
+    finally:
+        await unreachable.close()
+    stored = await store.get_instance(made.id)
+    assert stored.state is S.ENQUEUED and stored.published_at is None
