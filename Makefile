@@ -24,6 +24,11 @@ lint:
 typecheck:
 	.venv/bin/mypy
 
+# In parallel by default: two pytest-xdist workers, one per core (more made the timing-sensitive
+# fault tests flaky on two cores); `--dist loadgroup` keeps each xdist_group on one worker.
+# Serially: `make pytest PYTEST_ARGS=` (or `.venv/bin/pytest` directly).
+PYTEST_ARGS ?= -n 2 --dist loadgroup
+
 pytest:
 	.venv/bin/pytest $(PYTEST_ARGS)
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
@@ -58,24 +60,42 @@ def stop_all(procs: list[subprocess.Popen[str]], *, sig: int = signal.SIGKILL) -
         if proc.poll() is None:
             proc.send_signal(signal.SIGCONT)
             proc.send_signal(sig)
+    hung: list[str] = []
     for proc in procs:
-        proc.wait(timeout=30)
+        command = " ".join(map(str, proc.args))
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            # Killed and reaped all the same: one left running would outlive its test and
+            # fail a later one on the same worker (an unraisable ResourceWarning).
+            hung.append(command)
+            proc.kill()
+            proc.wait(timeout=30)
         log = _logs.pop(proc.pid, None)
         if log is not None:
             log.seek(0)
             tail = log.read()[-4000:]
             log.close()
-            command = " ".join(map(str, proc.args))
             sys.stderr.write(f"--- {command} (exit {proc.returncode}) ---\n{tail}\n")
+    if hung:
+        raise AssertionError(f"did not stop within 30 s of signal {sig}: {hung}")
 
 
-def output_of(proc: subprocess.Popen[str]) -> str:
-    """What ``proc`` (started by :func:`spawn_cli`) printed so far. Read at an offset, never
-    moving the file position the process writes at."""
+def output_of(proc: subprocess.Popen[str], limit: int = 1 << 22) -> str:
+    """What ``proc`` (started by :func:`spawn_cli`) printed so far, its first ``limit`` bytes
+    (``0``: all of it). Read at an offset, never moving the file position the process writes
+    at."""
     log = _logs.get(proc.pid)
     if log is None:
         return ""
-    return os.pread(log.fileno(), 1 << 22, 0).decode(errors="replace")
+    size = limit or os.fstat(log.fileno()).st_size
+    return os.pread(log.fileno(), size, 0).decode(errors="replace")
+
+
+def output_size(proc: subprocess.Popen[str]) -> int:
+    """Bytes ``proc`` (started by :func:`spawn_cli`) has printed so far."""
+    log = _logs.get(proc.pid)
+    return 0 if log is None else os.fstat(log.fileno()).st_size
 
 
 async def wait_for_output(proc: subprocess.Popen[str], text: str, timeout_s: float = 60) -> None:
@@ -89,14 +109,47 @@ async def wait_for_output(proc: subprocess.Popen[str], text: str, timeout_s: flo
         await asyncio.sleep(0.05)
 
 
+# Ports handed out for servers the tests start: below the kernel's ephemeral range (32768 and up
+# by default), so no outgoing connection takes one between free_port() and the server's bind;
+# and a slice of its own per pytest-xdist worker, so two workers never hand out the same port.
+PORTS_FROM = 20000
+PORTS_PER_WORKER = 1000
+WORKER_SLICES = 12
+
+
+def _worker_index() -> int:
+    """This pytest-xdist worker's number (``gw3`` → 3); 0 in a run without workers."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+
+
+def _ports() -> Iterator[int]:
+    first = PORTS_FROM + PORTS_PER_WORKER * (_worker_index() % WORKER_SLICES)
+    start = random.randrange(PORTS_PER_WORKER)  # another run on this host starts elsewhere
+    while True:
+        for step in range(PORTS_PER_WORKER):
+            yield first + (start + step) % PORTS_PER_WORKER
+
+
+_next_ports = _ports()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port nothing listens on now, for a server to be started on it."""
+    for _ in range(PORTS_PER_WORKER):
+        port = next(_next_ports)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # taken: by a server of this run's or anyone else's
+            return port
+    raise RuntimeError(f"no free port in worker slice {_worker_index()}")
 
 
-def wait_http_ok(url: str, timeout_s: float = 30) -> None:
-    """Wait until ``url`` answers 200 (a server process starting up)."""
+def wait_http_ok(url: str, timeout_s: float = 60) -> None:
+    """Wait until ``url`` answers 200 (a server process starting up: a minute, since a
+    start takes tens of seconds on a loaded machine)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:

@@ -99,11 +99,7 @@ async def test_a_leader_frozen_inside_its_fenced_transaction_is_replaced_in_time
         os.kill(first.pid, signal.SIGSTOP)
         blocker.commit()
     frozen_at = await pg_store.now()
-    await asyncio.sleep(0.2)
-    with psycopg.connect(_dsn(pg_database_url), autocommit=True) as probe:
-        state = probe.execute(
-            "SELECT state FROM pg_stat_activity WHERE pid = %s", (backend,)
-        ).fetchone()
+    state = _wait_for_idle_in_transaction(pg_database_url, backend)
     assert state == ("idle in transaction",), state
 
     async def second_fired() -> bool:
@@ -138,6 +134,20 @@ async def _some(store: SqlStore) -> bool:
 async def _created_after(store: SqlStore, at: object) -> list:  # type: ignore[type-arg]
     page = await store.list_instances(InstanceFilter(job_key="tick"), limit=5000)
     return [i.created_at for i in page.items if i.created_at > at]  # type: ignore[operator]
+
+
+def _wait_for_idle_in_transaction(url: str, backend: int) -> tuple[str, ...] | None:
+    """The backend's state once its insert has gone through (polled: a loaded machine takes
+    longer than any fixed pause), or its last state if it never got there in time."""
+    deadline = time.monotonic() + TTL_S / 2  # the server ends the idle transaction then
+    with psycopg.connect(_dsn(url), autocommit=True) as probe:
+        while True:
+            state = probe.execute(
+                "SELECT state FROM pg_stat_activity WHERE pid = %s", (backend,)
+            ).fetchone()
+            if state == ("idle in transaction",) or time.monotonic() > deadline:
+                return state
+            time.sleep(0.01)
 
 
 def _wait_for_backend_waiting_on_a_lock(url: str) -> int:

@@ -112,8 +112,10 @@ async def test_a_refused_job_or_sweep_step_does_not_stop_the_leader(
     await define(pg_store, "also_delayed")
     async with running_scheduler(pg_store, redis_bus) as scheduler:
         dispatcher = Dispatcher(pg_store, redis_bus)
-        stuck = await dispatcher.trigger("delayed", delay=timedelta(milliseconds=50))
-        fine = await dispatcher.trigger("also_delayed", delay=timedelta(milliseconds=100))
+        # Due in a second, not less: a shorter delay may already have passed when the insert
+        # runs on a loaded machine, and the instance would be created Enqueued, never promoted.
+        stuck = await dispatcher.trigger("delayed", delay=timedelta(seconds=1))
+        fine = await dispatcher.trigger("also_delayed", delay=timedelta(seconds=1.1))
 
         async def healthy_fired(n: int) -> bool:
             return sum((await pg_store.count_by_state("healthy")).values()) >= n

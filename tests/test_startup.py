@@ -156,7 +156,9 @@ def test_a_schema_newer_than_the_code_is_refused_at_once(pg_database_url: str) -
         "scheduler", JOBPLANE_DATABASE_URL=pg_database_url, JOBPLANE_STARTUP_TIMEOUT_S="60"
     )
     assert result.returncode == 2, result.stderr
-    assert time.monotonic() - began < 20
+    # Well inside its 60 s startup timeout (the process's own start took over 20 s on a loaded
+    # machine); that it never waited shows in its log.
+    assert time.monotonic() - began < 50
     assert "waiting for" not in result.stderr
     [error] = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
     assert "f00dfeedbeef" in error and "migrated by a newer Jobplane" in error

@@ -137,6 +137,25 @@ def own_postgres() -> Iterator[tuple[str, Callable[[], None]]]:
         yield server.url, server.restart
 
 
+async def test_pooled_connections_the_server_closed_are_replaced_without_an_error(
+    own_postgres: tuple[str, Callable[[], None]],
+) -> None:
+    """No ping per checkout: a connection that Postgres closed while it sat in the pool (a
+    restart) is known closed from its socket and replaced when it is checked out, so the
+    first calls after the restart succeed instead of failing once."""
+    url, restart = own_postgres
+    await migrate_database(url)
+    store = open_store(url, pool_size=4)
+    try:
+        await asyncio.gather(*(store.ping() for _ in range(4)))  # four pooled connections
+        await asyncio.to_thread(restart)
+        await asyncio.sleep(0.2)  # the loop reads the closed sockets
+        await asyncio.gather(*(store.ping() for _ in range(4)))
+        assert (await store.now()).tzinfo is not None
+    finally:
+        await store.close()
+
+
 async def test_postgres_restarted_mid_run_loses_no_outcome(
     own_postgres: tuple[str, Callable[[], None]],
     redis_url: str,

@@ -120,14 +120,17 @@ async def test_a_retry_waits_its_backoff_delay_end_to_end(
         (S.ENQUEUED, S.PROCESSING),
         (S.PROCESSING, S.SUCCEEDED),
     ]
-    failed_at, promoted_at = history[2].at, history[4].at
+    claimed_at, failed_at, promoted_at = history[1].at, history[2].at, history[4].at
     assert done.run_at is not None
-    # The retry was due the delay after the failure (both read from the database's clock in
-    # the failure's transaction, up to the statement's own duration) ...
-    assert abs((done.run_at - failed_at).total_seconds() - delay_s) < 0.05
+    # The retry was due the delay after the failure: counted from the start of the failure's
+    # transaction (the database's now()), which is after the claim and no later than the failure
+    # row (its clock_timestamp()). A fixed tolerance here measured the statement's duration,
+    # which a loaded machine stretches past any small bound.
+    due_from = done.run_at - timedelta(seconds=delay_s)
+    assert claimed_at <= due_from <= failed_at
     # ... was not promoted before it was due, and the sweep (every 0.2 s) promoted it soon after.
     assert promoted_at >= done.run_at
-    assert delay_s - 0.05 < (promoted_at - failed_at).total_seconds() < delay_s + 2.0
+    assert (promoted_at - done.run_at).total_seconds() < 2.0
 
 
 async def test_option_drift_on_registration_is_logged(

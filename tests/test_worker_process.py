@@ -207,7 +207,8 @@ async def test_sigterm_ends_a_blocking_read_at_once(
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     assert await asyncio.to_thread(proc.wait, 30) == 0
-    assert time.monotonic() - sent < 3  # not once the read's 30 s block is over
+    # Not once the read's 30 s block is over (a clean stop took over 3 s on a loaded machine).
+    assert time.monotonic() - sent < 15
     [worker] = await pg_store.list_workers()
     assert worker.stopped_at is not None
 

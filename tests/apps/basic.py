@@ -71,11 +71,15 @@ class PidFile(BaseModel):
     path: str
 
 
-@app.triggered(isolation="process", timeout_s=2.0)
+# The timeout of the isolated jobs that run into it. It includes the child's start: about 0.7 s
+# on the 2-core machine, but over 2 s while the suite runs in parallel beside other work (with
+# 2 s the child was sometimes stopped before it wrote its pid or set its signal handler).
+CHILD_TIMEOUT_S = 5.0
+
+
+@app.triggered(isolation="process", timeout_s=CHILD_TIMEOUT_S)
 def runaway(args: PidFile) -> None:
-    """Ignores every cancellation; only a kill stops it. (The timeout includes the child's
-    start, about 0.7 s on the 2-core machine and more under load: with 1 s it sometimes timed
-    out before writing its pid.)"""
+    """Ignores every cancellation; only a kill stops it."""
     Path(args.path).write_text(str(os.getpid()))
     while True:
         time.sleep(0.05)
@@ -181,10 +185,10 @@ def ignores_shutdown(ctx: JobContext, args: Gate) -> str:
     return _hold_until_gate(ctx, args)
 
 
-@app.triggered(isolation="process", timeout_s=2.0)
+@app.triggered(isolation="process", timeout_s=CHILD_TIMEOUT_S)
 def child_notices_timeout(ctx: JobContext, args: Gate) -> str:
     """Polls ``ctx.cancelled`` (set in the child by the worker's signal), notes the reason in
-    ``path`` and returns. (2 s: the child's start takes about 0.7 s.)"""
+    ``path`` and returns."""
     Path(args.path + ".started").write_text(str(os.getpid()))
     deadline = time.monotonic() + 30
     while not ctx.cancelled and time.monotonic() < deadline:

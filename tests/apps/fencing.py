@@ -33,3 +33,17 @@ async def holds(ctx: JobContext, args: Notes) -> str:
     finally:
         _note(args.path, "stop", ctx.attempt)
     return "done"
+
+
+@app.triggered(timeout_s=120, max_unexpected_retries=5)
+async def checkpoints(ctx: JobContext, args: Notes) -> str:
+    """Like ``holds``, but the code waits on the store: it saves a checkpoint every 0.1 s, so
+    the fence finds it awaiting a write on a connection the partition has cut."""
+    _note(args.path, "start", ctx.attempt)
+    try:
+        for step in range(150):
+            await ctx.checkpoint(step)
+            await asyncio.sleep(0.1)
+    finally:
+        _note(args.path, "stop", ctx.attempt)
+    return "done"
