@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Collection, Sequence
+import logging
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from typing import Any
 from uuid import UUID
 
@@ -36,6 +37,8 @@ from jobplane.store.lifecycle import (
 from jobplane.store.postgres_stats import PostgresStatsStore
 from jobplane.store.sql import LIMIT_REASON, SqlStore
 from jobplane.store.tables import job_instances
+
+logger = logging.getLogger(__name__)
 
 S = InstanceState
 _COLUMNS = ", ".join(f"{{t}}.{c.name}" for c in job_instances.c)
@@ -317,6 +320,24 @@ CREATE_ONE = text(CREATE_ONE_SQL).columns(
 )
 
 
+async def _stop_listening(
+    conn: AsyncConnection, driver: Any, channel: str, received: Callable[..., None]
+) -> None:
+    """UNLISTEN before the connection goes back to the pool. This runs while the listener is
+    being torn down, often because its task was cancelled mid-outage: a connection the
+    restart left half-open refuses the statement (asyncpg raises ``InternalClientError``,
+    "another operation is in progress", not an ``InterfaceError``). Whatever it raises, the
+    connection is discarded instead, so the pool never hands out one still listening, and the
+    error never replaces the cancellation (it used to escape and stop the leader's duties)."""
+    if driver.is_closed():
+        return
+    try:
+        await driver.remove_listener(channel, received)
+    except Exception as exc:  # any failure here means: do not reuse it
+        logger.debug("discarding the connection that listened on %s: %s", channel, exc)
+        await conn.invalidate()
+
+
 class PostgresStore(PostgresStatsStore, SqlStore):
     async def notifications(self, channel: str) -> AsyncIterator[list[str]]:
         """Batches of payloads ``NOTIFY``-ed on ``channel`` (delivered on commit only), over
@@ -346,8 +367,7 @@ class PostgresStore(PostgresStatsStore, SqlStore):
                     yield [p for p in batch if p is not None]
             finally:
                 driver.remove_termination_listener(lost)
-                if not driver.is_closed():
-                    await driver.remove_listener(channel, received)
+                await _stop_listening(conn, driver, channel, received)
 
     @retry_conflicts
     async def create_instances(
