@@ -95,11 +95,11 @@ async def test_a_leader_frozen_inside_its_fenced_transaction_is_replaced_in_time
     # the fence's lock, with nobody to commit it - a leader frozen mid-write.
     with psycopg.connect(_dsn(pg_database_url), autocommit=False) as blocker:
         blocker.execute("LOCK TABLE job_instances IN ACCESS EXCLUSIVE MODE")
-        backend = _wait_for_backend_waiting_on_a_lock(pg_database_url)
+        _wait_for_backend_waiting_on_a_lock(pg_database_url)
         os.kill(first.pid, signal.SIGSTOP)
         blocker.commit()
     frozen_at = await pg_store.now()
-    state = _wait_for_idle_in_transaction(pg_database_url, backend)
+    state = _wait_for_idle_in_transaction(pg_database_url)
     assert state == ("idle in transaction",), state
 
     async def second_fired() -> bool:
@@ -136,17 +136,29 @@ async def _created_after(store: SqlStore, at: object) -> list:  # type: ignore[t
     return [i.created_at for i in page.items if i.created_at > at]  # type: ignore[operator]
 
 
-def _wait_for_idle_in_transaction(url: str, backend: int) -> tuple[str, ...] | None:
-    """The backend's state once its insert has gone through (polled: a loaded machine takes
-    longer than any fixed pause), or its last state if it never got there in time."""
+def _wait_for_idle_in_transaction(url: str) -> tuple[str, ...] | None:
+    """The state of a backend inside a fenced transaction (holding its lock on the lease table)
+    once its write has gone through, polled: a loaded machine takes longer than any fixed
+    pause. Any such backend will do: the frozen leader may have had two fenced transactions
+    waiting on the instance table (a tick's insert and a sweep's update), and when both
+    connections count into the same counter shard (backend pid modulo 16) the second waits on
+    the first, which is frozen, until the server ends the first's idle transaction."""
     deadline = time.monotonic() + TTL_S / 2  # the server ends the idle transaction then
     with psycopg.connect(_dsn(url), autocommit=True) as probe:
         while True:
-            state = probe.execute(
-                "SELECT state FROM pg_stat_activity WHERE pid = %s", (backend,)
-            ).fetchone()
-            if state == ("idle in transaction",) or time.monotonic() > deadline:
-                return state
+            states = [
+                tuple(row)
+                for row in probe.execute(
+                    "SELECT a.state FROM pg_stat_activity a "
+                    "WHERE a.datname = current_database() AND EXISTS (SELECT 1 FROM pg_locks l "
+                    "WHERE l.pid = a.pid AND l.granted "
+                    "AND l.relation = 'scheduler_leases'::regclass)"
+                ).fetchall()
+            ]
+            if ("idle in transaction",) in states:
+                return ("idle in transaction",)
+            if time.monotonic() > deadline:
+                return states[0] if states else None
             time.sleep(0.01)
 
 
