@@ -17,7 +17,7 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
-from jobplane.cli_remote import instances_cli, jobs_cli, trigger, workers_cli
+from jobplane_cli.remote import instances_cli, jobs_cli, trigger, workers_cli
 from jobplane.errors import JobplaneError, WorkerEvictedError
 from jobplane.logs import configure_logging
 from jobplane.settings import CommonSettings, DevSettings, MigrateSettings, WorkerSettings
@@ -130,7 +130,7 @@ def remember_early_sigterm() -> None:
     """The first step of a long-running role: from here until its event loop takes the
     signals over (the role's own imports, settings, first connections) a SIGTERM is remembered
     and becomes the graceful stop instead of killing the process. Before this point (the
-    interpreter and ``jobplane.cli`` loading, about a second) SIGTERM still kills it; nothing
+    interpreter and ``jobplane_cli.main`` loading, about a second) SIGTERM still kills it; nothing
     is held yet then."""
     _EarlySigterm.seen = False
     signal.signal(signal.SIGTERM, _EarlySigterm.note)
@@ -155,7 +155,7 @@ def migrate() -> None:
     settings = MigrateSettings()
 
     async def go() -> None:
-        from jobplane.runtime import ensure_bootstrap_token, migrate_database
+        from jobplane_cli.runtime import ensure_bootstrap_token, migrate_database
 
         revision = await migrate_database(
             settings.database_url, settings.startup_timeout_s, stop_on_signals()
@@ -185,7 +185,7 @@ def worker(
     settings = WorkerSettings(**given)
 
     async def go() -> None:
-        from jobplane.runtime import run_worker
+        from jobplane_cli.runtime import run_worker
 
         await run_worker(app, settings, stop_on_signals())
 
@@ -285,7 +285,7 @@ def dev(
     port = api_port if api_port is not None else (0 if exit_when_done else 8000)
 
     async def go() -> None:
-        from jobplane.runtime import run_dev
+        from jobplane_cli.runtime import run_dev
 
         await run_dev(app, settings, stop_on_signals(), requests, exit_when_done, port)
 
@@ -342,7 +342,7 @@ def token_create(
     settings = CommonSettings()
 
     async def go() -> None:
-        from jobplane.runtime import open_checked_store
+        from jobplane_cli.runtime import open_checked_store
 
         async with open_checked_store(settings) as store:
             info, secret = await store.create_token(name, chosen, "cli", expires_in=lifetime)
@@ -358,7 +358,7 @@ def token_ls() -> None:
     settings = CommonSettings()
 
     async def go() -> None:
-        from jobplane.runtime import open_checked_store
+        from jobplane_cli.runtime import open_checked_store
 
         async with open_checked_store(settings) as store:
             for t in await store.list_tokens():
@@ -379,7 +379,7 @@ def token_revoke(token_id: str) -> None:
     settings = CommonSettings()
 
     async def go() -> None:
-        from jobplane.runtime import open_checked_store
+        from jobplane_cli.runtime import open_checked_store
 
         async with open_checked_store(settings) as store:
             if not await store.revoke_token(UUID(token_id)):
