@@ -15,9 +15,9 @@ import psycopg
 import redis.asyncio as aioredis
 from sqlalchemy.engine import make_url
 
+from jobplane.backends import migrate_database
 from jobplane.bus.abc import Bus
 from jobplane.bus.factory import open_bus
-from jobplane.runtime import migrate_database
 from jobplane.store.factory import open_store
 from jobplane.store.sql import SqlStore
 

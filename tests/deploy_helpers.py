@@ -10,13 +10,15 @@ from typing import Any
 import typer
 from pydantic_settings import BaseSettings
 
-from jobplane.cli import cli
-from jobplane.settings import CommonSettings, DevSettings, MigrateSettings, WorkerSettings
+from jobplane.settings import CommonSettings
 from jobplane_api.main import create_app
 from jobplane_api.settings import ApiSettings
+from jobplane_cli.main import cli
+from jobplane_cli.settings import DevSettings, MigrateSettings
 from jobplane_scheduler.health import health_app as scheduler_probes
 from jobplane_scheduler.settings import SchedulerSettings
 from jobplane_worker.health import health_app as worker_probes
+from jobplane_worker.settings import WorkerSettings
 
 SETTINGS: tuple[type[BaseSettings], ...] = (
     CommonSettings,

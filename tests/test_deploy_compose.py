@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from jobplane.app import load_app
-from jobplane.settings import WorkerSettings
 from jobplane_api.main import create_app
 from jobplane_api.settings import ApiSettings
+from jobplane_worker.settings import WorkerSettings
 from tests.cli_helpers import ROOT
 from tests.deploy_helpers import (
     IMAGE_APPS,

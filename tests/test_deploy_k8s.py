@@ -16,7 +16,7 @@ import yaml
 from kubernetes_validate.utils import ValidationError
 
 from jobplane.bus.keys import GROUP, Keys
-from jobplane.settings import WorkerSettings
+from jobplane_worker.settings import WorkerSettings
 from tests.cli_helpers import ROOT
 from tests.deploy_helpers import IMAGE_APPS, parse_command, routes, unknown_env_names
 

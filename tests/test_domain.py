@@ -18,7 +18,7 @@ from jobplane.domain.states import (
     sources_of,
 )
 from jobplane.errors import IllegalTransitionError, InvalidOptionsError
-from jobplane.settings import WorkerSettings
+from jobplane_worker.settings import WorkerSettings
 
 S = InstanceState
 

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from jobplane.backends import migrate_database
 from jobplane.bus.abc import Bus
 from jobplane.bus.factory import open_bus
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import Outcome
 from jobplane.domain.states import InstanceState as S
-from jobplane.runtime import migrate_database
 from jobplane.store.factory import open_store
 from jobplane.store.sql import SqlStore
 from tests.cli_helpers import spawn_cli, stop_all

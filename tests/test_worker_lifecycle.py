@@ -16,8 +16,8 @@ from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import InstanceSource, NewInstance
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState as S
-from jobplane.settings import WorkerSettings
 from jobplane.store.sql import SqlStore
+from jobplane_worker.settings import WorkerSettings
 from jobplane_worker.worker import Worker
 from tests.scheduler_helpers import running_scheduler
 from tests.worker_helpers import FAST, StopDuringReadBus, running_worker, settled, wait_for

@@ -15,8 +15,8 @@ from jobplane.bus.abc import Bus, Consumer, Delivery
 from jobplane.domain.models import Instance
 from jobplane.domain.states import InstanceState
 from jobplane.errors import BusUnavailableError, StoreUnavailableError
-from jobplane.settings import WorkerSettings
 from jobplane.store.sql import SqlStore
+from jobplane_worker.settings import WorkerSettings
 from jobplane_worker.worker import Worker
 
 FAST = {

@@ -5,20 +5,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 
-import click
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jobplane import __version__
+from jobplane.backends import backends
 from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
-from jobplane.runtime import backends
 from jobplane.serving import bind, serve_until, supervise
 from jobplane.store.sql import SqlStore
 from jobplane_api import dashboard, docs, problems
@@ -203,9 +201,17 @@ async def run_api(
         await serve(settings, stop, store=store, bus=bus, sockets=sockets)
 
 
-def run_api_processes(settings: ApiSettings) -> int:
+#: What each process of :func:`run_api_processes` runs: ``(settings, socket, index)``; it serves
+#: the API on the socket (with :func:`run_api`) until SIGTERM. A module-level function, since
+#: the process is spawned and the function is found again by its name.
+ProcessMain = Callable[[ApiSettings, socket.socket, int], None]
+
+
+def run_api_processes(settings: ApiSettings, process_main: ProcessMain) -> int:
     """Serve with ``settings.api_workers`` processes on one listening socket, bound here and
-    inherited by each; returns the exit code (see :func:`jobplane.serving.supervise`)."""
+    inherited by each, each running ``process_main`` (the command's: logging, signals and the
+    event loop are set up there); returns the exit code (see
+    :func:`jobplane.serving.supervise`)."""
     sock = bind(settings.host, settings.port)
     try:
         logger.info(
@@ -216,24 +222,9 @@ def run_api_processes(settings: ApiSettings) -> int:
             extra={"action": "api.processes"},
         )
         args = [(settings, sock, n) for n in range(settings.api_workers)]
-        return supervise(serve_process, args, grace_s=PROCESS_STOP_TIMEOUT_S)
+        return supervise(process_main, args, grace_s=PROCESS_STOP_TIMEOUT_S)
     finally:
         sock.close()
-
-
-def serve_process(settings: ApiSettings, sock: socket.socket, index: int) -> None:
-    """One API process of :func:`run_api_processes` (the spawned process's entry point)."""
-    from jobplane.cli import remember_early_sigterm, run, stop_on_signals
-
-    remember_early_sigterm()
-
-    async def go() -> None:
-        await run_api(settings, stop_on_signals(), [sock])
-
-    try:
-        run(go, settings, {"role": "api", "api_process": index})
-    except click.exceptions.Exit as exc:
-        sys.exit(exc.exit_code)
 
 
 #: How long the API processes get to finish their requests once told to stop.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from jobplane.runtime import backends
+from jobplane.backends import backends
 from jobplane.serving import probe_server
 from jobplane_scheduler.health import health_app
 from jobplane_scheduler.scheduler import Scheduler

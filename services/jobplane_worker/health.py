@@ -24,9 +24,9 @@ from starlette.routing import Route
 from jobplane.bus.abc import Bus
 from jobplane.probes import reach
 from jobplane.serving import bind, serve_until
-from jobplane.settings import WorkerSettings
 from jobplane.store.abc import Store
 from jobplane_worker.metrics import WorkerMetrics
+from jobplane_worker.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
 

@@ -50,7 +50,6 @@ from jobplane.errors import (
     UnavailableError,
     WorkerEvictedError,
 )
-from jobplane.settings import WorkerSettings
 from jobplane.startup import wait_until_reachable
 from jobplane.store.abc import Store
 from jobplane.tasks import cancel_and_wait
@@ -59,6 +58,7 @@ from jobplane_worker.health import serving
 from jobplane_worker.metrics import LEASE_LOST, RELEASED, WorkerMetrics
 from jobplane_worker.poison import complete_isolating_poison
 from jobplane_worker.retrying import SIDE_WRITE_RETRY_S, retrying
+from jobplane_worker.settings import WorkerSettings
 from jobplane_worker.tracing import claim_spans, record_spans
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,7 @@
-"""Wiring of the roles: build the store and the bus from settings, check them, run the role.
+"""What the ``jobplane`` command wires itself: the bootstrap admin token of ``jobplane migrate``,
+and ``jobplane dev`` (every role in one process: worker, scheduler, optionally the API).
 
-Everything is created here (from ``main()``), never at import time, and closed on the way out.
+Everything is created here (from the command), never at import time, and closed on the way out.
 """
 
 from __future__ import annotations
@@ -8,8 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from typing import Any
 from uuid import UUID
 
@@ -17,47 +17,17 @@ from rich.console import Console
 from rich.table import Table
 
 from jobplane.app import load_app
+from jobplane.backends import backends, migrate_database, open_checked_store
 from jobplane.bus.abc import Bus
-from jobplane.bus.factory import open_bus
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import Instance
-from jobplane.errors import ConfigurationError, SchemaBehindError, StoreUnavailableError
-from jobplane.settings import CommonSettings, DevSettings, MigrateSettings, WorkerSettings
-from jobplane.startup import wait_until_reachable
-from jobplane.store import migrate
-from jobplane.store.factory import make_engine, open_store, redact
+from jobplane.settings import CommonSettings
 from jobplane.store.sql import SqlStore
+from jobplane_cli.settings import DevSettings, MigrateSettings
 
 logger = logging.getLogger(__name__)
 
 _COMMON = set(CommonSettings.model_fields)
-
-
-async def migrate_database(
-    url: str, startup_timeout_s: float = 0, stop: asyncio.Event | None = None
-) -> str:
-    """Upgrade the schema at ``url`` to the head revision; return it. An unreachable database
-    is waited for up to ``startup_timeout_s`` (see :mod:`jobplane.startup`)."""
-    engine = make_engine(url)
-    try:
-
-        async def reach() -> None:
-            try:
-                await migrate.current_revision(engine)
-            except StoreUnavailableError:
-                raise
-            except OSError as exc:
-                raise StoreUnavailableError(f"cannot reach {redact(url)}: {exc}") from exc
-
-        await wait_until_reachable(reach, "the database", startup_timeout_s, stop)
-        await migrate.upgrade(engine)
-        return await migrate.current_revision(engine) or "base"
-    except StoreUnavailableError:
-        raise
-    except OSError as exc:
-        raise StoreUnavailableError(f"cannot reach {redact(url)}: {exc}") from exc
-    finally:
-        await engine.dispose()
 
 
 async def ensure_bootstrap_token(settings: MigrateSettings) -> None:
@@ -86,84 +56,6 @@ async def ensure_bootstrap_token(settings: MigrateSettings) -> None:
             info.id,
             extra={"action": "token.bootstrap_revoked", "token_id": str(info.id)},
         )
-
-
-@asynccontextmanager
-async def backends(
-    settings: CommonSettings, stop: asyncio.Event | None = None
-) -> AsyncIterator[tuple[SqlStore, Bus]]:
-    """The store and the bus, checked reachable and migrated; closed on exit. Each is waited
-    for up to ``settings.startup_timeout_s`` (or until ``stop`` is set) before the last error
-    is raised."""
-    store = open_store(
-        settings.database_url,
-        pool_size=settings.db_pool_size,
-        limits=settings.session_limits(),
-    )
-    timeout = settings.startup_timeout_s
-
-    async def check_store() -> None:
-        await _check_store(store, settings.database_url)
-
-    try:
-        await wait_until_reachable(check_store, "the database", timeout, stop)
-        bus = open_bus(settings.redis_url, settings.key_prefix)
-        try:
-            await wait_until_reachable(bus.ping, "redis", timeout, stop)
-            yield store, bus
-        finally:
-            await bus.close()
-    finally:
-        await store.close()
-
-
-@asynccontextmanager
-async def open_checked_store(settings: CommonSettings) -> AsyncIterator[SqlStore]:
-    """The store alone (no bus), checked reachable and migrated; closed on exit."""
-    store = open_store(
-        settings.database_url,
-        pool_size=settings.db_pool_size,
-        limits=settings.session_limits(),
-    )
-    try:
-        await _check_store(store, settings.database_url)
-        yield store
-    finally:
-        await store.close()
-
-
-async def _check_store(store: SqlStore, url: str) -> None:
-    try:
-        await store.ping()
-        revision = await migrate.current_revision(store.engine)
-    except StoreUnavailableError as exc:
-        raise StoreUnavailableError(f"cannot reach the database {redact(url)}: {exc}") from exc
-    head = migrate.head_revision()
-    if revision == head:
-        return
-    if revision is None or migrate.is_ancestor(revision):
-        raise SchemaBehindError(
-            f"database {redact(url)} is at schema revision {revision or 'none'}, "
-            f"this version needs {head}: run `jobplane migrate`"
-        )
-    raise ConfigurationError(
-        f"database {redact(url)} is at schema revision {revision}, unknown to this version "
-        f"(which needs {head}): it was migrated by a newer Jobplane"
-    )
-
-
-async def run_worker(app_path: str, settings: WorkerSettings, stop: asyncio.Event) -> None:
-    from jobplane_worker.worker import Worker
-
-    app = load_app(app_path)
-    if settings.redis_url.startswith("memory://"):
-        logger.warning(
-            "JOBPLANE_REDIS_URL is not set: the in-process bus only carries jobs triggered "
-            "in this process (use `jobplane dev` for that)",
-            extra={"action": "worker.memory_bus"},
-        )
-    async with backends(settings, stop) as (store, bus):
-        await Worker(app, store, bus, settings).run(stop)
 
 
 async def run_dev(

@@ -1,5 +1,7 @@
 """The ``jobplane`` command: one entry point, the subcommand picks the role.
 
+This package is the composition root: it builds each role's settings and hands them to the
+role's entry point (``jobplane_worker.main``, ``jobplane_scheduler.main``, ``jobplane_api.main``).
 Roles are imported lazily, so ``jobplane migrate`` never loads worker code.
 """
 
@@ -10,18 +12,24 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
+import click
 import typer
 from pydantic import ValidationError
 
-from jobplane.cli_remote import instances_cli, jobs_cli, trigger, workers_cli
 from jobplane.errors import JobplaneError, WorkerEvictedError
 from jobplane.logs import configure_logging
-from jobplane.settings import CommonSettings, DevSettings, MigrateSettings, WorkerSettings
+from jobplane.settings import CommonSettings
 from jobplane.telemetry import configure_tracing, shutdown_tracing
+from jobplane_cli.remote import instances_cli, jobs_cli, trigger, workers_cli
+from jobplane_cli.settings import DevSettings, MigrateSettings
+
+if TYPE_CHECKING:
+    from jobplane_api.settings import ApiSettings
 
 cli = typer.Typer(
     name="jobplane",
@@ -130,7 +138,7 @@ def remember_early_sigterm() -> None:
     """The first step of a long-running role: from here until its event loop takes the
     signals over (the role's own imports, settings, first connections) a SIGTERM is remembered
     and becomes the graceful stop instead of killing the process. Before this point (the
-    interpreter and ``jobplane.cli`` loading, about a second) SIGTERM still kills it; nothing
+    interpreter and ``jobplane_cli.main`` loading, about a second) SIGTERM still kills it; nothing
     is held yet then."""
     _EarlySigterm.seen = False
     signal.signal(signal.SIGTERM, _EarlySigterm.note)
@@ -155,7 +163,8 @@ def migrate() -> None:
     settings = MigrateSettings()
 
     async def go() -> None:
-        from jobplane.runtime import ensure_bootstrap_token, migrate_database
+        from jobplane.backends import migrate_database
+        from jobplane_cli.runtime import ensure_bootstrap_token
 
         revision = await migrate_database(
             settings.database_url, settings.startup_timeout_s, stop_on_signals()
@@ -179,13 +188,15 @@ def worker(
 ) -> None:
     """Run a worker: consume queues from Redis, run jobs, record outcomes in Postgres."""
     remember_early_sigterm()
+    from jobplane_worker.settings import WorkerSettings
+
     given = _given(queues, concurrency, grace, worker_id)
     if health_port is not None:
         given["health_port"] = health_port
     settings = WorkerSettings(**given)
 
     async def go() -> None:
-        from jobplane.runtime import run_worker
+        from jobplane_worker.main import run_worker
 
         await run_worker(app, settings, stop_on_signals())
 
@@ -244,7 +255,7 @@ def api(
 
         configure_logging(settings.log_level, settings.log_format, {"role": "api"})
         try:
-            code = run_api_processes(settings)
+            code = run_api_processes(settings, serve_api_process)
         except JobplaneError as exc:
             typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
             raise typer.Exit(2) from None
@@ -256,6 +267,22 @@ def api(
         await run_api(settings, stop_on_signals())
 
     run(go, settings, {"role": "api"})
+
+
+def serve_api_process(settings: ApiSettings, sock: socket.socket, index: int) -> None:
+    """One process of ``jobplane api --workers N`` (what each spawned process runs, handed to
+    :func:`jobplane_api.main.run_api_processes`): the API on the supervisor's socket."""
+    from jobplane_api.main import run_api
+
+    remember_early_sigterm()
+
+    async def go() -> None:
+        await run_api(settings, stop_on_signals(), [sock])
+
+    try:
+        run(go, settings, {"role": "api", "api_process": index})
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
 
 
 @cli.command()
@@ -285,7 +312,7 @@ def dev(
     port = api_port if api_port is not None else (0 if exit_when_done else 8000)
 
     async def go() -> None:
-        from jobplane.runtime import run_dev
+        from jobplane_cli.runtime import run_dev
 
         await run_dev(app, settings, stop_on_signals(), requests, exit_when_done, port)
 
@@ -342,7 +369,7 @@ def token_create(
     settings = CommonSettings()
 
     async def go() -> None:
-        from jobplane.runtime import open_checked_store
+        from jobplane.backends import open_checked_store
 
         async with open_checked_store(settings) as store:
             info, secret = await store.create_token(name, chosen, "cli", expires_in=lifetime)
@@ -358,7 +385,7 @@ def token_ls() -> None:
     settings = CommonSettings()
 
     async def go() -> None:
-        from jobplane.runtime import open_checked_store
+        from jobplane.backends import open_checked_store
 
         async with open_checked_store(settings) as store:
             for t in await store.list_tokens():
@@ -379,7 +406,7 @@ def token_revoke(token_id: str) -> None:
     settings = CommonSettings()
 
     async def go() -> None:
-        from jobplane.runtime import open_checked_store
+        from jobplane.backends import open_checked_store
 
         async with open_checked_store(settings) as store:
             if not await store.revoke_token(UUID(token_id)):

@@ -1,0 +1,54 @@
+"""Settings of the worker role (``JOBPLANE_*`` environment variables)."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import socket
+
+from pydantic import Field
+
+from jobplane.settings import CommonSettings
+
+
+def process_worker_id() -> str:
+    """A worker id unique to this process: host, pid and a random suffix. Two workers on one
+    host (or a pid reused after a restart) never share a consumer name or a worker row, so one
+    stopping can never mark the other stopped or orphan its entries."""
+    host = re.sub(r"[^A-Za-z0-9_.\-]", "-", socket.gethostname())[:100] or "worker"
+    return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+class WorkerSettings(CommonSettings):
+    """A worker: the queues it consumes, how much it runs at once, its lease and its probes."""
+
+    #: Stable id (consumer name and lease holder). Set ``JOBPLANE_WORKER_ID`` (e.g. to a pod's
+    #: name) to keep one across restarts; by default each process gets its own.
+    worker_id: str = Field(default_factory=process_worker_id, pattern=r"^[A-Za-z0-9_.:\-]+$")
+    queues: list[str] = ["default"]
+    #: Jobs running at once in this worker (async and sync together).
+    concurrency: int = Field(default=16, ge=1)
+    #: Bus entries read per round trip.
+    batch_size: int = Field(default=256, ge=1)
+    #: How long a read blocks when the queues are empty (bounded so the worker can stop).
+    poll_ms: int = Field(default=1000, ge=10)
+    heartbeat_s: float = Field(default=2.0, gt=0)
+    lease_s: float = Field(default=10.0, gt=0)
+    #: Entries delivered to a consumer that went silent are reclaimed after this idle time.
+    reclaim_idle_s: float = Field(default=30.0, gt=0)
+    #: An entry for a job this worker does not know is put back after this delay.
+    unknown_job_delay_s: float = Field(default=1.0, ge=0)
+    #: Seconds running jobs get to finish on SIGTERM before they are released.
+    grace_s: float = Field(default=30.0, ge=0)
+    #: After a job's timeout its cancellation is signalled; this long later an async job is
+    #: cancelled outright, and a sync job still running is reported as a runaway (it keeps its
+    #: thread and slot until its code returns).
+    timeout_grace_s: float = Field(default=5.0, ge=0)
+    #: Serve ``/healthz``, ``/readyz`` and ``/metrics`` on this port (0: no probe server).
+    health_port: int = Field(default=0, ge=0, le=65535)
+    #: The interface the probe server listens on.
+    health_host: str = "0.0.0.0"
+
+    def liveness_lease_s(self) -> float | None:
+        return self.lease_s
