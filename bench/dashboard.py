@@ -21,6 +21,8 @@ from sqlalchemy import text
 from bench.api import api_process, print_table
 from bench.common import environment, kept_database, percentile
 from bench.instance_data import Spread, fill, register_jobs
+from jobplane.errors import JobNotFoundError
+from jobplane.store.sql import SqlStore
 
 
 def pages(job: str, cron_job: str, instance: str, fifth: str) -> list[tuple[str, str]]:
@@ -55,11 +57,19 @@ async def fifth_page(client: httpx.AsyncClient) -> str:
     return path
 
 
+async def _filled(store: SqlStore, spread: Spread) -> bool:
+    """Whether a kept database was filled by an earlier run (its jobs are registered)."""
+    try:
+        return bool(await store.definition_history(spread.job_keys[0]))
+    except JobNotFoundError:
+        return False
+
+
 async def main(ns: argparse.Namespace) -> None:
     spread = Spread(ns.instances)
     database = kept_database(ns.keep) if ns.keep else environment()
     async with database as (url, prefix, store):
-        if not (await store.definition_history(spread.job_keys[0])):
+        if not await _filled(store, spread):
             await register_jobs(store, spread)
             started = time.perf_counter()
             await fill(store.engine, spread)
