@@ -13,9 +13,11 @@ from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobplane.domain.models import BulkCancel, Instance, InstanceFilter
+from jobplane.domain.states import InstanceState
 from jobplane.store import rows
 from jobplane.store.base import I, S, SqlBase, retry_conflicts
 from jobplane.store.instances import filtered
+from jobplane.store.moves import move_instances
 from jobplane.store.tables import job_instances
 
 CANCEL_REASON = "cancelled before it ran"
@@ -66,29 +68,15 @@ class BulkStore(SqlBase):
     ) -> list[Instance]:
         """Scheduled or Enqueued → Cancelled, with history. Compare-and-set on ``state``: a
         claim that got there first (it is Processing now) makes its row match nothing."""
-        if not ids:
-            return []
-        result = await conn.execute(
-            update(job_instances)
-            .where(I.id.in_(ids), I.state == state.value)
-            .values(state=S.CANCELLED.value, finished_at=self._clock(), reason=CANCEL_REASON)
-            .returning(*job_instances.c)
-        )
-        moved = [rows.instance_from_row(r._mapping) for r in result]
-        await self._history(
+        return await move_instances(
             conn,
-            [
-                {
-                    "instance_id": i.id,
-                    "from_state": state.value,
-                    "to_state": S.CANCELLED.value,
-                    "actor": actor,
-                    "reason": CANCEL_REASON,
-                }
-                for i in moved
-            ],
+            self._clock(),
+            ids,
+            state,
+            InstanceState.CANCELLED,
+            actor=actor,
+            reason=CANCEL_REASON,
         )
-        return moved
 
     async def _request_cancel(self, conn: AsyncConnection, ids: list[UUID]) -> list[Instance]:
         """Flag running attempts; their workers read it at the next heartbeat. Only rows still

@@ -16,9 +16,7 @@ from sqlalchemy import (
     ColumnElement,
     Row,
     and_,
-    case,
     delete,
-    insert,
     or_,
     select,
     tuple_,
@@ -40,6 +38,7 @@ from jobplane.errors import (
 )
 from jobplane.store import rows
 from jobplane.store.base import I, S, SqlBase, locked_in_id_order, logger, retry_conflicts
+from jobplane.store.moves import NewAttempt, move_instances
 from jobplane.store.tables import (
     job_definitions,
     job_instances,
@@ -86,16 +85,15 @@ class LifecycleStore(SqlBase):
             # row locked above, so a cancel request cannot slip in before the claim.
             cancel_ids = [c.id for c in found if c.cancel_requested]
             candidates = [c for c in found if not c.cancel_requested]
-            for instance_id in cancel_ids:
-                await self._move(
-                    conn,
-                    instance_id,
-                    S.CANCELLED,
-                    expect=(S.ENQUEUED,),
-                    claim_token=None,
-                    actor=worker_id,
-                    reason=CANCEL_BEFORE_CLAIM_REASON,
-                )
+            await move_instances(
+                conn,
+                self._clock(),
+                cancel_ids,
+                InstanceState.ENQUEUED,
+                InstanceState.CANCELLED,
+                actor=worker_id,
+                reason=CANCEL_BEFORE_CLAIM_REASON,
+            )
             slots = await self._lock_slots(conn, {c.job_key for c in candidates})
             claim_ids, skip_ids, wait_ids = _allot(candidates, slots)
             claimed = await self._take(conn, claim_ids, worker_id, now, lease_s)
@@ -145,74 +143,38 @@ class LifecycleStore(SqlBase):
         now: datetime,
         lease_s: float,
     ) -> list[Instance]:
+        """Enqueued → Processing for ``ids`` (their slots are locked and free), each with a
+        fresh claim token."""
         if not ids:
             return []
         tokens = await self._next_tokens(conn, len(ids))
-        claimed: list[Instance] = []
-        for instance_id, token in zip(ids, tokens, strict=True):
-            row = (
-                await conn.execute(
-                    update(job_instances)
-                    .where(I.id == instance_id, I.state == S.ENQUEUED.value)
-                    .values(
-                        state=S.PROCESSING.value,
-                        claim_token=token,
-                        worker_id=worker_id,
-                        lease_expires_at=now + timedelta(seconds=lease_s),
-                        started_at=now,
-                        attempt=I.attempt + 1,
-                        progress=None,
-                        progress_message=None,
-                        reason=None,
-                    )
-                    .returning(*job_instances.c)
-                )
-            ).one()
-            claimed.append(rows.instance_from_row(row._mapping))
-        per_key: dict[str, int] = {}
-        for instance in claimed:
-            per_key[instance.job_key] = per_key.get(instance.job_key, 0) + 1
-        for key, n in per_key.items():
-            await conn.execute(
-                update(job_slots)
-                .where(job_slots.c.job_key == key)
-                .values(used=job_slots.c.used + n)
-            )
-        await self._history(
-            conn,
-            [
-                {
-                    "instance_id": i.id,
-                    "from_state": S.ENQUEUED.value,
-                    "to_state": S.PROCESSING.value,
-                    "actor": worker_id,
-                    "claim_token": i.claim_token,
-                }
-                for i in claimed
-            ],
+        attempt = NewAttempt(
+            worker_id=worker_id,
+            tokens=dict(zip(ids, tokens, strict=True)),
+            started_at=now,
+            lease_expires_at=now + timedelta(seconds=lease_s),
         )
-        return claimed
+        return await move_instances(
+            conn,
+            self._clock(),
+            ids,
+            InstanceState.ENQUEUED,
+            InstanceState.PROCESSING,
+            actor=worker_id,
+            reason=None,
+            attempt=attempt,
+        )
 
     async def _end_excess(self, conn: AsyncConnection, ids: list[UUID], actor: str) -> None:
-        if not ids:
-            return
-        await conn.execute(
-            update(job_instances)
-            .where(I.id.in_(ids), I.state == S.ENQUEUED.value)
-            .values(state=S.SKIPPED.value, finished_at=self._clock(), reason=LIMIT_REASON)
-        )
-        await self._history(
+        """Enqueued → Skipped for the instances over the limit of an ``on_limit=skip`` job."""
+        await move_instances(
             conn,
-            [
-                {
-                    "instance_id": i,
-                    "from_state": S.ENQUEUED.value,
-                    "to_state": S.SKIPPED.value,
-                    "actor": actor,
-                    "reason": LIMIT_REASON,
-                }
-                for i in ids
-            ],
+            self._clock(),
+            ids,
+            InstanceState.ENQUEUED,
+            InstanceState.SKIPPED,
+            actor=actor,
+            reason=LIMIT_REASON,
         )
 
     @retry_conflicts
@@ -278,12 +240,13 @@ class LifecycleStore(SqlBase):
         async with self._write() as conn:
             ended: dict[UUID, InstanceState] = {}
             for outcome in outcomes:
-                check_transition(S.PROCESSING, outcome.state)
-                moved = await self._move(
+                check_transition(InstanceState.PROCESSING, outcome.state)
+                moved = await move_instances(
                     conn,
-                    outcome.instance_id,
+                    self._clock(),
+                    [outcome.instance_id],
+                    InstanceState.PROCESSING,
                     outcome.state,
-                    expect=(S.PROCESSING,),
                     claim_token=outcome.claim_token,
                     actor=None,
                     reason=outcome.reason,
@@ -291,13 +254,17 @@ class LifecycleStore(SqlBase):
                         "result": outcome.result,
                         "error": outcome.error.to_json() if outcome.error else None,
                     },
-                    cancel_wins=outcome.state is S.FAILED,
-                    hold_slot=outcome.holds_slot,
+                    # A cancel beats a retry (see move_instances): the row locked by the
+                    # UPDATE decides, so no cancel request slips in between.
+                    cancel_reason=(
+                        CANCEL_WINS_REASON if outcome.state is InstanceState.FAILED else None
+                    ),
+                    holds_slot=outcome.holds_slot,
                 )
-                if moved is None:
+                if not moved:
                     log_fenced(outcome)
                     continue
-                ended[moved.id] = moved.state
+                ended[moved[0].id] = moved[0].state
             failed = [o for o in outcomes if ended.get(o.instance_id) is S.FAILED]
             ended.update(await self._after_failure(conn, failed))
         return ended
@@ -325,25 +292,25 @@ class LifecycleStore(SqlBase):
                 values = {
                     "retries_used": I.retries_used + 1,
                     "run_at": now + timedelta(seconds=delay),
-                    "finished_at": None,
                 }
                 if options.retry_on_same_worker:
                     values["pinned_worker"] = row.worker_id
                 reason = f"retry {row.retries_used + 1} of {retries}"
             else:
                 target, reason = S.TERMINATED, "no attempts left"
-            moved = await self._move(
+            moved = await move_instances(
                 conn,
-                outcome.instance_id,
+                self._clock(),
+                [outcome.instance_id],
+                InstanceState.FAILED,
                 target,
-                expect=(S.FAILED,),
                 claim_token=outcome.claim_token,
                 actor=None,
                 reason=reason,
                 values=values,
             )
-            if moved is not None:
-                out[moved.id] = moved.state
+            for instance in moved:
+                out[instance.id] = instance.state
         return out
 
     @retry_conflicts
@@ -360,104 +327,23 @@ class LifecycleStore(SqlBase):
         for state in expect:
             check_transition(state, to_state)
         async with self._write() as conn:
-            return await self._move(
+            # The row is locked: the state read here is the one the UPDATE compares with.
+            current = await conn.scalar(
+                select(I.state).where(I.id == instance_id).with_for_update()
+            )
+            if current is None or InstanceState(current) not in expect:
+                return None
+            moved = await move_instances(
                 conn,
-                instance_id,
+                self._clock(),
+                [instance_id],
+                InstanceState(current),
                 to_state,
-                expect=expect,
                 claim_token=claim_token,
                 actor=actor,
                 reason=reason,
             )
-
-    async def _move(
-        self,
-        conn: AsyncConnection,
-        instance_id: UUID,
-        to_state: InstanceState,
-        *,
-        expect: Collection[InstanceState],
-        claim_token: int | None,
-        actor: str | None,
-        reason: str | None,
-        values: dict[str, Any] | None = None,
-        cancel_wins: bool = False,
-        hold_slot: bool = False,
-    ) -> Instance | None:
-        """One compare-and-set transition with its history and slot release, inside ``conn``'s
-        transaction. ``actor=None`` means the worker holding the claim. With ``cancel_wins``
-        a row with ``cancel_requested`` ends Cancelled instead of ``to_state``. ``hold_slot``:
-        leaving Processing keeps the slot, held by the attempt's runaway code (see
-        :meth:`release_runaway_slot`)."""
-        where = [I.id == instance_id, I.state.in_([s.value for s in expect])]
-        if claim_token is not None:
-            # Fencing: a stale attempt (lease lost, instance re-claimed) matches nothing.
-            where.append(I.claim_token == claim_token)
-        old = (
-            await conn.execute(
-                select(I.state, I.job_key, I.worker_id).where(*where).with_for_update()
-            )
-        ).first()
-        if old is None:
-            return None
-        changes: dict[str, Any] = {"state": to_state.value, "reason": reason, **(values or {})}
-        if to_state.is_terminal:
-            changes["finished_at"] = self._clock()
-        if old.state == S.PROCESSING.value:
-            changes["lease_expires_at"] = None
-        if to_state is S.ENQUEUED:
-            changes["published_at"] = None  # to be published again by the caller or the sweep
-        if cancel_wins:
-            # A cancel beats a retry, decided by this UPDATE on the row locked above (FOR
-            # UPDATE; SQLite: BEGIN IMMEDIATE): a cancel request committed before it is seen
-            # here; one committed after finds the instance Scheduled/Enqueued (retry) or
-            # Terminated and acts on that state.
-            wanted = I.cancel_requested.is_(True)
-            changes["state"] = case((wanted, S.CANCELLED.value), else_=to_state.value)
-            changes["reason"] = case((wanted, CANCEL_WINS_REASON), else_=reason)
-            changes["finished_at"] = case((wanted, self._clock()), else_=changes.get("finished_at"))
-        row = (
-            await conn.execute(
-                update(job_instances)
-                .where(I.id == instance_id, I.state == old.state, *where[2:])
-                .values(**changes)
-                .returning(*job_instances.c)
-            )
-        ).one()
-        instance = rows.instance_from_row(row._mapping)
-        if old.state == S.PROCESSING.value and hold_slot:
-            # The outcome is recorded but the code still runs: the slot stays taken, on record
-            # as this attempt's until its worker (or the dead-worker sweep) releases it.
-            await conn.execute(
-                insert(runaway_slots).values(
-                    instance_id=instance_id,
-                    claim_token=instance.claim_token,
-                    job_key=old.job_key,
-                    worker_id=old.worker_id,
-                    held_since=self._clock(),
-                )
-            )
-        elif old.state == S.PROCESSING.value:
-            # Leaving Processing gives the slot back in the same transaction.
-            await conn.execute(
-                update(job_slots)
-                .where(job_slots.c.job_key == old.job_key)
-                .values(used=job_slots.c.used - 1)
-            )
-        await self._history(
-            conn,
-            [
-                {
-                    "instance_id": instance_id,
-                    "from_state": old.state,
-                    "to_state": instance.state.value,
-                    "actor": actor or old.worker_id or "system",
-                    "reason": instance.reason,
-                    "claim_token": instance.claim_token,
-                }
-            ],
-        )
-        return instance
+            return moved[0] if moved else None
 
     @retry_conflicts
     async def release_runaway_slot(self, instance_id: UUID, claim_token: int) -> bool:
@@ -481,16 +367,15 @@ class LifecycleStore(SqlBase):
                 raise InstanceNotFoundError(instance_id)
             state = S(row.state)
             if state in (S.SCHEDULED, S.ENQUEUED):
-                moved = await self._move(
+                [moved] = await move_instances(  # the row is locked in this transaction
                     conn,
-                    instance_id,
-                    S.CANCELLED,
-                    expect=(state,),
-                    claim_token=None,
+                    self._clock(),
+                    [instance_id],
+                    state,
+                    InstanceState.CANCELLED,
                     actor=actor,
                     reason="cancelled before it ran",
                 )
-                assert moved is not None  # the row is locked in this transaction
                 return moved
             if state in (S.PROCESSING, S.FAILED):
                 # The worker sees it on its next heartbeat (the bus only makes it faster).
@@ -510,18 +395,18 @@ class LifecycleStore(SqlBase):
         async with self._write() as conn:
             # Compare-and-set on Scheduled: a run racing the due-time sweep (or a cancel, or a
             # second run) moves the instance once; the loser sees the state it found.
-            moved = await self._move(
+            moved = await move_instances(
                 conn,
-                instance_id,
-                S.ENQUEUED,
-                expect=(S.SCHEDULED,),
-                claim_token=None,
+                self._clock(),
+                [instance_id],
+                InstanceState.SCHEDULED,
+                InstanceState.ENQUEUED,
                 actor=actor,
                 reason="run by hand",
                 values={"run_at": self._clock()},
             )
-            if moved is not None:
-                return moved
+            if moved:
+                return moved[0]
             row = (await conn.execute(select(I.state).where(I.id == instance_id))).first()
         if row is None:
             raise InstanceNotFoundError(instance_id)

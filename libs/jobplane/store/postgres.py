@@ -60,6 +60,8 @@ def _cols(alias: str) -> str:
 # - a cancel requested while an attempt ran that was then released (shutdown): ``cand`` reads
 #   ``cancel_requested`` from the locked row, and such a row is never claimed: ``cancelled``
 #   ends it in this statement (a cancel request waits on the lock and sees it Cancelled).
+# The columns it writes are those of ``jobplane.domain.transitions.EFFECTS`` for Enqueued →
+# Processing, Skipped and Cancelled; ``tests/test_transitions.py`` runs it and checks them.
 CLAIM_SQL = f"""
 WITH cand AS MATERIALIZED (
     SELECT id, job_key, priority, cancel_requested
@@ -152,6 +154,8 @@ SELECT 'cancelled', {_cols("i")}, NULL FROM job_instances i WHERE i.id IN (SELEC
 # (the error kept). The flag is read from the row this UPDATE locks, so a cancel request
 # committed first is seen here, and one that waited on the lock finds the retry (Scheduled,
 # Enqueued) or Terminated row and cancels or refuses that.
+# The columns it writes are those of ``jobplane.domain.transitions.EFFECTS`` for Processing →
+# the outcome's state; ``tests/test_transitions.py`` runs it and checks them against the table.
 COMPLETE_SQL = """
 WITH o AS (
     SELECT * FROM unnest(
@@ -175,8 +179,10 @@ done AS (
         reason = CASE WHEN o.state = 'failed' AND i.cancel_requested
                       THEN :cancel_reason ELSE o.reason END,
         lease_expires_at = NULL,
-        finished_at = CASE WHEN o.state = 'failed' AND NOT i.cancel_requested
-                           THEN NULL ELSE clock_timestamp() END
+        finished_at = CASE WHEN o.state IN ('succeeded', 'cancelled', 'terminated')
+                             OR (o.state = 'failed' AND i.cancel_requested)
+                           THEN clock_timestamp() END,
+        published_at = CASE WHEN o.state = 'enqueued' THEN NULL ELSE i.published_at END
     FROM o
     WHERE i.id = o.id AND i.id IN (SELECT id FROM locked)
       AND i.claim_token = o.token AND i.state = 'processing'

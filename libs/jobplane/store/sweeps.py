@@ -20,9 +20,11 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobplane.domain.models import Instance, InstanceSource, LeaderLease, NewInstance
 from jobplane.domain.options import JobOptions, PinFallback
+from jobplane.domain.states import InstanceState
 from jobplane.store import rows
 from jobplane.store.base import I, NotLeaderError, S, SqlBase, logger, retry_conflicts
 from jobplane.store.lifecycle import release_runaway_rows
+from jobplane.store.moves import move_instances
 from jobplane.store.tables import (
     instance_transitions,
     job_definitions,
@@ -166,56 +168,24 @@ class SweepStore(SqlBase):
         self,
         conn: AsyncConnection,
         ids: list[UUID],
-        from_state: S,
-        to_state: S,
+        from_state: InstanceState,
+        to_state: InstanceState,
         reason: str,
         values: dict[str, Any],
     ) -> list[Instance]:
-        """Compare-and-set a set of rows ``from_state → to_state``, history included; leaving
-        Processing gives each job's slots back."""
-        if not ids:
-            return []
-        changes: dict[str, Any] = {"state": to_state.value, "reason": reason, **values}
-        if to_state.is_terminal:
-            changes["finished_at"] = self._clock()
-        if to_state is S.ENQUEUED:
-            changes["published_at"] = None
-        if from_state is S.PROCESSING:
-            changes["lease_expires_at"] = None
-        moved = [
-            rows.instance_from_row(r._mapping)
-            for r in await conn.execute(
-                update(job_instances)
-                .where(I.id.in_(ids), I.state == from_state.value)
-                .values(**changes)
-                .returning(*job_instances.c)
-            )
-        ]
-        if from_state is S.PROCESSING:
-            per_key: dict[str, int] = {}
-            for i in moved:
-                per_key[i.job_key] = per_key.get(i.job_key, 0) + 1
-            for key, n in sorted(per_key.items()):
-                await conn.execute(
-                    update(job_slots)
-                    .where(job_slots.c.job_key == key)
-                    .values(used=job_slots.c.used - n)
-                )
-        await self._history(
+        """Compare-and-set the rows ``ids`` (locked by the caller) ``from_state → to_state``
+        as the scheduler: one UPDATE, its side effects, slots and history
+        (:func:`~jobplane.store.moves.move_instances`)."""
+        return await move_instances(
             conn,
-            [
-                {
-                    "instance_id": i.id,
-                    "from_state": from_state.value,
-                    "to_state": to_state.value,
-                    "actor": "scheduler",
-                    "reason": reason,
-                    "claim_token": i.claim_token,
-                }
-                for i in moved
-            ],
+            self._clock(),
+            ids,
+            from_state,
+            to_state,
+            actor="scheduler",
+            reason=reason,
+            values=values,
         )
-        return moved
 
     @retry_conflicts
     async def resolve_orphaned_pins(self, lease: LeaderLease) -> list[tuple[Instance, str]]:
