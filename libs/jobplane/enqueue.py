@@ -14,6 +14,9 @@ and only if the caller commits. As a REST trigger: a disabled job is refused
 the same request returns the first instance's id, while with a different request it raises
 :class:`~jobplane.errors.IdempotencyConflictError`.
 
+The instance's row and history are the store's (:mod:`jobplane.store.creation`, the one rule
+every creation path follows): a ``run_at`` in the past is Enqueued, as through the API.
+
 Nothing is published from here (the bus is not transactional).
 On Postgres the transaction also sends a ``NOTIFY`` (delivered only on commit), on which the
 leading scheduler publishes the instance at once; the sweep publishes never-published instances
@@ -30,22 +33,18 @@ from typing import Any
 from uuid import UUID
 
 from pydantic import TypeAdapter
-from sqlalchemy import ColumnElement, Connection, Insert, Row, func, literal, select
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import Connection, Insert, Row, Select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
 from jobplane.dispatch import JobDisabledError, validate_args
 from jobplane.domain.limits import check_idempotency_key, check_json, to_utc
-from jobplane.domain.models import InstanceSource
+from jobplane.domain.models import NewInstance
 from jobplane.domain.options import JobKind, JobOptions
 from jobplane.domain.states import InstanceState
 from jobplane.errors import InvalidOptionsError, JobNotFoundError
-from jobplane.idempotency import fingerprint, replay_candidates, replayed
-from jobplane.ids import new_id
-from jobplane.store import rows
-from jobplane.store.tables import instance_transitions, job_definitions, job_instances
-from jobplane.store.types import UtcDateTime
+from jobplane.idempotency import fingerprint, replayed
+from jobplane.store import creation, rows
 
 
 def enqueue(
@@ -65,16 +64,15 @@ def enqueue(
     ``hold``: create it held, to be run by hand, if ``key`` is a triggered job (default: the
     ``JOBPLANE_DEBUG_HOLD_TRIGGERED`` debug mode)."""
     target = session_or_connection
-    definition = target.execute(_definition(key)).first()
-    plan = _plan(
-        definition, key, args, run_at, delay, priority, idempotency_key, hold, _dialect(target)
-    )
-    if target.execute(plan.insert).first() is None:
+    dialect = _dialect(target)
+    definition = target.execute(creation.definition_and_clock(key, dialect)).first()
+    plan = _plan(definition, key, args, run_at, delay, priority, idempotency_key, hold, actor)
+    if target.execute(plan.insert(dialect)).first() is None:
         return plan.replayed(target.execute(plan.candidates()).all())
-    target.execute(plan.history(actor))
-    if plan.notifies:
-        target.execute(_notify(plan.id))
-    return plan.id
+    target.execute(plan.history())
+    if plan.notifies(dialect):
+        target.execute(creation.notify_enqueued(plan.new.id))
+    return plan.new.id
 
 
 async def enqueue_async(
@@ -91,55 +89,53 @@ async def enqueue_async(
 ) -> UUID:
     """:func:`enqueue` for an ``AsyncSession`` or ``AsyncConnection``."""
     target = session_or_connection
-    definition = (await target.execute(_definition(key))).first()
-    plan = _plan(
-        definition, key, args, run_at, delay, priority, idempotency_key, hold, _dialect(target)
-    )
-    if (await target.execute(plan.insert)).first() is None:
+    dialect = _dialect(target)
+    definition = (await target.execute(creation.definition_and_clock(key, dialect))).first()
+    plan = _plan(definition, key, args, run_at, delay, priority, idempotency_key, hold, actor)
+    if (await target.execute(plan.insert(dialect))).first() is None:
         return plan.replayed((await target.execute(plan.candidates())).all())
-    await target.execute(plan.history(actor))
-    if plan.notifies:
-        await target.execute(_notify(plan.id))
-    return plan.id
+    await target.execute(plan.history())
+    if plan.notifies(dialect):
+        await target.execute(creation.notify_enqueued(plan.new.id))
+    return plan.new.id
 
 
-CHANNEL = "jobplane_enqueued"
+#: Kept for applications that listen themselves; the store names it.
+CHANNEL = creation.ENQUEUED_CHANNEL
 
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    """The statements of one enqueue, shared by the sync and async entry points."""
+    """One enqueue's instance and row, shared by the sync and async entry points."""
 
-    id: UUID
-    key: str
-    args: Any
-    state: InstanceState
-    insert: Insert
-    dialect: str
-    idempotency_key: str | None
-    fingerprint: str | None
+    new: NewInstance
+    values: dict[str, Any]
 
     @property
-    def notifies(self) -> bool:
+    def state(self) -> InstanceState:
+        return InstanceState(self.values["state"])
+
+    def notifies(self, dialect: str) -> bool:
         """Tell the leader (Postgres only) about an instance to publish now: not a held or
         delayed one (it is published when run or due)."""
-        return self.dialect == "postgresql" and self.state is InstanceState.ENQUEUED
+        return dialect == "postgresql" and self.state is InstanceState.ENQUEUED
 
-    def history(self, actor: str) -> Insert:
-        # ``at`` defaults to the database's clock.
-        return instance_transitions.insert().values(
-            instance_id=self.id, from_state=None, to_state=self.state.value, actor=actor
-        )
+    def insert(self, dialect: str) -> Insert:
+        return creation.insert_instances(dialect, [self.values])
 
-    def candidates(self) -> Any:
-        assert self.idempotency_key is not None  # only a keyed insert can be skipped
-        return replay_candidates(self.idempotency_key, self.key)
+    def history(self) -> Insert:
+        return creation.insert_history([creation.history_values(self.new, self.values)])
+
+    def candidates(self) -> Select[Any]:
+        assert self.new.idempotency_key is not None  # only a keyed insert can be skipped
+        return creation.replay_candidates(self.new.idempotency_key, self.new.job_key)
 
     def replayed(self, found: Sequence[Row[Any]]) -> UUID:
-        assert self.idempotency_key is not None
+        new = self.new
+        assert new.idempotency_key is not None
         instances = (rows.instance_from_row(r._mapping) for r in found)
         first = replayed(
-            instances, self.idempotency_key, self.key, self.fingerprint, self.args, None
+            instances, new.idempotency_key, new.job_key, new.fingerprint, new.args, None
         )
         return first.id
 
@@ -153,7 +149,7 @@ def _plan(
     priority: int | None,
     idempotency_key: str | None,
     hold: bool | None,
-    dialect: str,
+    actor: str,
 ) -> _Plan:
     if definition is None:
         raise JobNotFoundError(key)
@@ -169,45 +165,23 @@ def _plan(
         run_at = to_utc(run_at, "run_at", naive_is_utc=False)
     if idempotency_key is not None:
         check_idempotency_key(idempotency_key)
-    instance_id = new_id()
-    now = _clock(dialect)
-    due: datetime | ColumnElement[datetime] | None = run_at
-    if delay is not None:
-        due = now + delay
+    now = _aware(definition.now)  # the store's clock, read with the definition
+    due = now + delay if delay is not None else run_at
     if hold is None:
         hold = hold_triggered_from_environment()
-    if hold and options.kind is JobKind.TRIGGERED:
-        due = None  # held: Scheduled with no due time, until it is run by hand
-        state = InstanceState.SCHEDULED
-    else:
-        # A delayed instance is Scheduled; the leader promotes it when due (database clock).
-        state = InstanceState.SCHEDULED if due is not None else InstanceState.ENQUEUED
+    held = hold and options.kind is JobKind.TRIGGERED  # Scheduled until run by hand
     print_ = fingerprint(key, args, run_at=run_at, delay=delay, priority=priority)
-    insert = _insert(dialect).values(
-        id=instance_id,
+    new = NewInstance(
         job_key=key,
-        state=state.value,
-        source=InstanceSource.TRIGGER.value,
-        queue=options.queue,
-        priority=options.priority if priority is None else priority,
         args=args,
-        created_at=now,
         run_at=due,
-        idempotency_key=idempotency_key,
-        idempotency_fingerprint=print_ if idempotency_key is not None else None,
-    )
-    # A replayed key is not inserted (the unique indexes); nothing then comes back.
-    insert = insert.on_conflict_do_nothing().returning(job_instances.c.id)
-    return _Plan(
-        id=instance_id,
-        key=key,
-        args=args,
-        state=state,
-        insert=insert,
-        dialect=dialect,
+        held=held,
+        priority=priority,
         idempotency_key=idempotency_key,
         fingerprint=print_ if idempotency_key is not None else None,
+        actor=actor,
     )
+    return _Plan(new=new, values=creation.instance_values(new, options, now))
 
 
 def hold_triggered_from_environment() -> bool:
@@ -221,32 +195,11 @@ HOLD_TRIGGERED_VARIABLE = "JOBPLANE_DEBUG_HOLD_TRIGGERED"
 _BOOL = TypeAdapter(bool)
 
 
-def _clock(dialect: str) -> ColumnElement[datetime]:
-    """The store's clock, as the store reads it: the database's ``now()`` on Postgres (the
-    transaction's start), the process's clock on SQLite (one process owns the file)."""
-    if dialect == "postgresql":
-        return func.now()
-    return literal(datetime.now(UTC), UtcDateTime)
-
-
-def _insert(dialect: str) -> Any:
-    if dialect == "postgresql":
-        return postgresql.insert(job_instances)
-    return sqlite.insert(job_instances)
-
-
-def _notify(instance_id: UUID) -> Any:
-    # Transactional: delivered when (and only if) the caller commits.
-    return select(func.pg_notify(CHANNEL, str(instance_id)))
+def _aware(moment: datetime) -> datetime:
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 def _dialect(target: Session | Connection | AsyncSession | AsyncConnection) -> str:
     if isinstance(target, Connection | AsyncConnection):
         return target.dialect.name
     return target.get_bind().dialect.name
-
-
-def _definition(key: str) -> Any:
-    return select(job_definitions.c.options, job_definitions.c.args_schema).where(
-        job_definitions.c.key == key
-    )

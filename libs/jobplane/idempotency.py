@@ -19,11 +19,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import UUID
 
-from sqlalchemy import Select, or_, select
-
 from jobplane.domain.models import Instance, NewInstance
 from jobplane.errors import IdempotencyConflictError
-from jobplane.store.tables import job_instances
 
 
 def fingerprint(
@@ -85,16 +82,6 @@ def same_request(
     return existing.args == args and existing.pinned_worker == pinned_worker
 
 
-def replay_candidates(key: str, job_key: str) -> Select[Any]:
-    """The instances that can block an insert under ``key`` for ``job_key``: one with a
-    fingerprint (any job; the key alone is unique among them), or an older one of the job."""
-    i = job_instances.c
-    return select(job_instances).where(
-        i.idempotency_key == key,
-        or_(i.job_key == job_key, i.idempotency_fingerprint.is_not(None)),
-    )
-
-
 def replayed(
     found: Iterable[Instance],
     key: str,
@@ -103,8 +90,9 @@ def replayed(
     args: Any,
     pinned_worker: str | None,
 ) -> Instance:
-    """The instance among ``found`` (:func:`replay_candidates`) that stands for the request;
-    raises IdempotencyConflictError if ``key`` was used for a different one."""
+    """The instance among ``found`` (the store's replay candidates for ``key``) that stands
+    for the request; raises IdempotencyConflictError if ``key`` was used for a different one.
+    Pure: the store reads the candidates."""
     candidates = list(found)
     if not candidates or not all(
         same_request(i, job_key, print_, args, pinned_worker) for i in candidates

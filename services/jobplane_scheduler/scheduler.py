@@ -26,9 +26,9 @@ from jobplane.bus.envelope import Event, EventKind
 from jobplane.definitions import DefinitionCache
 from jobplane.dispatch import Dispatcher, envelope_for
 from jobplane.domain.models import Instance, JobDefinition, LeaderLease, NewInstance
-from jobplane.enqueue import CHANNEL as ENQUEUED_CHANNEL
 from jobplane.errors import BusUnavailableError, UnavailableError
 from jobplane.store.base import NotLeaderError
+from jobplane.store.creation import ENQUEUED_CHANNEL
 from jobplane.store.sql import SqlStore
 from jobplane.tasks import cancel_and_wait, run_together
 from jobplane_scheduler.cron_timers import CronTimers, catch_up, is_active, occurrence

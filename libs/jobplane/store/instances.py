@@ -33,10 +33,16 @@ from jobplane.errors import (
     JobNotFoundError,
     StaleDefinitionError,
 )
-from jobplane.idempotency import fingerprint_of, replay_candidates, replayed
+from jobplane.idempotency import fingerprint_of, replayed
 from jobplane.ids import id_floor
 from jobplane.store import rows
 from jobplane.store.base import I, S, SqlBase, locked_in_id_order, retry_conflicts
+from jobplane.store.creation import (
+    history_values,
+    insert_instances,
+    instance_values,
+    replay_candidates,
+)
 from jobplane.store.tables import (
     instance_counts,
     instance_transitions,
@@ -72,28 +78,15 @@ class InstanceStore(SqlBase):
         }
         for key in keys - defs.keys():
             raise JobNotFoundError(key)
-        values = [_new_instance_values(n, defs[n.job_key], now) for n in new]
+        values = [instance_values(n, defs[n.job_key], now) for n in new]
         # A duplicate cron occurrence or idempotency key is not inserted (unique indexes):
         # the existing instance stands in for it below.
-        inserted_ids = {
-            r.id
-            for r in await conn.execute(
-                self._insert(job_instances)
-                .values(values)
-                .on_conflict_do_nothing()  # type: ignore[attr-defined]
-                .returning(I.id)
-            )
-        }
+        dialect = self.engine.dialect.name
+        inserted_ids = {r.id for r in await conn.execute(insert_instances(dialect, values))}
         await self._history(
             conn,
             [
-                {
-                    "instance_id": v["id"],
-                    "from_state": None,
-                    "to_state": v["state"],
-                    "actor": n.actor,
-                    "reason": n.skip_reason,
-                }
+                history_values(n, v)
                 for n, v in zip(new, values, strict=True)
                 if v["id"] in inserted_ids
             ],
@@ -313,33 +306,6 @@ def filtered(query: Select[Any], filter: InstanceFilter) -> Select[Any]:
     if filter.worker_id is not None:
         query = query.where(I.worker_id == filter.worker_id)
     return query
-
-
-def _new_instance_values(n: NewInstance, options: JobOptions, now: datetime) -> dict[str, Any]:
-    if n.skip_reason is not None:
-        state = S.SKIPPED
-    elif n.held or (n.run_at is not None and n.run_at > now):
-        state = S.SCHEDULED
-    else:
-        state = S.ENQUEUED
-    return {
-        "id": n.id,
-        "job_key": n.job_key,
-        "state": state.value,
-        "source": n.source.value,
-        "queue": n.queue or options.queue,
-        "priority": options.priority if n.priority is None else n.priority,
-        "args": n.args,
-        "created_at": now,
-        "scheduled_at": n.scheduled_at,
-        "run_at": None if n.held else n.run_at,
-        "finished_at": now if state.is_terminal else None,
-        "pinned_worker": n.pinned_worker,
-        "retry_of": n.retry_of,
-        "idempotency_key": n.idempotency_key,
-        "idempotency_fingerprint": fingerprint_of(n),
-        "reason": n.skip_reason,
-    }
 
 
 def _shifted(moment: datetime, delta: timedelta) -> datetime | None:
