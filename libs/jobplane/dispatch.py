@@ -390,9 +390,11 @@ def trigger_request(
         if run_at is not None:
             raise InvalidOptionsError("delay_s", "give run_at or delay_s, not both")
         run_at = now + delay
-        print_ = fingerprint(key, args, delay=delay, priority=priority, pinned_worker=pinned_worker)
+        request_print = fingerprint(
+            key, args, delay=delay, priority=priority, pinned_worker=pinned_worker
+        )
     else:
-        print_ = fingerprint(
+        request_print = fingerprint(
             key, args, run_at=run_at, priority=priority, pinned_worker=pinned_worker
         )
     return NewInstance(
@@ -402,7 +404,7 @@ def trigger_request(
         priority=priority,
         pinned_worker=pinned_worker,
         idempotency_key=idempotency_key,
-        fingerprint=print_ if idempotency_key is not None else None,
+        fingerprint=request_print if idempotency_key is not None else None,
         actor=actor,
     )
 

@@ -170,7 +170,7 @@ def _plan(
     if hold is None:
         hold = hold_triggered_from_environment()
     held = hold and options.kind is JobKind.TRIGGERED  # Scheduled until run by hand
-    print_ = fingerprint(key, args, run_at=run_at, delay=delay, priority=priority)
+    request_print = fingerprint(key, args, run_at=run_at, delay=delay, priority=priority)
     new = NewInstance(
         job_key=key,
         args=args,
@@ -178,7 +178,7 @@ def _plan(
         held=held,
         priority=priority,
         idempotency_key=idempotency_key,
-        fingerprint=print_ if idempotency_key is not None else None,
+        fingerprint=request_print if idempotency_key is not None else None,
         actor=actor,
     )
     return _Plan(new=new, values=creation.instance_values(new, options, now))

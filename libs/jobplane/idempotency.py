@@ -67,10 +67,14 @@ def fingerprint_of(new: NewInstance) -> str | None:
 
 
 def same_request(
-    existing: Instance, job_key: str, print_: str | None, args: Any, pinned_worker: str | None
+    existing: Instance,
+    job_key: str,
+    request_print: str | None,
+    args: Any,
+    pinned_worker: str | None,
 ) -> bool:
     """Whether ``existing`` (found under the same key) stands for the request for ``job_key``
-    with fingerprint ``print_``, ``args`` and ``pinned_worker``.
+    with fingerprint ``request_print``, ``args`` and ``pinned_worker``.
 
     Instances created before fingerprints were stored (migration 0006) have none: for them
     the stored job, arguments and pinned worker are compared (their priority and run_at may
@@ -78,7 +82,7 @@ def same_request(
     if existing.job_key != job_key:
         return False
     if existing.idempotency_fingerprint is not None:
-        return existing.idempotency_fingerprint == print_
+        return existing.idempotency_fingerprint == request_print
     return existing.args == args and existing.pinned_worker == pinned_worker
 
 
@@ -86,7 +90,7 @@ def replayed(
     found: Iterable[Instance],
     key: str,
     job_key: str,
-    print_: str | None,
+    request_print: str | None,
     args: Any,
     pinned_worker: str | None,
 ) -> Instance:
@@ -95,7 +99,7 @@ def replayed(
     Pure: the store reads the candidates."""
     candidates = list(found)
     if not candidates or not all(
-        same_request(i, job_key, print_, args, pinned_worker) for i in candidates
+        same_request(i, job_key, request_print, args, pinned_worker) for i in candidates
     ):
         raise IdempotencyConflictError(key)
     return candidates[0]

@@ -30,15 +30,11 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.domain.models import LeaderLease
-from jobplane.domain.states import InstanceState
 from jobplane.errors import JobplaneError, StoreUnavailableError
 from jobplane.store.tables import counters, instance_transitions, job_instances, scheduler_leases
 from jobplane.tasks import being_cancelled
 
 logger = logging.getLogger("jobplane.store")
-
-S = InstanceState
-I = job_instances.c  # noqa: E741 - the instance table's columns, used everywhere
 
 
 class NotLeaderError(JobplaneError):
@@ -215,7 +211,7 @@ def locked_in_id_order(
     deadlock. Every multi-row instance write therefore goes through this, or locks in id order
     itself (the claim). With ``skip_locked`` a row another transaction holds is left out."""
     locked = job_instances.alias("locked")
-    return I.id.in_(
+    return job_instances.c.id.in_(
         select(locked.c.id)
         .where(where(locked.c))
         .order_by(locked.c.id)

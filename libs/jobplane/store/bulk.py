@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from jobplane.domain.models import BulkCancel, Instance, InstanceFilter
 from jobplane.domain.states import InstanceState
 from jobplane.store import rows
-from jobplane.store.base import I, S, SqlBase, retry_conflicts
+from jobplane.store.base import SqlBase, retry_conflicts
 from jobplane.store.instances import filtered
 from jobplane.store.moves import move_instances
 from jobplane.store.tables import job_instances
@@ -23,9 +23,9 @@ from jobplane.store.tables import job_instances
 CANCEL_REASON = "cancelled before it ran"
 
 #: A cancel ends these at once ...
-QUEUED = (S.SCHEDULED, S.ENQUEUED)
+QUEUED = (InstanceState.SCHEDULED, InstanceState.ENQUEUED)
 #: ... and asks the worker to stop these (as :meth:`Store.request_cancel` does).
-RUNNING = (S.PROCESSING, S.FAILED)
+RUNNING = (InstanceState.PROCESSING, InstanceState.FAILED)
 
 
 class BulkStore(SqlBase):
@@ -39,16 +39,16 @@ class BulkStore(SqlBase):
             # serialised), so the states read here are the states the rows are in.
             found = (
                 await conn.execute(
-                    filtered(select(I.id, I.state), filter)
-                    .order_by(I.id)
+                    filtered(select(job_instances.c.id, job_instances.c.state), filter)
+                    .order_by(job_instances.c.id)
                     .limit(limit + 1)
                     .with_for_update()
                 )
             ).all()
             more = len(found) > limit
-            by_state: dict[S, list[UUID]] = {}
+            by_state: dict[InstanceState, list[UUID]] = {}
             for instance_id, state in found[:limit]:
-                by_state.setdefault(S(state), []).append(instance_id)
+                by_state.setdefault(InstanceState(state), []).append(instance_id)
             cancelled: list[Instance] = []
             for state in QUEUED:
                 cancelled += await self._cancel_queued(conn, by_state.get(state, []), state, actor)
@@ -64,7 +64,7 @@ class BulkStore(SqlBase):
         )
 
     async def _cancel_queued(
-        self, conn: AsyncConnection, ids: list[UUID], state: S, actor: str
+        self, conn: AsyncConnection, ids: list[UUID], state: InstanceState, actor: str
     ) -> list[Instance]:
         """Scheduled or Enqueued → Cancelled, with history. Compare-and-set on ``state``: a
         claim that got there first (it is Processing now) makes its row match nothing."""
@@ -85,7 +85,9 @@ class BulkStore(SqlBase):
             return []
         result = await conn.execute(
             update(job_instances)
-            .where(I.id.in_(ids), I.state.in_([s.value for s in RUNNING]))
+            .where(
+                job_instances.c.id.in_(ids), job_instances.c.state.in_([s.value for s in RUNNING])
+            )
             .values(cancel_requested=True)
             .returning(*job_instances.c)
         )

@@ -36,7 +36,7 @@ from jobplane.errors import (
 from jobplane.idempotency import fingerprint_of, replayed
 from jobplane.ids import id_floor
 from jobplane.store import rows
-from jobplane.store.base import I, S, SqlBase, locked_in_id_order, retry_conflicts
+from jobplane.store.base import SqlBase, locked_in_id_order, retry_conflicts
 from jobplane.store.creation import (
     history_values,
     insert_instances,
@@ -93,7 +93,9 @@ class InstanceStore(SqlBase):
         )
         by_id = {
             r.id: rows.instance_from_row(r._mapping)
-            for r in await conn.execute(select(job_instances).where(I.id.in_(inserted_ids)))
+            for r in await conn.execute(
+                select(job_instances).where(job_instances.c.id.in_(inserted_ids))
+            )
         }
         return await self._resolve_created(conn, new, by_id)
 
@@ -110,12 +112,12 @@ class InstanceStore(SqlBase):
             if found is None or tuple(found) != (definition.version, definition.args_schema):
                 raise StaleDefinitionError(new.job_key, definition.version)
             [instance] = await self._create(conn, [new])
-            if instance.id != new.id or instance.state is not S.ENQUEUED:
+            if instance.id != new.id or instance.state is not InstanceState.ENQUEUED:
                 return instance  # a replayed idempotency key: the first instance, as it is
             row = (
                 await conn.execute(
                     update(job_instances)
-                    .where(I.id == instance.id)
+                    .where(job_instances.c.id == instance.id)
                     .values(published_at=self._clock())
                     .returning(job_instances)
                 )
@@ -133,7 +135,7 @@ class InstanceStore(SqlBase):
                 update(job_instances)
                 .where(
                     locked_in_id_order(
-                        lambda c: c.id.in_(wanted) & (c.state == S.ENQUEUED.value),
+                        lambda c: c.id.in_(wanted) & (c.state == InstanceState.ENQUEUED.value),
                         skip_locked=True,
                     )
                 )
@@ -166,9 +168,9 @@ class InstanceStore(SqlBase):
                 result.append(await self._replayed(conn, n))
                 continue
             clause = and_(
-                I.job_key == n.job_key,
-                I.source == InstanceSource.CRON.value,
-                I.scheduled_at == n.scheduled_at,
+                job_instances.c.job_key == n.job_key,
+                job_instances.c.source == InstanceSource.CRON.value,
+                job_instances.c.scheduled_at == n.scheduled_at,
             )
             row = (await conn.execute(select(job_instances).where(clause))).one()
             result.append(rows.instance_from_row(row._mapping))
@@ -206,7 +208,7 @@ class InstanceStore(SqlBase):
                 update(job_instances)
                 .where(
                     locked_in_id_order(
-                        lambda c: c.id.in_(wanted) & (c.state == S.ENQUEUED.value),
+                        lambda c: c.id.in_(wanted) & (c.state == InstanceState.ENQUEUED.value),
                         skip_locked=True,
                     )
                 )
@@ -218,13 +220,18 @@ class InstanceStore(SqlBase):
             return set()
         async with self._read() as conn:
             result = await conn.execute(
-                select(I.id).where(I.id.in_(list(ids)), I.state == S.ENQUEUED.value)
+                select(job_instances.c.id).where(
+                    job_instances.c.id.in_(list(ids)),
+                    job_instances.c.state == InstanceState.ENQUEUED.value,
+                )
             )
             return set(result.scalars())
 
     async def get_instance(self, instance_id: UUID) -> Instance:
         async with self._read() as conn:
-            row = (await conn.execute(select(job_instances).where(I.id == instance_id))).first()
+            row = (
+                await conn.execute(select(job_instances).where(job_instances.c.id == instance_id))
+            ).first()
         if row is None:
             raise InstanceNotFoundError(instance_id)
         return rows.instance_from_row(row._mapping)
@@ -232,9 +239,13 @@ class InstanceStore(SqlBase):
     async def list_instances(
         self, filter: InstanceFilter, *, limit: int = 50, before: UUID | None = None
     ) -> Page:
-        query = filtered(select(job_instances), filter).order_by(I.id.desc()).limit(limit + 1)
+        query = (
+            filtered(select(job_instances), filter)
+            .order_by(job_instances.c.id.desc())
+            .limit(limit + 1)
+        )
         if before is not None:
-            query = query.where(I.id < before)
+            query = query.where(job_instances.c.id < before)
         async with self._read() as conn:
             found = [rows.instance_from_row(r._mapping) for r in await conn.execute(query)]
         more = len(found) > limit
@@ -245,8 +256,8 @@ class InstanceStore(SqlBase):
         # ix_job_instances_job_key_finished_at, newest end first: at most ``limit`` rows read.
         query = (
             select(job_instances)
-            .where(I.job_key == job_key, I.finished_at.is_not(None))
-            .order_by(I.finished_at.desc())
+            .where(job_instances.c.job_key == job_key, job_instances.c.finished_at.is_not(None))
+            .order_by(job_instances.c.finished_at.desc())
             .limit(limit)
         )
         async with self._read() as conn:
@@ -273,7 +284,7 @@ class InstanceStore(SqlBase):
         if job_keys is not None:
             query = query.where(C.job_key.in_(list(job_keys)))
         async with self._read() as conn:
-            return {S(state): int(count) for state, count in await conn.execute(query)}
+            return {InstanceState(state): int(count) for state, count in await conn.execute(query)}
 
 
 ID_CLOCK_SKEW = timedelta(minutes=5)
@@ -282,29 +293,29 @@ ID_CLOCK_SKEW = timedelta(minutes=5)
 def filtered(query: Select[Any], filter: InstanceFilter) -> Select[Any]:
     """``query`` restricted to the instances ``filter`` selects."""
     if filter.job_key is not None:
-        query = query.where(I.job_key == filter.job_key)
+        query = query.where(job_instances.c.job_key == filter.job_key)
     if filter.job_keys is not None:
-        query = query.where(I.job_key.in_(filter.job_keys))
+        query = query.where(job_instances.c.job_key.in_(filter.job_keys))
     if filter.states:
-        query = query.where(I.state.in_([s.value for s in filter.states]))
+        query = query.where(job_instances.c.state.in_([s.value for s in filter.states]))
     # A created-time window also bounds the id (UUIDv7, time-ordered), so the listing reads
     # an index range instead of walking the primary key back from the newest row. Ids come
     # from the creating process's clock, created_at from the database's: the bound is widened
     # by ID_CLOCK_SKEW, and created_at stays the exact condition.
     if filter.created_after is not None:
-        query = query.where(I.created_at >= filter.created_after)
+        query = query.where(job_instances.c.created_at >= filter.created_after)
         if (low := _shifted(filter.created_after, -ID_CLOCK_SKEW)) is not None:
-            query = query.where(I.id >= id_floor(low))
+            query = query.where(job_instances.c.id >= id_floor(low))
     if filter.created_before is not None:
-        query = query.where(I.created_at < filter.created_before)
+        query = query.where(job_instances.c.created_at < filter.created_before)
         if (high := _shifted(filter.created_before, ID_CLOCK_SKEW)) is not None:
-            query = query.where(I.id < id_floor(high))
+            query = query.where(job_instances.c.id < id_floor(high))
     if filter.scheduled_after is not None:
-        query = query.where(I.scheduled_at >= filter.scheduled_after)
+        query = query.where(job_instances.c.scheduled_at >= filter.scheduled_after)
     if filter.scheduled_before is not None:
-        query = query.where(I.scheduled_at < filter.scheduled_before)
+        query = query.where(job_instances.c.scheduled_at < filter.scheduled_before)
     if filter.worker_id is not None:
-        query = query.where(I.worker_id == filter.worker_id)
+        query = query.where(job_instances.c.worker_id == filter.worker_id)
     return query
 
 

@@ -37,7 +37,7 @@ from jobplane.errors import (
     InstanceNotFoundError,
 )
 from jobplane.store import rows
-from jobplane.store.base import I, S, SqlBase, locked_in_id_order, logger, retry_conflicts
+from jobplane.store.base import SqlBase, locked_in_id_order, logger, retry_conflicts
 from jobplane.store.moves import NewAttempt, move_instances
 from jobplane.store.tables import (
     job_definitions,
@@ -69,14 +69,22 @@ class LifecycleStore(SqlBase):
             now = await self._now(conn)
             found = (
                 await conn.execute(
-                    select(I.id, I.job_key, I.priority, I.cancel_requested)
-                    .where(
-                        I.id.in_(list(ids)),
-                        I.state == S.ENQUEUED.value,
-                        I.job_key.in_(list(jobs)),
-                        or_(I.pinned_worker.is_(None), I.pinned_worker == worker_id),
+                    select(
+                        job_instances.c.id,
+                        job_instances.c.job_key,
+                        job_instances.c.priority,
+                        job_instances.c.cancel_requested,
                     )
-                    .order_by(I.id)
+                    .where(
+                        job_instances.c.id.in_(list(ids)),
+                        job_instances.c.state == InstanceState.ENQUEUED.value,
+                        job_instances.c.job_key.in_(list(jobs)),
+                        or_(
+                            job_instances.c.pinned_worker.is_(None),
+                            job_instances.c.pinned_worker == worker_id,
+                        ),
+                    )
+                    .order_by(job_instances.c.id)
                     .with_for_update()
                 )
             ).all()
@@ -102,7 +110,10 @@ class LifecycleStore(SqlBase):
                 # Parked until a slot frees: unpublished, so the releaser republishes it.
                 await conn.execute(
                     update(job_instances)
-                    .where(I.id.in_(wait_ids), I.state == S.ENQUEUED.value)
+                    .where(
+                        job_instances.c.id.in_(wait_ids),
+                        job_instances.c.state == InstanceState.ENQUEUED.value,
+                    )
                     .values(published_at=None)
                 )
         options = {key: opts for key, (_, opts) in slots.items()}
@@ -190,7 +201,8 @@ class LifecycleStore(SqlBase):
         async with self._write() as conn:
             now = await self._now(conn)
             fenced = and_(
-                tuple_(I.id, I.claim_token).in_(list(leases)), I.state == S.PROCESSING.value
+                tuple_(job_instances.c.id, job_instances.c.claim_token).in_(list(leases)),
+                job_instances.c.state == InstanceState.PROCESSING.value,
             )
             # Locked in id order, as the outcome statement locks them: a heartbeat and the
             # recording of outcomes of the same attempts never deadlock.
@@ -201,19 +213,20 @@ class LifecycleStore(SqlBase):
                     fenced,
                     locked_in_id_order(
                         lambda c: (
-                            tuple_(c.id, c.claim_token).in_(pairs) & (c.state == S.PROCESSING.value)
+                            tuple_(c.id, c.claim_token).in_(pairs)
+                            & (c.state == InstanceState.PROCESSING.value)
                         )
                     ),
                 )
                 .values(lease_expires_at=now + timedelta(seconds=lease_s))
-                .returning(I.id, I.cancel_requested)
+                .returning(job_instances.c.id, job_instances.c.cancel_requested)
             )
             kept = {r.id: r.cancel_requested for r in result}
             for instance_id, (fraction, message) in progress.items():
                 if instance_id in kept:  # the lease (and so the token) was just checked
                     await conn.execute(
                         update(job_instances)
-                        .where(I.id == instance_id, fenced)
+                        .where(job_instances.c.id == instance_id, fenced)
                         .values(progress=fraction, progress_message=message)
                     )
             return kept
@@ -224,12 +237,13 @@ class LifecycleStore(SqlBase):
             result = await conn.execute(
                 update(job_instances)
                 .where(
-                    I.id == instance_id,
-                    I.claim_token == claim_token,  # fencing: a stale attempt saves nothing
-                    I.state == S.PROCESSING.value,
+                    job_instances.c.id == instance_id,
+                    job_instances.c.claim_token
+                    == claim_token,  # fencing: a stale attempt saves nothing
+                    job_instances.c.state == InstanceState.PROCESSING.value,
                 )
                 .values(checkpoint=data)
-                .returning(I.id)
+                .returning(job_instances.c.id)
             )
             return result.first() is not None
 
@@ -265,7 +279,7 @@ class LifecycleStore(SqlBase):
                     log_fenced(outcome)
                     continue
                 ended[moved[0].id] = moved[0].state
-            failed = [o for o in outcomes if ended.get(o.instance_id) is S.FAILED]
+            failed = [o for o in outcomes if ended.get(o.instance_id) is InstanceState.FAILED]
             ended.update(await self._after_failure(conn, failed))
         return ended
 
@@ -277,9 +291,13 @@ class LifecycleStore(SqlBase):
         for outcome in failed:
             row = (
                 await conn.execute(
-                    select(I.retries_used, I.worker_id, job_definitions.c.options)
-                    .join(job_definitions, job_definitions.c.key == I.job_key)
-                    .where(I.id == outcome.instance_id)
+                    select(
+                        job_instances.c.retries_used,
+                        job_instances.c.worker_id,
+                        job_definitions.c.options,
+                    )
+                    .join(job_definitions, job_definitions.c.key == job_instances.c.job_key)
+                    .where(job_instances.c.id == outcome.instance_id)
                 )
             ).one()
             options = JobOptions.from_stored(row.options)
@@ -288,16 +306,16 @@ class LifecycleStore(SqlBase):
             if row.retries_used < retries:
                 now = await self._now(conn)
                 delay = max(outcome.retry_delay_s, 0.0)
-                target = S.SCHEDULED if delay > 0 else S.ENQUEUED
+                target = InstanceState.SCHEDULED if delay > 0 else InstanceState.ENQUEUED
                 values = {
-                    "retries_used": I.retries_used + 1,
+                    "retries_used": job_instances.c.retries_used + 1,
                     "run_at": now + timedelta(seconds=delay),
                 }
                 if options.retry_on_same_worker:
                     values["pinned_worker"] = row.worker_id
                 reason = f"retry {row.retries_used + 1} of {retries}"
             else:
-                target, reason = S.TERMINATED, "no attempts left"
+                target, reason = InstanceState.TERMINATED, "no attempts left"
             moved = await move_instances(
                 conn,
                 self._clock(),
@@ -329,7 +347,9 @@ class LifecycleStore(SqlBase):
         async with self._write() as conn:
             # The row is locked: the state read here is the one the UPDATE compares with.
             current = await conn.scalar(
-                select(I.state).where(I.id == instance_id).with_for_update()
+                select(job_instances.c.state)
+                .where(job_instances.c.id == instance_id)
+                .with_for_update()
             )
             if current is None or InstanceState(current) not in expect:
                 return None
@@ -361,12 +381,16 @@ class LifecycleStore(SqlBase):
     async def request_cancel(self, instance_id: UUID, actor: str) -> Instance:
         async with self._write() as conn:
             row = (
-                await conn.execute(select(I.state).where(I.id == instance_id).with_for_update())
+                await conn.execute(
+                    select(job_instances.c.state)
+                    .where(job_instances.c.id == instance_id)
+                    .with_for_update()
+                )
             ).first()
             if row is None:
                 raise InstanceNotFoundError(instance_id)
-            state = S(row.state)
-            if state in (S.SCHEDULED, S.ENQUEUED):
+            state = InstanceState(row.state)
+            if state in (InstanceState.SCHEDULED, InstanceState.ENQUEUED):
                 [moved] = await move_instances(  # the row is locked in this transaction
                     conn,
                     self._clock(),
@@ -377,18 +401,20 @@ class LifecycleStore(SqlBase):
                     reason="cancelled before it ran",
                 )
                 return moved
-            if state in (S.PROCESSING, S.FAILED):
+            if state in (InstanceState.PROCESSING, InstanceState.FAILED):
                 # The worker sees it on its next heartbeat (the bus only makes it faster).
                 updated = (
                     await conn.execute(
                         update(job_instances)
-                        .where(I.id == instance_id, I.state == state.value)
+                        .where(
+                            job_instances.c.id == instance_id, job_instances.c.state == state.value
+                        )
                         .values(cancel_requested=True)
                         .returning(*job_instances.c)
                     )
                 ).one()
                 return rows.instance_from_row(updated._mapping)
-            raise IllegalTransitionError(state, S.CANCELLED)
+            raise IllegalTransitionError(state, InstanceState.CANCELLED)
 
     @retry_conflicts
     async def run_now(self, instance_id: UUID, actor: str) -> Instance:
@@ -407,10 +433,14 @@ class LifecycleStore(SqlBase):
             )
             if moved:
                 return moved[0]
-            row = (await conn.execute(select(I.state).where(I.id == instance_id))).first()
+            row = (
+                await conn.execute(
+                    select(job_instances.c.state).where(job_instances.c.id == instance_id)
+                )
+            ).first()
         if row is None:
             raise InstanceNotFoundError(instance_id)
-        raise IllegalTransitionError(S(row.state), "run now (only Scheduled instances)")
+        raise IllegalTransitionError(InstanceState(row.state), "run now (only Scheduled instances)")
 
     @retry_conflicts
     async def republish_waiting(self, job_keys: Collection[str], limit: int) -> list[Instance]:
@@ -418,13 +448,13 @@ class LifecycleStore(SqlBase):
             return []
         async with self._write() as conn:
             picked = (
-                select(I.id)
+                select(job_instances.c.id)
                 .where(
-                    I.job_key.in_(list(job_keys)),
-                    I.state == S.ENQUEUED.value,
-                    I.published_at.is_(None),
+                    job_instances.c.job_key.in_(list(job_keys)),
+                    job_instances.c.state == InstanceState.ENQUEUED.value,
+                    job_instances.c.published_at.is_(None),
                 )
-                .order_by(I.priority.desc(), I.id)
+                .order_by(job_instances.c.priority.desc(), job_instances.c.id)
                 .limit(limit)
                 .with_for_update(skip_locked=True)
             )
@@ -433,7 +463,10 @@ class LifecycleStore(SqlBase):
                 return []
             result = await conn.execute(
                 update(job_instances)
-                .where(I.id.in_(ids), I.state == S.ENQUEUED.value)
+                .where(
+                    job_instances.c.id.in_(ids),
+                    job_instances.c.state == InstanceState.ENQUEUED.value,
+                )
                 .values(published_at=self._clock())
                 .returning(*job_instances.c)
             )

@@ -40,7 +40,6 @@ from jobplane.store.tables import job_instances
 
 logger = logging.getLogger(__name__)
 
-S = InstanceState
 _COLUMNS = ", ".join(f"{{t}}.{c.name}" for c in job_instances.c)
 
 
@@ -496,7 +495,7 @@ class PostgresStore(PostgresStatsStore, SqlStore):
         if not outcomes:
             return {}
         for outcome in outcomes:
-            check_transition(S.PROCESSING, outcome.state)
+            check_transition(InstanceState.PROCESSING, outcome.state)
         params: dict[str, Any] = {
             "ids": [o.instance_id for o in outcomes],
             "tokens": [o.claim_token for o in outcomes],
@@ -509,10 +508,10 @@ class PostgresStore(PostgresStatsStore, SqlStore):
         }
         async with self._write() as conn:
             result = await conn.execute(COMPLETE, params)
-            ended = {row.id: S(row.state) for row in result}
+            ended = {row.id: InstanceState(row.state) for row in result}
             for outcome in outcomes:
                 if outcome.instance_id not in ended:
                     log_fenced(outcome)
-            failed = [o for o in outcomes if ended.get(o.instance_id) is S.FAILED]
+            failed = [o for o in outcomes if ended.get(o.instance_id) is InstanceState.FAILED]
             ended.update(await self._after_failure(conn, failed))
         return ended

@@ -26,15 +26,15 @@ from sqlalchemy import (
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobplane.domain.models import Bucket, JobSummary, Lags
-from jobplane.domain.states import TERMINAL_STATES
+from jobplane.domain.states import TERMINAL_STATES, InstanceState
 from jobplane.ids import id_floor
-from jobplane.store.base import I, S, SqlBase
+from jobplane.store.base import SqlBase
 from jobplane.store.tables import instance_transitions, job_definitions, job_instances, workers
 
 TERMINAL = sorted(s.value for s in TERMINAL_STATES)
 
 #: The ends that throughput counts (history records reaching these states).
-ENDS = (S.SUCCEEDED.value, S.FAILED.value, S.TERMINATED.value)
+ENDS = (InstanceState.SUCCEEDED.value, InstanceState.FAILED.value, InstanceState.TERMINATED.value)
 
 T = instance_transitions.c
 
@@ -62,23 +62,25 @@ def percentile_cont(values: Sequence[float], fraction: float) -> float | None:
 class StatsStore(SqlBase):
     """Job summaries and throughput (generic; Postgres overrides them)."""
 
-    async def gauges(self) -> tuple[dict[tuple[str, S], int], int]:
+    async def gauges(self) -> tuple[dict[tuple[str, InstanceState], int], int]:
         """Instances by (job, state) and the workers that have not stopped, in one
         statement (what a metrics scrape reads)."""
-        by_job = select(I.job_key, I.state, func.count().label("n")).group_by(I.job_key, I.state)
+        by_job = select(
+            job_instances.c.job_key, job_instances.c.state, func.count().label("n")
+        ).group_by(job_instances.c.job_key, job_instances.c.state)
         live = select(
             literal(None, String).label("job_key"),
             literal(None, String).label("state"),
             func.count().label("n"),
         ).where(workers.c.stopped_at.is_(None))
-        counts: dict[tuple[str, S], int] = {}
+        counts: dict[tuple[str, InstanceState], int] = {}
         live_workers = 0
         async with self._read() as conn:
             for job_key, state, n in await conn.execute(union_all(by_job, live)):
                 if job_key is None:
                     live_workers = n
                 else:
-                    counts[(job_key, S(state))] = n
+                    counts[(job_key, InstanceState(state))] = n
         return counts, live_workers
 
     async def queues(self) -> list[str]:
@@ -97,14 +99,19 @@ class StatsStore(SqlBase):
             # One grouped statement for every job's latest outcome and recent counts.
             ranked = (
                 select(
-                    I.job_key,
-                    I.state,
-                    I.finished_at,
+                    job_instances.c.job_key,
+                    job_instances.c.state,
+                    job_instances.c.finished_at,
                     func.row_number()
-                    .over(partition_by=I.job_key, order_by=I.finished_at.desc())
+                    .over(
+                        partition_by=job_instances.c.job_key,
+                        order_by=job_instances.c.finished_at.desc(),
+                    )
                     .label("rn"),
                 )
-                .where(I.finished_at.is_not(None), I.state.in_(TERMINAL))
+                .where(
+                    job_instances.c.finished_at.is_not(None), job_instances.c.state.in_(TERMINAL)
+                )
                 .subquery()
             )
             r = ranked.c
@@ -113,7 +120,9 @@ class StatsStore(SqlBase):
                 r.job_key,
                 func.max(case((r.rn == 1, r.state))).label("last_state"),
                 func.max(case((r.rn == 1, r.finished_at))).label("last_ended_at"),
-                func.sum(case((and_(recent, r.state == S.SUCCEEDED.value), 1), else_=0)),
+                func.sum(
+                    case((and_(recent, r.state == InstanceState.SUCCEEDED.value), 1), else_=0)
+                ),
                 func.sum(case((recent, 1), else_=0)),
             ).group_by(r.job_key)
             if keys is not None:
@@ -121,7 +130,7 @@ class StatsStore(SqlBase):
             out = {
                 key: JobSummary(
                     key=key,
-                    last_state=S(state),
+                    last_state=InstanceState(state),
                     last_ended_at=ended_at,
                     succeeded=succeeded,
                     ended=ended,
@@ -150,21 +159,21 @@ class StatsStore(SqlBase):
         start = instance_transitions.alias("start")
         end = instance_transitions.alias("end")
         query = (
-            select(I.job_key, start.c.at, end.c.at)
+            select(job_instances.c.job_key, start.c.at, end.c.at)
             .select_from(end)
             .join(
                 start,
                 and_(
                     start.c.instance_id == end.c.instance_id,
                     start.c.claim_token == end.c.claim_token,
-                    start.c.to_state == S.PROCESSING.value,
+                    start.c.to_state == InstanceState.PROCESSING.value,
                 ),
             )
-            .join(job_instances, I.id == end.c.instance_id)
-            .where(end.c.from_state == S.PROCESSING.value, end.c.at >= since)
+            .join(job_instances, job_instances.c.id == end.c.instance_id)
+            .where(end.c.from_state == InstanceState.PROCESSING.value, end.c.at >= since)
         )
         if keys is not None:
-            query = query.where(I.job_key.in_(list(keys)))
+            query = query.where(job_instances.c.job_key.in_(list(keys)))
         out: dict[str, list[float]] = {}
         for key, started, ended in await conn.execute(query):
             out.setdefault(key, []).append((ended - started).total_seconds())
@@ -190,20 +199,20 @@ class StatsStore(SqlBase):
                 .group_by(start, T.to_state)
             )
             if job_key is not None or job_keys is not None:
-                query = query.join(job_instances, I.id == T.instance_id)
+                query = query.join(job_instances, job_instances.c.id == T.instance_id)
             if job_key is not None:
-                query = query.where(I.job_key == job_key)
+                query = query.where(job_instances.c.job_key == job_key)
             if job_keys is not None:
-                query = query.where(I.job_key.in_(list(job_keys)))
+                query = query.where(job_instances.c.job_key.in_(list(job_keys)))
             counts: dict[tuple[int, str], int] = {
                 (at, state): n for at, state, n in await conn.execute(query)
             }
         return [
             Bucket(
                 start=datetime.fromtimestamp(at, UTC),
-                succeeded=counts.get((at, S.SUCCEEDED.value), 0),
-                failed=counts.get((at, S.FAILED.value), 0),
-                terminated=counts.get((at, S.TERMINATED.value), 0),
+                succeeded=counts.get((at, InstanceState.SUCCEEDED.value), 0),
+                failed=counts.get((at, InstanceState.FAILED.value), 0),
+                terminated=counts.get((at, InstanceState.TERMINATED.value), 0),
             )
             for at in range(first, last + 1, width_s)
         ]
@@ -232,12 +241,13 @@ class StatsStore(SqlBase):
 def _fire_pairs(since: datetime) -> Select[Any]:
     """(created, scheduled) of the cron ticks created since ``since``: a range of the primary
     key (time-ordered ids), not a scan."""
-    return select(I.created_at, I.scheduled_at).where(
-        I.id >= id_floor(since - ID_SKEW),
-        I.created_at >= since,
-        I.source == "cron",
-        I.state != S.SKIPPED.value,  # misfire records: ticks that were never run
-        I.scheduled_at.is_not(None),
+    return select(job_instances.c.created_at, job_instances.c.scheduled_at).where(
+        job_instances.c.id >= id_floor(since - ID_SKEW),
+        job_instances.c.created_at >= since,
+        job_instances.c.source == "cron",
+        job_instances.c.state
+        != InstanceState.SKIPPED.value,  # misfire records: ticks that were never run
+        job_instances.c.scheduled_at.is_not(None),
     )
 
 
@@ -251,12 +261,12 @@ def _pickup_pairs(since: datetime) -> Select[Any]:
         .where(
             queued.c.instance_id == claim.c.instance_id,
             queued.c.seq < claim.c.seq,
-            queued.c.to_state == S.ENQUEUED.value,
+            queued.c.to_state == InstanceState.ENQUEUED.value,
         )
         .order_by(queued.c.seq.desc())
         .limit(1)
         .scalar_subquery()
     )
     return select(claim.c.at, enqueued_at).where(
-        claim.c.to_state == S.PROCESSING.value, claim.c.at >= since
+        claim.c.to_state == InstanceState.PROCESSING.value, claim.c.at >= since
     )

@@ -22,7 +22,7 @@ from jobplane.domain.models import Instance, InstanceSource, LeaderLease, NewIns
 from jobplane.domain.options import JobOptions, PinFallback
 from jobplane.domain.states import InstanceState
 from jobplane.store import rows
-from jobplane.store.base import I, NotLeaderError, S, SqlBase, logger, retry_conflicts
+from jobplane.store.base import NotLeaderError, SqlBase, logger, retry_conflicts
 from jobplane.store.lifecycle import release_runaway_rows
 from jobplane.store.moves import move_instances
 from jobplane.store.tables import (
@@ -55,9 +55,12 @@ class SweepStore(SqlBase):
             return {}
         async with self._read() as conn:
             result = await conn.execute(
-                select(I.job_key, func.max(I.scheduled_at))
-                .where(I.job_key.in_(list(keys)), I.source == InstanceSource.CRON.value)
-                .group_by(I.job_key)
+                select(job_instances.c.job_key, func.max(job_instances.c.scheduled_at))
+                .where(
+                    job_instances.c.job_key.in_(list(keys)),
+                    job_instances.c.source == InstanceSource.CRON.value,
+                )
+                .group_by(job_instances.c.job_key)
             )
             return {key: at for key, at in result if at is not None}
 
@@ -69,13 +72,13 @@ class SweepStore(SqlBase):
             due = (
                 (
                     await conn.execute(
-                        select(I.id)
+                        select(job_instances.c.id)
                         .where(
-                            I.state == S.SCHEDULED.value,
-                            I.run_at.is_not(None),
-                            I.run_at <= self._clock(),
+                            job_instances.c.state == InstanceState.SCHEDULED.value,
+                            job_instances.c.run_at.is_not(None),
+                            job_instances.c.run_at <= self._clock(),
                         )
-                        .order_by(I.run_at)
+                        .order_by(job_instances.c.run_at)
                         .limit(limit)
                         .with_for_update(skip_locked=True)
                     )
@@ -83,7 +86,9 @@ class SweepStore(SqlBase):
                 .scalars()
                 .all()
             )
-            return await self._move_many(conn, list(due), S.SCHEDULED, S.ENQUEUED, "due", {})
+            return await self._move_many(
+                conn, list(due), InstanceState.SCHEDULED, InstanceState.ENQUEUED, "due", {}
+            )
 
     async def promote_due_each(self, lease: LeaderLease, limit: int = 1000) -> list[Instance]:
         """:meth:`promote_due` one instance per transaction, for when the database refused the
@@ -93,13 +98,13 @@ class SweepStore(SqlBase):
         async with self._read() as conn:
             due = list(
                 await conn.scalars(
-                    select(I.id)
+                    select(job_instances.c.id)
                     .where(
-                        I.state == S.SCHEDULED.value,
-                        I.run_at.is_not(None),
-                        I.run_at <= self._clock(),
+                        job_instances.c.state == InstanceState.SCHEDULED.value,
+                        job_instances.c.run_at.is_not(None),
+                        job_instances.c.run_at <= self._clock(),
                     )
-                    .order_by(I.run_at)
+                    .order_by(job_instances.c.run_at)
                     .limit(limit)
                 )
             )
@@ -109,7 +114,12 @@ class SweepStore(SqlBase):
                 async with self._write() as conn:
                     await self._fence(conn, lease)
                     promoted += await self._move_many(
-                        conn, [instance_id], S.SCHEDULED, S.ENQUEUED, "due", {}
+                        conn,
+                        [instance_id],
+                        InstanceState.SCHEDULED,
+                        InstanceState.ENQUEUED,
+                        "due",
+                        {},
                     )
             except DBAPIError as exc:
                 logger.error(
@@ -130,14 +140,17 @@ class SweepStore(SqlBase):
             expired = (
                 await conn.execute(
                     select(
-                        I.id,
-                        I.unexpected_retries_used,
-                        I.cancel_requested,
+                        job_instances.c.id,
+                        job_instances.c.unexpected_retries_used,
+                        job_instances.c.cancel_requested,
                         job_definitions.c.options,
                     )
-                    .join(job_definitions, job_definitions.c.key == I.job_key)
-                    .where(I.state == S.PROCESSING.value, I.lease_expires_at < self._clock())
-                    .order_by(I.lease_expires_at)
+                    .join(job_definitions, job_definitions.c.key == job_instances.c.job_key)
+                    .where(
+                        job_instances.c.state == InstanceState.PROCESSING.value,
+                        job_instances.c.lease_expires_at < self._clock(),
+                    )
+                    .order_by(job_instances.c.lease_expires_at)
                     .limit(limit)
                     .with_for_update(of=job_instances, skip_locked=True)
                 )
@@ -153,14 +166,21 @@ class SweepStore(SqlBase):
             out = await self._move_many(
                 conn,
                 release,
-                S.PROCESSING,
-                S.ENQUEUED,
+                InstanceState.PROCESSING,
+                InstanceState.ENQUEUED,
                 LEASE_EXPIRED,
-                {"unexpected_retries_used": I.unexpected_retries_used + 1},
+                {"unexpected_retries_used": job_instances.c.unexpected_retries_used + 1},
             )
-            await self._move_many(conn, exhausted, S.PROCESSING, S.TERMINATED, EXHAUSTED, {})
             await self._move_many(
-                conn, cancel, S.PROCESSING, S.CANCELLED, "cancelled; its worker was lost", {}
+                conn, exhausted, InstanceState.PROCESSING, InstanceState.TERMINATED, EXHAUSTED, {}
+            )
+            await self._move_many(
+                conn,
+                cancel,
+                InstanceState.PROCESSING,
+                InstanceState.CANCELLED,
+                "cancelled; its worker was lost",
+                {},
             )
             return out
 
@@ -198,12 +218,14 @@ class SweepStore(SqlBase):
             live = select(workers.c.id).where(workers.c.stopped_at.is_(None))
             orphans = (
                 await conn.execute(
-                    select(I.id, I.pinned_worker, job_definitions.c.options)
-                    .join(job_definitions, job_definitions.c.key == I.job_key)
+                    select(
+                        job_instances.c.id, job_instances.c.pinned_worker, job_definitions.c.options
+                    )
+                    .join(job_definitions, job_definitions.c.key == job_instances.c.job_key)
                     .where(
-                        I.state == S.ENQUEUED.value,
-                        I.pinned_worker.is_not(None),
-                        I.pinned_worker.not_in(live),
+                        job_instances.c.state == InstanceState.ENQUEUED.value,
+                        job_instances.c.pinned_worker.is_not(None),
+                        job_instances.c.pinned_worker.not_in(live),
                     )
                     .limit(1000)
                     .with_for_update(of=job_instances, skip_locked=True)
@@ -216,12 +238,17 @@ class SweepStore(SqlBase):
             ]
             unpin = [r.id for r in orphans if r.id not in fail]
             pinned_to = {r.id: r.pinned_worker for r in orphans}
-            await self._move_many(conn, fail, S.ENQUEUED, S.TERMINATED, PIN_GONE, {})
+            await self._move_many(
+                conn, fail, InstanceState.ENQUEUED, InstanceState.TERMINATED, PIN_GONE, {}
+            )
             if not unpin:
                 return []
             result = await conn.execute(
                 update(job_instances)
-                .where(I.id.in_(unpin), I.state == S.ENQUEUED.value)
+                .where(
+                    job_instances.c.id.in_(unpin),
+                    job_instances.c.state == InstanceState.ENQUEUED.value,
+                )
                 .values(pinned_worker=None, published_at=None, reason=PIN_GONE + "; unpinned")
                 .returning(*job_instances.c)
             )
@@ -244,19 +271,24 @@ class SweepStore(SqlBase):
                 if row.stopped_at is None or (row.stopped_at or row.heartbeat_at) > cutoff:
                     known.update(row.jobs or [])
             waiting = await conn.scalars(
-                select(I.id)
+                select(job_instances.c.id)
                 .where(
-                    I.state == S.ENQUEUED.value,
-                    I.job_key.not_in(known),
-                    I.created_at < cutoff,
-                    or_(I.run_at.is_(None), I.run_at < cutoff),
+                    job_instances.c.state == InstanceState.ENQUEUED.value,
+                    job_instances.c.job_key.not_in(known),
+                    job_instances.c.created_at < cutoff,
+                    or_(job_instances.c.run_at.is_(None), job_instances.c.run_at < cutoff),
                 )
-                .order_by(I.id)
+                .order_by(job_instances.c.id)
                 .limit(limit)
                 .with_for_update(skip_locked=True)
             )
             return await self._move_many(
-                conn, list(waiting), S.ENQUEUED, S.TERMINATED, NO_WORKER_KNOWS, {}
+                conn,
+                list(waiting),
+                InstanceState.ENQUEUED,
+                InstanceState.TERMINATED,
+                NO_WORKER_KNOWS,
+                {},
             )
 
     async def scheduled_due_within(self, seconds: float) -> list[datetime]:
@@ -264,9 +296,13 @@ class SweepStore(SqlBase):
         async with self._read() as conn:
             horizon = await self._now(conn) + timedelta(seconds=seconds)
             result = await conn.execute(
-                select(I.run_at)
-                .where(I.state == S.SCHEDULED.value, I.run_at.is_not(None), I.run_at <= horizon)
-                .order_by(I.run_at)
+                select(job_instances.c.run_at)
+                .where(
+                    job_instances.c.state == InstanceState.SCHEDULED.value,
+                    job_instances.c.run_at.is_not(None),
+                    job_instances.c.run_at <= horizon,
+                )
+                .order_by(job_instances.c.run_at)
                 .limit(1000)
             )
             return [at for at in result.scalars() if at is not None]
@@ -283,19 +319,22 @@ class SweepStore(SqlBase):
             fresh = now - timedelta(seconds=min(older_than_s, NEVER_PUBLISHED_GRACE_S))
             result = await conn.execute(
                 select(job_instances)
-                .join(job_slots, job_slots.c.job_key == I.job_key)
-                .join(job_definitions, job_definitions.c.key == I.job_key)
+                .join(job_slots, job_slots.c.job_key == job_instances.c.job_key)
+                .join(job_definitions, job_definitions.c.key == job_instances.c.job_key)
                 .where(
-                    I.state == S.ENQUEUED.value,
+                    job_instances.c.state == InstanceState.ENQUEUED.value,
                     or_(
                         # Never published: enqueued in the application's own transaction,
                         # or its publisher died between commit and publish.
-                        and_(I.published_at.is_(None), I.created_at < fresh),
-                        I.published_at < cutoff,
+                        and_(
+                            job_instances.c.published_at.is_(None),
+                            job_instances.c.created_at < fresh,
+                        ),
+                        job_instances.c.published_at < cutoff,
                     ),
                     job_slots.c.used < job_definitions.c.max_concurrency,
                 )
-                .order_by(I.priority.desc(), I.id)
+                .order_by(job_instances.c.priority.desc(), job_instances.c.id)
                 .limit(limit)
             )
             return [rows.instance_from_row(r._mapping) for r in result]
@@ -308,16 +347,22 @@ class SweepStore(SqlBase):
         async with self._read() as conn:
             result = await conn.execute(
                 select(job_instances).where(
-                    I.id.in_(list(ids)), I.state == S.ENQUEUED.value, I.published_at.is_(None)
+                    job_instances.c.id.in_(list(ids)),
+                    job_instances.c.state == InstanceState.ENQUEUED.value,
+                    job_instances.c.published_at.is_(None),
                 )
             )
             return [rows.instance_from_row(r._mapping) for r in result]
 
     async def all_enqueued(self, after: UUID | None, limit: int = 1000) -> list[Instance]:
         """Every Enqueued instance, in id order (republished after the bus lost everything)."""
-        query = select(job_instances).where(I.state == S.ENQUEUED.value).order_by(I.id)
+        query = (
+            select(job_instances)
+            .where(job_instances.c.state == InstanceState.ENQUEUED.value)
+            .order_by(job_instances.c.id)
+        )
         if after is not None:
-            query = query.where(I.id > after)
+            query = query.where(job_instances.c.id > after)
         async with self._read() as conn:
             result = await conn.execute(query.limit(limit))
             return [rows.instance_from_row(r._mapping) for r in result]
@@ -361,15 +406,20 @@ class SweepStore(SqlBase):
         """Retention: delete up to ``limit`` terminal instances finished before ``before``,
         with their history. Returns how many went (call again until 0). Fenced by ``fence``
         like every leader write."""
-        terminal = [s.value for s in S if s.is_terminal]
+        terminal = [s.value for s in InstanceState if s.is_terminal]
         async with self._write() as conn:
             await self._fence(conn, fence)
             ids = (
                 (
                     await conn.execute(
-                        select(I.id)
-                        .where(and_(I.state.in_(terminal), I.finished_at < before))
-                        .order_by(I.finished_at)
+                        select(job_instances.c.id)
+                        .where(
+                            and_(
+                                job_instances.c.state.in_(terminal),
+                                job_instances.c.finished_at < before,
+                            )
+                        )
+                        .order_by(job_instances.c.finished_at)
                         .limit(limit)
                         .with_for_update(skip_locked=True)
                     )
@@ -382,7 +432,7 @@ class SweepStore(SqlBase):
             await conn.execute(
                 delete(instance_transitions).where(instance_transitions.c.instance_id.in_(ids))
             )
-            await conn.execute(delete(job_instances).where(I.id.in_(ids)))
+            await conn.execute(delete(job_instances).where(job_instances.c.id.in_(ids)))
             return len(ids)
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 from sqlalchemy import func, select
 
 from jobplane.domain.models import RunawaySlot
-from jobplane.store.base import I, S, SqlBase
-from jobplane.store.tables import runaway_slots
+from jobplane.domain.states import InstanceState
+from jobplane.store.base import SqlBase
+from jobplane.store.tables import job_instances, runaway_slots
 
 #: The most runaway slots listed (each one holds a pool thread of a live worker, so a
 #: cluster has few; the rest are counted, not listed).
@@ -18,9 +19,12 @@ class WorkloadStore(SqlBase):
     async def running_by_worker(self) -> dict[str, int]:
         # ix_job_instances_state_id: only the Processing rows are read.
         query = (
-            select(I.worker_id, func.count())
-            .where(I.state == S.PROCESSING.value, I.worker_id.is_not(None))
-            .group_by(I.worker_id)
+            select(job_instances.c.worker_id, func.count())
+            .where(
+                job_instances.c.state == InstanceState.PROCESSING.value,
+                job_instances.c.worker_id.is_not(None),
+            )
+            .group_by(job_instances.c.worker_id)
         )
         async with self._read() as conn:
             return {worker: n for worker, n in await conn.execute(query)}
