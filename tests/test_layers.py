@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from jobplane import errors
+
 ROOT = Path(__file__).resolve().parent.parent
 CORE = ROOT / "libs" / "jobplane"
 SERVICES = ROOT / "services"
@@ -85,3 +87,25 @@ def test_every_kind_of_import_is_seen() -> None:
         "jobplane_worker.worker",
         "jobplane_scheduler",
     }
+
+
+def test_every_error_of_the_core_lives_in_errors_py_and_derives_from_jobplane_error() -> None:
+    defined_elsewhere = []
+    for path in sorted(CORE.rglob("*.py")):
+        if path.name == "errors.py" and path.parent == CORE:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and any(
+                isinstance(base, ast.Name | ast.Attribute)
+                and (getattr(base, "id", None) or getattr(base, "attr", "")).endswith(
+                    ("Error", "Exception")
+                )
+                for base in node.bases
+            ):
+                defined_elsewhere.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert defined_elsewhere == []
+    for name in dir(errors):
+        value = getattr(errors, name)
+        if isinstance(value, type) and issubclass(value, Exception):
+            assert value is errors.JobplaneError or issubclass(value, errors.JobplaneError), name

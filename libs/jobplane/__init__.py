@@ -7,14 +7,14 @@ Declare jobs on an :class:`App`; trigger them with a :class:`Dispatcher`; run th
 from __future__ import annotations
 
 from jobplane.app import App, JobSpec
-from jobplane.client import ApiError, AsyncClient, Client
+from jobplane.client import AsyncClient, Client
 from jobplane.context import Cancellation, JobContext
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import Instance, InstanceSource, NewInstance
 from jobplane.domain.options import Backoff, JobKind, JobOptions, MisfirePolicy, OnLimit
 from jobplane.domain.states import InstanceState
 from jobplane.enqueue import enqueue, enqueue_async
-from jobplane.errors import JobplaneError
+from jobplane.errors import ApiError, JobplaneError
 
 __version__ = "0.1.0"
 

@@ -23,21 +23,12 @@ import httpx
 
 from jobplane.domain.limits import check_json
 from jobplane.domain.states import TERMINAL_STATES
+from jobplane.errors import ApiError as ApiError  # re-exported
 from jobplane.errors import JobplaneError
 
 JSONDict = dict[str, Any]
 T = TypeVar("T")
 TERMINAL = {s.value for s in TERMINAL_STATES}
-
-
-class ApiError(JobplaneError):
-    """The API answered with an error (problem+json)."""
-
-    def __init__(self, status: int, problem: Mapping[str, Any]) -> None:
-        detail = problem.get("detail") or problem.get("title") or "error"
-        super().__init__(f"HTTP {status}: {detail}")
-        self.status = status
-        self.problem = dict(problem)
 
 
 def _check(response: httpx.Response) -> Any:

@@ -12,20 +12,11 @@ from typing import Any
 from uuid import UUID
 
 from jobplane.domain.limits import MAX_RESULT_BYTES, check_json, check_text
-from jobplane.errors import JobplaneError, StoreUnavailableError
+from jobplane.errors import CheckpointNotSavedError as CheckpointNotSavedError  # re-exported
+from jobplane.errors import LeaseLostError as LeaseLostError  # re-exported
 
 #: The cancellation reason of a cancel requested by an operator (API, CLI, client).
 CANCEL_REQUESTED = "cancel requested"
-
-
-class LeaseLostError(JobplaneError):
-    """This attempt no longer holds its instance (lease expired, re-claimed): its writes are
-    refused. The job should stop; its outcome will not be recorded."""
-
-
-class CheckpointNotSavedError(StoreUnavailableError):
-    """The store stayed unreachable while :meth:`JobContext.checkpoint` retried, until this
-    attempt's lease could have expired: the checkpoint was not saved."""
 
 
 class Cancellation:

@@ -38,13 +38,16 @@ from jobplane.errors import (
     IllegalTransitionError,
     InvalidOptionsError,
     JobNotFoundError,
-    JobplaneError,
     StaleDefinitionError,
+    StoreConflictError,
     UnavailableError,
 )
+from jobplane.errors import (
+    InvalidArgumentsError as InvalidArgumentsError,  # re-exported
+)
+from jobplane.errors import JobDisabledError as JobDisabledError  # re-exported
 from jobplane.idempotency import fingerprint
 from jobplane.store.abc import Store
-from jobplane.store.base import StoreConflictError
 
 logger = logging.getLogger(__name__)
 
@@ -52,18 +55,6 @@ logger = logging.getLogger(__name__)
 RETRY_BATCH = 500
 #: Tries of a single trigger whose job's definition is edited while it is being triggered.
 STALE_TRIES = 5
-
-
-class JobDisabledError(JobplaneError):
-    """The job is disabled: it takes no new instances."""
-
-    def __init__(self, key: str) -> None:
-        super().__init__(f"job {key!r} is disabled")
-        self.key = key
-
-
-class InvalidArgumentsError(InvalidOptionsError):
-    """Trigger arguments do not match the job's JSON Schema; ``field`` is the JSON path."""
 
 
 class Dispatcher:

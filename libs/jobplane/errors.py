@@ -6,6 +6,8 @@ Driver errors (asyncpg, sqlite3, redis) are translated at the store and bus boun
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
 from uuid import UUID
 
 
@@ -114,3 +116,46 @@ class LastAdminError(JobplaneError):
     def __init__(self, token_id: UUID) -> None:
         super().__init__(f"token {token_id} is the last live admin token; create another first")
         self.token_id = token_id
+
+
+class NotLeaderError(JobplaneError):
+    """The lease of this term is no longer live: a leader write was refused."""
+
+
+class StoreConflictError(StoreUnavailableError):
+    """A transaction lost to a concurrent one (deadlock, serialization failure, lock wait
+    timeout) and was rolled back: nothing of it was written, and trying again is safe. The
+    store retries these itself (:func:`retry_conflicts`); one that still fails is reported as
+    a short outage, which every role waits out."""
+
+
+class JobDisabledError(JobplaneError):
+    """The job is disabled: it takes no new instances."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"job {key!r} is disabled")
+        self.key = key
+
+
+class InvalidArgumentsError(InvalidOptionsError):
+    """Trigger arguments do not match the job's JSON Schema; ``field`` is the JSON path."""
+
+
+class LeaseLostError(JobplaneError):
+    """This attempt no longer holds its instance (lease expired, re-claimed): its writes are
+    refused. The job should stop; its outcome will not be recorded."""
+
+
+class CheckpointNotSavedError(StoreUnavailableError):
+    """The store stayed unreachable while :meth:`JobContext.checkpoint` retried, until this
+    attempt's lease could have expired: the checkpoint was not saved."""
+
+
+class ApiError(JobplaneError):
+    """The API answered with an error (problem+json)."""
+
+    def __init__(self, status: int, problem: Mapping[str, Any]) -> None:
+        detail = problem.get("detail") or problem.get("title") or "error"
+        super().__init__(f"HTTP {status}: {detail}")
+        self.status = status
+        self.problem = dict(problem)

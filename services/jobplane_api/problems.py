@@ -12,7 +12,6 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jobplane.dispatch import JobDisabledError
 from jobplane.errors import (
     BusUnavailableError,
     DefinitionVersionNotFoundError,
@@ -20,6 +19,7 @@ from jobplane.errors import (
     IllegalTransitionError,
     InstanceNotFoundError,
     InvalidOptionsError,
+    JobDisabledError,
     JobNotFoundError,
     LastAdminError,
     UnavailableError,

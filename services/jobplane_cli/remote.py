@@ -18,8 +18,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from jobplane.client import ApiError, Client
-from jobplane.errors import JobplaneError
+from jobplane.client import Client
+from jobplane.errors import ApiError, JobplaneError
 
 jobs_cli = typer.Typer(help="Job definitions (over the API).", no_args_is_help=True)
 instances_cli = typer.Typer(help="Instances (over the API).", no_args_is_help=True)

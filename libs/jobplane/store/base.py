@@ -30,22 +30,13 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.domain.models import LeaderLease
-from jobplane.errors import JobplaneError, StoreUnavailableError
+from jobplane.errors import NotLeaderError as NotLeaderError  # re-exported
+from jobplane.errors import StoreConflictError as StoreConflictError  # re-exported
+from jobplane.errors import StoreUnavailableError
 from jobplane.store.tables import counters, instance_transitions, job_instances, scheduler_leases
 from jobplane.tasks import being_cancelled
 
 logger = logging.getLogger("jobplane.store")
-
-
-class NotLeaderError(JobplaneError):
-    """The lease of this term is no longer live: a leader write was refused."""
-
-
-class StoreConflictError(StoreUnavailableError):
-    """A transaction lost to a concurrent one (deadlock, serialization failure, lock wait
-    timeout) and was rolled back: nothing of it was written, and trying again is safe. The
-    store retries these itself (:func:`retry_conflicts`); one that still fails is reported as
-    a short outage, which every role waits out."""
 
 
 #: SQLSTATEs of a transaction rolled back because of a concurrent one: deadlock detected,

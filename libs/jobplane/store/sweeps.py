@@ -21,8 +21,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from jobplane.domain.models import Instance, InstanceSource, LeaderLease, NewInstance
 from jobplane.domain.options import JobOptions, PinFallback
 from jobplane.domain.states import InstanceState
+from jobplane.errors import NotLeaderError
 from jobplane.store import rows
-from jobplane.store.base import NotLeaderError, SqlBase, logger, retry_conflicts
+from jobplane.store.base import SqlBase, logger, retry_conflicts
 from jobplane.store.lifecycle import release_runaway_rows
 from jobplane.store.moves import move_instances
 from jobplane.store.tables import (

@@ -18,10 +18,14 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from pydantic import ValidationError
 from starlette.responses import Response
 
-from jobplane.dispatch import JobDisabledError
 from jobplane.domain.models import InstanceFilter
 from jobplane.domain.options import JobKind
-from jobplane.errors import IdempotencyConflictError, InvalidOptionsError, JobNotFoundError
+from jobplane.errors import (
+    IdempotencyConflictError,
+    InvalidOptionsError,
+    JobDisabledError,
+    JobNotFoundError,
+)
 from jobplane_api.dashboard.argsform import (
     PREFIX,
     ArgField,
