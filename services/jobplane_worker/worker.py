@@ -39,10 +39,11 @@ from jobplane import __version__, telemetry
 from jobplane.app import App, Resources
 from jobplane.bus.abc import Bus, Consumer, Delivery
 from jobplane.bus.envelope import EventKind
-from jobplane.context import CANCEL_REQUESTED, CheckpointNotSavedError, JobContext
+from jobplane.context import CheckpointNotSavedError, JobContext
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import Claim, Instance, Outcome, WorkerInfo
 from jobplane.domain.options import Isolation, OnLimit
+from jobplane.domain.reasons import StopReason
 from jobplane.domain.states import InstanceState
 from jobplane.errors import (
     BusUnavailableError,
@@ -54,16 +55,15 @@ from jobplane.settings import WorkerSettings
 from jobplane.startup import wait_until_reachable
 from jobplane.store.abc import Store
 from jobplane.tasks import cancel_and_wait
-from jobplane_worker.attempt import TIMEOUT, Attempt, run_attempt
+from jobplane_worker.attempt import Attempt, run_attempt
 from jobplane_worker.health import serving
-from jobplane_worker.metrics import LEASE_LOST, RELEASED, WorkerMetrics
+from jobplane_worker.metrics import ClaimOutcome, FencedWrite, WorkerMetrics
 from jobplane_worker.poison import complete_isolating_poison
 from jobplane_worker.retrying import SIDE_WRITE_RETRY_S, retrying
 from jobplane_worker.tracing import claim_spans, record_spans
 
 logger = logging.getLogger(__name__)
 
-SHUTDOWN_REASON = "worker shutdown"
 #: A checkpoint stops being retried this long before the fence would stop its attempt.
 FENCE_NOTICE_S = 0.1
 #: How often a shutdown held up by job threads that ignore their cancellation says so.
@@ -324,7 +324,7 @@ class Worker:
                 # it) that the fence would stop the attempt at once: its lease may already
                 # have ended and another worker may be running the instance. Its code never
                 # starts; the reaper hands it on, and the claim token refuses our writes.
-                self.metrics.lease_lost_writes.labels(write="claim").inc()
+                self.metrics.lease_lost_writes.labels(write=FencedWrite.CLAIM).inc()
                 logger.warning(
                     "claim of instance %s answered after its lease could end; not running it",
                     claim.instance.id,
@@ -470,7 +470,7 @@ class Worker:
                 f"until this attempt's lease could have expired ({exc})"
             ) from exc
         if not saved:
-            self.metrics.lease_lost_writes.labels(write="checkpoint").inc()
+            self.metrics.lease_lost_writes.labels(write=FencedWrite.CHECKPOINT).inc()
         return saved
 
     async def _run(self, attempt: Attempt) -> None:
@@ -497,13 +497,13 @@ class Worker:
             self._slot_freed.set()
             lease_until = self._lease_until.pop(attempt.claim.instance.id, 0.0)
         if attempt.lease_lost:
-            self.metrics.finished.labels(job=key, outcome=LEASE_LOST).inc()
+            self.metrics.finished.labels(job=key, outcome=ClaimOutcome.LEASE_LOST).inc()
             return
-        if outcome is None or (attempt.shutdown and outcome.reason != TIMEOUT):
+        if outcome is None or (attempt.shutdown and outcome.reason != StopReason.TIMEOUT):
             # The worker is stopping and the code has stopped (it was cancelled, or noticed
             # the signal and returned): another worker runs it again.
             if not runaway:
-                self.metrics.finished.labels(job=key, outcome=RELEASED).inc()
+                self.metrics.finished.labels(job=key, outcome=ClaimOutcome.RELEASED).inc()
                 await self._release(attempt, lease_until)
             return
         if runaway:
@@ -511,7 +511,7 @@ class Worker:
             # runs, and max concurrency counts it until the thread returns.
             outcome = replace(outcome, holds_slot=True)
         await self._flush_progress(attempt)
-        self.metrics.finished.labels(job=key, outcome=outcome.state.value).inc()
+        self.metrics.finished.labels(job=key, outcome=ClaimOutcome(outcome.state.value)).inc()
         self._outcomes.put_nowait((attempt, outcome))
 
     def _hold_runaway(self, attempt: Attempt, *, holds_slot: bool) -> None:
@@ -579,7 +579,7 @@ class Worker:
                 expect=[InstanceState.PROCESSING],
                 claim_token=attempt.claim.token,
                 actor=self.id,
-                reason=SHUTDOWN_REASON,
+                reason=StopReason.SHUTDOWN,
             )
         except StoreUnavailableError as exc:
             logger.warning(
@@ -625,7 +625,7 @@ class Worker:
         if attempt.ctx.pending_progress == progress:
             attempt.ctx.pending_progress = None  # written; a newer report stays pending
         if instance_id not in kept:
-            self.metrics.lease_lost_writes.labels(write="progress").inc()
+            self.metrics.lease_lost_writes.labels(write=FencedWrite.PROGRESS).inc()
 
     async def _record_loop(self) -> None:
         """Record outcomes in batches: whatever is ready, never waiting to fill a batch."""
@@ -655,7 +655,7 @@ class Worker:
             instance = attempt.claim.instance
             state = ended.get(outcome.instance_id)
             if state is None:
-                self.metrics.lease_lost_writes.labels(write="outcome").inc()
+                self.metrics.lease_lost_writes.labels(write=FencedWrite.OUTCOME).inc()
                 continue  # fenced off: the store logged it
             logger.info(
                 "instance %s of %s ended %s",
@@ -754,7 +754,7 @@ class Worker:
         # its claim token: a release (the code stopped) or an outcome (it had just ended) is
         # accepted if nobody has claimed the instance since, and refused otherwise.
         attempt.fenced = True
-        attempt.ctx.cancellation.set("lease lost")
+        attempt.ctx.cancellation.set(StopReason.LEASE_LOST)
         if attempt.code_running:
             # A sync job's thread cannot be stopped: it is reported, as any runaway.
             self.metrics.runaways.labels(job=attempt.claim.instance.job_key).inc()
@@ -801,15 +801,15 @@ class Worker:
             if instance_id not in kept:
                 # Another worker may own it now; every write of ours would be refused anyway.
                 attempt.lease_lost = True
-                attempt.ctx.cancellation.set("lease lost")
-                self.metrics.lease_lost_writes.labels(write="heartbeat").inc()
+                attempt.ctx.cancellation.set(StopReason.LEASE_LOST)
+                self.metrics.lease_lost_writes.labels(write=FencedWrite.HEARTBEAT).inc()
                 logger.warning(
                     "lost the lease of instance %s; stopping it",
                     instance_id,
                     extra={"action": "worker.lease_lost", "instance_id": str(instance_id)},
                 )
             elif kept[instance_id]:
-                attempt.ctx.cancellation.set(CANCEL_REQUESTED)
+                attempt.ctx.cancellation.set(StopReason.CANCEL_REQUESTED)
 
     async def _events_loop(self) -> None:
         """Cancel requests reach the running attempt at once (the heartbeat is the backstop)."""
@@ -820,7 +820,7 @@ class Worker:
                         continue
                     attempt = self.running.get(UUID(str(event.data.get("instance_id"))))
                     if attempt is not None:
-                        attempt.ctx.cancellation.set(CANCEL_REQUESTED)
+                        attempt.ctx.cancellation.set(StopReason.CANCEL_REQUESTED)
             except (BusUnavailableError, ValueError) as exc:
                 self.metrics.backend_error(exc)
                 logger.warning(
@@ -853,7 +853,7 @@ class Worker:
             attempt.shutdown = True
             # Async jobs are cancelled by the signal itself; isolated ones get SIGTERM, then
             # SIGKILL after the grace (run_in_child); a sync job's thread can only be asked.
-            attempt.ctx.cancellation.set(SHUTDOWN_REASON)
+            attempt.ctx.cancellation.set(StopReason.SHUTDOWN)
             isolated = attempt.claim.options.isolation is Isolation.PROCESS
             if attempt.code is None and not isolated and attempt.task is not None:
                 attempt.task.cancel()  # not started yet, or async

@@ -13,12 +13,13 @@ from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobplane.domain.models import BulkCancel, Instance, InstanceFilter
+from jobplane.domain.reasons import EndReason
 from jobplane.store import rows
 from jobplane.store.base import I, S, SqlBase, retry_conflicts
 from jobplane.store.instances import filtered
 from jobplane.store.tables import job_instances
 
-CANCEL_REASON = "cancelled before it ran"
+CANCEL_REASON = EndReason.CANCELLED_BEFORE_RUN
 
 #: A cancel ends these at once ...
 QUEUED = (S.SCHEDULED, S.ENQUEUED)

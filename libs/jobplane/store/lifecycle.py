@@ -33,6 +33,7 @@ from jobplane.domain.models import (
     Outcome,
 )
 from jobplane.domain.options import JobOptions, OnLimit
+from jobplane.domain.reasons import EndReason
 from jobplane.domain.states import InstanceState, check_transition
 from jobplane.errors import (
     IllegalTransitionError,
@@ -488,7 +489,7 @@ class LifecycleStore(SqlBase):
                     expect=(state,),
                     claim_token=None,
                     actor=actor,
-                    reason="cancelled before it ran",
+                    reason=EndReason.CANCELLED_BEFORE_RUN,
                 )
                 assert moved is not None  # the row is locked in this transaction
                 return moved
