@@ -5,6 +5,7 @@ a Redis server of the test's own (never the shared one)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -44,11 +45,13 @@ async def _until(predicate: Callable[[], bool], what: str, timeout_s: float = 20
 
 async def _publish_until(bus: Bus, seen: list[int], n: int, timeout_s: float = 20) -> None:
     """Publish event ``n`` until the handler has seen it: a subscription takes a moment to be
-    in place, and events published before that are not delivered."""
+    in place, and events published before that are not delivered. (Exercised with a handler
+    that records what it sees: a repeated event is harmless there.)"""
     deadline = time.monotonic() + timeout_s
     while n not in seen:
         assert time.monotonic() < deadline, f"event {n} never reached the handler"
-        await bus.publish_event(_event(n))
+        with contextlib.suppress(UnavailableError):  # a pooled connection from before a restart
+            await bus.publish_event(_event(n))
         await asyncio.sleep(0.05)
 
 
@@ -213,7 +216,6 @@ async def test_a_closed_in_process_bus_ends_the_subscription_and_is_resubscribed
         await asyncio.gather(listener, return_exceptions=True)
 
 
-@pytest.mark.slow
 async def test_the_listener_resubscribes_after_redis_goes_away_and_warns_once_per_outage(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
