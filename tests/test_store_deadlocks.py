@@ -273,7 +273,7 @@ async def test_a_worker_outlives_claims_that_keep_losing_to_conflicts(
     async with running_worker(app, pg_store, redis_bus) as worker:
         instance = await Dispatcher(pg_store, redis_bus).trigger("echo", {"value": 1})
         [done] = await settled(pg_store, [instance.id], timeout_s=30)
-        assert worker._failure is None
+        assert worker.intake.failure is None
     assert done.state is S.SUCCEEDED
     assert len(_conflict_retries(caplog)) >= 4
     paused = [r for r in caplog.records if getattr(r, "action", "") == "worker.unavailable"]

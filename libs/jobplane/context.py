@@ -12,11 +12,12 @@ from typing import Any
 from uuid import UUID
 
 from jobplane.domain.limits import MAX_RESULT_BYTES, check_json, check_text
+from jobplane.domain.reasons import StopReason
 from jobplane.errors import CheckpointNotSavedError as CheckpointNotSavedError  # re-exported
 from jobplane.errors import LeaseLostError as LeaseLostError  # re-exported
 
 #: The cancellation reason of a cancel requested by an operator (API, CLI, client).
-CANCEL_REQUESTED = "cancel requested"
+CANCEL_REQUESTED = StopReason.CANCEL_REQUESTED
 
 
 class Cancellation:
@@ -30,7 +31,7 @@ class Cancellation:
         self._thread_event: threading.Event | None = None
         self._async_event: asyncio.Event | None = None
         self._callbacks: list[Callable[[], object]] = []
-        #: Why the signal was set first (``"timeout"``, ``"cancel requested"``, …).
+        #: Why the signal was set first (a :class:`~jobplane.domain.reasons.StopReason`).
         self.reason: str | None = None
         #: Whether a cancel was requested, even if another reason set the signal first (a
         #: cancel arriving during a timeout's grace still makes the attempt end Cancelled).

@@ -27,6 +27,7 @@ from jobplane.definitions import DefinitionCache
 from jobplane.dispatch import Dispatcher, envelope_for
 from jobplane.domain.models import Instance, JobDefinition, LeaderLease, NewInstance
 from jobplane.errors import BusUnavailableError, UnavailableError
+from jobplane.events import listen
 from jobplane.store.base import NotLeaderError
 from jobplane.store.creation import ENQUEUED_CHANNEL
 from jobplane.store.sql import SqlStore
@@ -72,6 +73,11 @@ class Scheduler:
         listener = asyncio.create_task(self._listen_for_resignations(resigned))
         try:
             while not stop.is_set():
+                if listener.done():
+                    # A dead listener stops the replica rather than leave it half alive.
+                    raise RuntimeError("the resignation listener stopped") from (
+                        None if listener.cancelled() else listener.exception()
+                    )
                 await self._campaign()
                 resigned.clear()
                 waits = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(resigned.wait())}
@@ -87,14 +93,18 @@ class Scheduler:
     async def _listen_for_resignations(self, resigned: asyncio.Event) -> None:
         """A leader stopping on SIGTERM says so: followers campaign at once instead of waiting
         for the lease to run out (the lease is the backstop if the event is lost)."""
-        while True:
-            try:
-                async for event in self.bus.subscribe():
-                    if event.kind is EventKind.LEADER_RESIGNED and self.lease is None:
-                        resigned.set()
-            except UnavailableError:
-                pass
-            await asyncio.sleep(1)
+
+        async def on_resigned(event: Event) -> None:
+            if self.lease is None:
+                resigned.set()
+
+        await listen(
+            self.bus,
+            on_resigned,
+            role="scheduler",
+            what="leader resignations",
+            kinds={EventKind.LEADER_RESIGNED},
+        )
 
     async def _campaign(self) -> None:
         s = self.settings
@@ -597,16 +607,19 @@ class LeaderDuties:
 
     async def _event_loop(self) -> None:
         """Definition edits reach the leader at once (the sweep's version check is the
-        backstop if the event is lost)."""
-        while True:
-            try:
-                async for event in self.bus.subscribe():
-                    if event.kind is EventKind.DEFINITIONS_CHANGED:
-                        async with self._planning:
-                            await self._replan(await self.cache.apply_event(event))
-            except UnavailableError:
-                pass
-            await asyncio.sleep(1)
+        backstop if the event is lost). A lost term ends the duties (``NotLeaderError``)."""
+        await listen(
+            self.bus,
+            self._on_definitions_changed,
+            role="scheduler",
+            what="definition edits",
+            kinds={EventKind.DEFINITIONS_CHANGED},
+            propagate=(NotLeaderError,),
+        )
+
+    async def _on_definitions_changed(self, event: Event) -> None:
+        async with self._planning:
+            await self._replan(await self.cache.apply_event(event))
 
 
 def _first_line(exc: BaseException) -> str:

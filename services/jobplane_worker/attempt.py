@@ -15,16 +15,15 @@ from opentelemetry.context import Context
 from pydantic import BaseModel
 
 from jobplane.app import JobSpec, Resources
-from jobplane.context import CANCEL_REQUESTED, JobContext
+from jobplane.context import JobContext
 from jobplane.domain.limits import MAX_RESULT_BYTES, check_json
 from jobplane.domain.models import Claim, ErrorInfo, Outcome
 from jobplane.domain.options import Isolation
+from jobplane.domain.reasons import EndReason, StopReason
 from jobplane.domain.states import InstanceState
 from jobplane_worker.isolation import ChildFailedError, run_in_child
 
 logger = logging.getLogger(__name__)
-
-TIMEOUT = "timeout"
 
 
 @dataclass
@@ -92,7 +91,9 @@ async def run_attempt(
     except TimeoutError:
         if ctx.cancellation.cancel_requested:
             return _cancelled(claim)  # cancelled during the timeout's grace: no retry
-        return _failed(claim, TimeoutError(f"timed out after {timeout:g} s"), reason=TIMEOUT)
+        return _failed(
+            claim, TimeoutError(f"timed out after {timeout:g} s"), reason=StopReason.TIMEOUT
+        )
     except asyncio.CancelledError:
         if ctx.cancellation.cancel_requested:
             return _cancelled(claim)
@@ -115,17 +116,17 @@ async def _run_async(
     hard: list[asyncio.TimerHandle] = []
 
     def on_signal() -> None:
-        if ctx.cancellation.reason == TIMEOUT:
+        if ctx.cancellation.reason == StopReason.TIMEOUT:
             hard.append(loop.call_later(grace_s, task.cancel))
         else:
             task.cancel()
 
     ctx.cancellation.on_set(on_signal)
-    soft = loop.call_later(timeout_s, ctx.cancellation.set, TIMEOUT)
+    soft = loop.call_later(timeout_s, ctx.cancellation.set, StopReason.TIMEOUT)
     try:
         result = await spec.func(**kwargs)
     except asyncio.CancelledError:
-        if ctx.cancellation.reason != TIMEOUT:
+        if ctx.cancellation.reason != StopReason.TIMEOUT:
             raise
         task.uncancel()
         raise TimeoutError from None
@@ -133,7 +134,7 @@ async def _run_async(
         soft.cancel()
         for handle in hard:
             handle.cancel()
-    if ctx.cancellation.reason == TIMEOUT:
+    if ctx.cancellation.reason == StopReason.TIMEOUT:
         raise TimeoutError  # it noticed the signal and returned: the attempt still timed out
     return result
 
@@ -155,7 +156,7 @@ async def _run_sync(
     try:
         return await asyncio.wait_for(asyncio.shield(future), timeout_s)
     except TimeoutError:
-        attempt.ctx.cancellation.set(TIMEOUT)
+        attempt.ctx.cancellation.set(StopReason.TIMEOUT)
         await asyncio.wait({future}, timeout=grace_s)  # a cooperative job returns by now
         if not future.done():
             _report_runaway(attempt.ctx, timeout_s + grace_s)
@@ -178,7 +179,9 @@ def _report_runaway(ctx: JobContext, after_s: float) -> None:
 
 
 def _cancelled(claim: Claim) -> Outcome:
-    return Outcome(claim.instance.id, claim.token, InstanceState.CANCELLED, reason=CANCEL_REQUESTED)
+    return Outcome(
+        claim.instance.id, claim.token, InstanceState.CANCELLED, reason=StopReason.CANCEL_REQUESTED
+    )
 
 
 def _succeeded(claim: Claim, result: Any) -> Outcome:
@@ -192,7 +195,7 @@ def _succeeded(claim: Claim, result: Any) -> Outcome:
     return Outcome(claim.instance.id, claim.token, InstanceState.SUCCEEDED, result=result)
 
 
-def _failed(claim: Claim, exc: BaseException, reason: str | None = None) -> Outcome:
+def _failed(claim: Claim, exc: BaseException, reason: StopReason | None = None) -> Outcome:
     retry_number = claim.instance.retries_used + 1
     delay = claim.options.backoff.delay_for(retry_number, random.random())
     if isinstance(exc, ChildFailedError):
@@ -208,6 +211,6 @@ def _failed(claim: Claim, exc: BaseException, reason: str | None = None) -> Outc
         claim.token,
         InstanceState.FAILED,
         error=error,
-        reason=reason or "exception",
+        reason=reason or EndReason.EXCEPTION,
         retry_delay_s=delay,
     )

@@ -45,15 +45,12 @@ from pydantic import BaseModel
 from jobplane.app import App, JobSpec
 from jobplane.context import JobContext, LeaseLostError
 from jobplane.domain.limits import MAX_RESULT_BYTES, check_json
+from jobplane.domain.reasons import StopReason
 from jobplane.errors import JobplaneError, StoreUnavailableError
 
 logger = logging.getLogger(__name__)
 
 KILL_GRACE_S = 1.0
-#: The outcome reason of a timed-out attempt (as in :mod:`jobplane_worker.attempt`).
-TIMEOUT = "timeout"
-#: ``ctx.cancellation.reason`` in the child once the worker signalled it (SIGTERM).
-SIGNALLED = "cancelled by the worker"
 Message = dict[str, Any]
 
 
@@ -110,9 +107,9 @@ async def run_in_child(
         if final in done:
             return _unpack(final.result(), process)
         if cancelled not in done:
-            ctx.cancellation.set(TIMEOUT)
+            ctx.cancellation.set(StopReason.TIMEOUT)
         await _stop(process, final, grace_s, ctx)
-        if ctx.cancellation.reason == TIMEOUT:
+        if ctx.cancellation.reason == StopReason.TIMEOUT:
             raise TimeoutError  # whether or not it returned within the grace
         raise asyncio.CancelledError
     finally:
@@ -366,9 +363,9 @@ async def _child_run(
     # The worker's SIGTERM (timeout, cancel request, shutdown) sets the job's cancellation, on
     # this loop; the worker sends SIGKILL if the job has not ended within its grace.
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, ctx.cancellation.set, SIGNALLED)
+    loop.add_signal_handler(signal.SIGTERM, ctx.cancellation.set, StopReason.SIGNALLED)
     if _early_signal.is_set():
-        ctx.cancellation.set(SIGNALLED)
+        ctx.cancellation.set(StopReason.SIGNALLED)
     async with app.lifespan() as resources:
         kwargs = spec.bind(ctx, args, resources)
         if spec.is_async:

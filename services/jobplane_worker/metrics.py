@@ -7,6 +7,7 @@ tests), and each one's figures are its own.
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import StrEnum
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -19,12 +20,33 @@ from prometheus_client import (
 from sqlalchemy.exc import DBAPIError
 
 from jobplane.domain.models import Instance
+from jobplane.domain.states import InstanceState
 from jobplane.errors import BusUnavailableError, StoreUnavailableError
 from jobplane.store.base import StoreConflictError
 
-#: Outcome labels besides the instance states (succeeded, failed, cancelled).
-LEASE_LOST = "lease_lost"
-RELEASED = "released"
+
+class ClaimOutcome(StrEnum):
+    """How a claim of this worker ended: the ``outcome`` label of the finished attempts."""
+
+    SUCCEEDED = InstanceState.SUCCEEDED.value
+    FAILED = InstanceState.FAILED.value
+    CANCELLED = InstanceState.CANCELLED.value
+    #: Not recorded: the lease was lost (another worker may own the instance).
+    LEASE_LOST = "lease_lost"
+    #: Released on shutdown (back to Enqueued, no retry used).
+    RELEASED = "released"
+
+
+class FencedWrite(StrEnum):
+    """Writes of an attempt that its claim token fences: the ``write`` label of the refused."""
+
+    CLAIM = "claim"  # the claim answered too late to run (the lease may have ended)
+    HEARTBEAT = "heartbeat"
+    PROGRESS = "progress"
+    CHECKPOINT = "checkpoint"
+    OUTCOME = "outcome"
+
+
 #: Pickup lag buckets (seconds): a lone job starts within milliseconds of its publication.
 PICKUP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0, 300.0)
 #: (backend, kind) of every error the worker counts (see :func:`error_kind`).
@@ -66,7 +88,8 @@ class WorkerMetrics:
         self.finished = Counter(
             "jobplane_worker_attempts_finished",
             "Attempts ended in this worker, by job and outcome (succeeded, failed, cancelled; "
-            f"{LEASE_LOST}: not recorded, the lease was lost; {RELEASED}: released on shutdown)",
+            f"{ClaimOutcome.LEASE_LOST}: not recorded, the lease was lost; "
+            f"{ClaimOutcome.RELEASED}: released on shutdown)",
             ["job", "outcome"],
             registry=self.registry,
         )

@@ -13,6 +13,7 @@ from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobplane.domain.models import BulkCancel, Instance, InstanceFilter
+from jobplane.domain.reasons import EndReason
 from jobplane.domain.states import InstanceState
 from jobplane.store import rows
 from jobplane.store.base import SqlBase, retry_conflicts
@@ -20,7 +21,7 @@ from jobplane.store.instances import filtered
 from jobplane.store.moves import move_instances
 from jobplane.store.tables import job_instances
 
-CANCEL_REASON = "cancelled before it ran"
+CANCEL_REASON = EndReason.CANCELLED_BEFORE_RUN
 
 #: A cancel ends these at once ...
 QUEUED = (InstanceState.SCHEDULED, InstanceState.ENQUEUED)

@@ -31,6 +31,7 @@ from jobplane.domain.models import (
     Outcome,
 )
 from jobplane.domain.options import JobOptions, OnLimit
+from jobplane.domain.reasons import EndReason
 from jobplane.domain.states import InstanceState, check_transition
 from jobplane.errors import (
     IllegalTransitionError,
@@ -398,7 +399,7 @@ class LifecycleStore(SqlBase):
                     state,
                     InstanceState.CANCELLED,
                     actor=actor,
-                    reason="cancelled before it ran",
+                    reason=EndReason.CANCELLED_BEFORE_RUN,
                 )
                 return moved
             if state in (InstanceState.PROCESSING, InstanceState.FAILED):

@@ -1,0 +1,189 @@
+"""The leases of the attempts a worker runs: renewed by its heartbeat, and a fence that stops
+an attempt whose lease could not be renewed before the lease ends.
+
+The heartbeat waits on the store; the fence never does, so a hung heartbeat cannot delay it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from uuid import UUID
+
+from jobplane.domain.models import Claim
+from jobplane.domain.options import Isolation
+from jobplane.domain.reasons import StopReason
+from jobplane.errors import StoreUnavailableError, WorkerEvictedError
+from jobplane.store.abc import Store
+from jobplane_worker.attempt import Attempt
+from jobplane_worker.metrics import FencedWrite, WorkerMetrics
+from jobplane_worker.settings import WorkerSettings
+
+# The role's logger, as for every part of the worker: operators filter on it.
+logger = logging.getLogger("jobplane_worker.worker")
+
+
+class Leases:
+    """Renews the leases of ``running`` (the worker's attempts, shared with it) and fences off
+    an attempt before a lease it could not renew ends."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        store: Store,
+        settings: WorkerSettings,
+        metrics: WorkerMetrics,
+        running: dict[UUID, Attempt],
+    ) -> None:
+        self.worker_id = worker_id
+        self.store = store
+        self.settings = settings
+        self.metrics = metrics
+        self.running = running
+        #: Per running instance, a ``time.monotonic()`` until which its lease surely holds:
+        #: ``lease_s`` after the claim or last renewal was sent.
+        self._until: dict[UUID, float] = {}
+
+    def track(self, instance_id: UUID, lease_until: float) -> None:
+        """A claimed instance starts: its lease holds until ``lease_until`` (monotonic)."""
+        self._until[instance_id] = lease_until
+
+    def forget(self, instance_id: UUID) -> float:
+        """The attempt has ended: when its lease surely held until (0 if unknown)."""
+        return self._until.pop(instance_id, 0.0)
+
+    async def heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_s)
+            try:
+                if not await self.store.worker_heartbeat(self.worker_id):
+                    raise WorkerEvictedError(
+                        f"worker {self.worker_id} was marked stopped while it ran (paused or cut "
+                        "off past the dead-worker threshold); stopping at once"
+                    )
+                await self._renew()
+            except StoreUnavailableError as exc:
+                self.metrics.backend_error(exc)
+                logger.warning("heartbeat failed: %s", exc, extra={"action": "worker.heartbeat"})
+
+    async def fence_loop(self) -> None:
+        """Fence this worker off before its leases end: an attempt whose lease could not be
+        renewed in time (the store is unreachable, a partition, a heartbeat stuck on a dead
+        connection) is stopped while the lease still holds, so the reaper never hands the
+        instance to another worker while this copy runs. Runs on its own, never waiting on the
+        store: a hung heartbeat cannot delay it."""
+        period = min(self.settings.heartbeat_s / 2, 0.5)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for attempt in list(self.running.values()):
+                if attempt.lease_lost or attempt.fenced:
+                    continue
+                fence_at = self.fence_at(attempt)
+                if fence_at is not None and now >= fence_at:
+                    self._fence(attempt)
+
+    def fence_at(self, attempt: Attempt) -> float | None:
+        """When (monotonic) the fence stops ``attempt`` unless its lease is renewed first."""
+        until = self._until.get(attempt.claim.instance.id)
+        return None if until is None else until - self.fence_margin(attempt.claim)
+
+    def fence_margin(self, claim: Claim) -> float:
+        """How long before its lease ends an attempt is stopped: a heartbeat (the interval the
+        fence loop and a last renewal need), plus the kill grace of an isolated child (SIGTERM,
+        then SIGKILL ``timeout_grace_s`` later); never more than half the lease."""
+        margin = self.settings.heartbeat_s
+        if claim.options.isolation is Isolation.PROCESS:
+            margin += self.settings.timeout_grace_s
+        return min(margin, self.settings.lease_s / 2)
+
+    def _fence(self, attempt: Attempt) -> None:
+        instance_id = attempt.claim.instance.id
+        # Stopped while the lease still holds. What it leaves is written as usual, fenced by
+        # its claim token: a release (the code stopped) or an outcome (it had just ended) is
+        # accepted if nobody has claimed the instance since, and refused otherwise.
+        attempt.fenced = True
+        attempt.ctx.cancellation.set(StopReason.LEASE_LOST)
+        if attempt.code_running:
+            # A sync job's thread cannot be stopped: it is reported, as any runaway.
+            self.metrics.runaways.labels(job=attempt.claim.instance.job_key).inc()
+            logger.error(
+                "cannot renew the lease of instance %s and its sync code ignores the stop: "
+                "runaway (another worker may run the instance once the lease ends)",
+                instance_id,
+                extra={
+                    "action": "worker.fence_runaway",
+                    "instance_id": str(instance_id),
+                    "job_key": attempt.claim.instance.job_key,
+                },
+            )
+        logger.warning(
+            "cannot renew the lease of instance %s before it ends; stopping it",
+            instance_id,
+            extra={
+                "action": "worker.fenced",
+                "instance_id": str(instance_id),
+                "job_key": attempt.claim.instance.job_key,
+            },
+        )
+
+    async def _renew(self) -> None:
+        attempts = [a for a in self.running.values() if not (a.lease_lost or a.fenced)]
+        if not attempts:
+            return
+        # Progress stays pending until a heartbeat has written it (a failed one loses nothing).
+        progress = {
+            a.claim.instance.id: a.ctx.pending_progress
+            for a in attempts
+            if a.ctx.pending_progress is not None
+        }
+        sent = time.monotonic()
+        kept = await self.store.heartbeat(
+            [a.lease for a in attempts], self.settings.lease_s, progress
+        )
+        for attempt in attempts:
+            instance_id = attempt.claim.instance.id
+            if instance_id in kept:
+                self._until[instance_id] = sent + self.settings.lease_s
+                if attempt.ctx.pending_progress is progress.get(instance_id):
+                    attempt.ctx.pending_progress = None  # written; a newer report would stay
+            if instance_id not in kept:
+                # Another worker may own it now; every write of ours would be refused anyway.
+                attempt.lease_lost = True
+                attempt.ctx.cancellation.set(StopReason.LEASE_LOST)
+                self.metrics.lease_lost_writes.labels(write=FencedWrite.HEARTBEAT).inc()
+                logger.warning(
+                    "lost the lease of instance %s; stopping it",
+                    instance_id,
+                    extra={"action": "worker.lease_lost", "instance_id": str(instance_id)},
+                )
+            elif kept[instance_id]:
+                attempt.ctx.cancellation.set(StopReason.CANCEL_REQUESTED)
+
+    async def flush_progress(self, attempt: Attempt) -> None:
+        """Write progress reported since the last heartbeat before the outcome is recorded,
+        so that the last report of a short attempt is not lost."""
+        progress = attempt.ctx.pending_progress
+        if progress is None:
+            return
+        instance_id = attempt.claim.instance.id
+        try:
+            # A heartbeat of this one lease: fenced by the claim token and the Processing
+            # state, so a stale attempt (lease lost, instance re-claimed) writes nothing.
+            kept = await self.store.heartbeat(
+                [attempt.lease], self.settings.lease_s, {instance_id: progress}
+            )
+        except StoreUnavailableError as exc:
+            self.metrics.backend_error(exc)
+            logger.warning(
+                "could not write the last progress of %s: %s",
+                instance_id,
+                exc,
+                extra={"action": "worker.progress", "instance_id": str(instance_id)},
+            )
+            return
+        if attempt.ctx.pending_progress == progress:
+            attempt.ctx.pending_progress = None  # written; a newer report stays pending
+        if instance_id not in kept:
+            self.metrics.lease_lost_writes.labels(write=FencedWrite.PROGRESS).inc()
