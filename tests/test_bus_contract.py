@@ -184,7 +184,7 @@ async def test_same_worker_id_finds_its_pending_entries_after_a_restart(bus: Bus
 async def test_undecodable_entry_goes_to_dead_letters_and_reading_goes_on(
     bus: Bus, caplog: pytest.LogCaptureFixture
 ) -> None:
-    keys: Keys = bus.keys  # type: ignore[attr-defined]
+    keys = keys_of(bus)
     stream = keys.queue_stream("default", band_of(5))
     consumer = bus.consumer("w1", ["default"])
     await consumer.read(1, 10)  # creates the groups

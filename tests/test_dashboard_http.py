@@ -116,7 +116,9 @@ async def test_session_cookie_roles_and_revocation(
     assert "HttpOnly" in cookie and "SameSite=lax" in cookie and "Path=/" in cookie
     page = await dash.get("/jobs/greet")
     assert page.status_code == 200 and "Trigger greet" not in page.text
-    csrf = CSRF.search(page.text)[1]  # type: ignore[index]
+    found = CSRF.search(page.text)
+    assert found, page.text
+    csrf = found[1]
     refused = await dash.post("/jobs/greet/trigger", data={"args": "{}", "csrf": csrf})
     assert refused.status_code == 403 and "operator role" in refused.text
     data = {"version": "1", "retries": "3", "csrf": csrf}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from uuid import UUID
 
 import pytest
 
@@ -33,9 +34,9 @@ def test_a_cancel_after_a_timeout_is_still_recorded() -> None:
     assert calls == ["timeout"]  # the callbacks ran once, for the first reason
 
 
-async def _processing(store: SqlStore, instance_id: object) -> None:
+async def _processing(store: SqlStore, instance_id: UUID) -> None:
     async def running() -> bool:
-        return (await store.get_instance(instance_id)).state is S.PROCESSING  # type: ignore[arg-type]
+        return (await store.get_instance(instance_id)).state is S.PROCESSING
 
     await wait_for(running, what="the instance to run")
 
