@@ -86,7 +86,7 @@ async def test_announce_marks_then_tells(store: SqlStore, bus: Bus) -> None:
     await define(store, "a", cron="0 * * * *")
     version = await _edit(store, "a", description="x")
     events = bus.subscribe()
-    assert isinstance(events, AsyncGenerator)  # both buses' subscriptions are, and close so
+    assert isinstance(events, AsyncGenerator)  # (both buses subscribe with one: it closes)
     first = asyncio.ensure_future(anext(events))
     await asyncio.sleep(0.1)  # subscribed before the event goes out
     await announce(bus, [await store.get_definition("a")])
