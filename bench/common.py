@@ -31,7 +31,7 @@ REDIS_URL = os.environ.get("JOBPLANE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"
 def _admin(sql: str) -> None:
     dsn = make_url(POSTGRES_URL).set(drivername="postgresql").render_as_string(False)
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql)  # type: ignore[arg-type]
+        conn.execute(sql)
 
 
 @asynccontextmanager

@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import httpx
+from fastapi import FastAPI
 
 from jobplane.bus.factory import open_bus
 from jobplane.domain.options import JobOptions
@@ -21,9 +22,18 @@ from tests.fixtures.bus import delete_prefix
 from tests.fixtures.store import admin, database_url_for
 
 
+class AppClient(httpx.AsyncClient):
+    """A client of ``app`` in-process (no server), which keeps the app at hand for the tests
+    that read its route table or add a route."""
+
+    def __init__(self, app: FastAPI) -> None:
+        super().__init__(transport=httpx.ASGITransport(app=app), base_url="http://api")
+        self.app = app
+
+
 @dataclass
 class LiveApi:
-    client: httpx.AsyncClient
+    client: AppClient
     store: SqlStore
 
 
@@ -44,11 +54,8 @@ async def live_api(
         tick = JobOptions.parse(key="tick", kind="recurring", cron="0 12 * * *")
         await store.register_definition(tick, None, "test")
         app = create_app(settings, store=store, bus=bus)
-        async with app.router.lifespan_context(app):
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
-                client.app = app  # type: ignore[attr-defined]
-                yield LiveApi(client, store)
+        async with app.router.lifespan_context(app), AppClient(app) as client:
+            yield LiveApi(client, store)
     finally:
         await bus.close()
         await store.close()

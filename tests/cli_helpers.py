@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO
 
@@ -27,11 +27,15 @@ def jobplane_env(**overrides: str) -> dict[str, str]:
     return env
 
 
-def run_cli(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, timeout: float = 60, env: Mapping[str, str] | None = None, **overrides: str
+) -> subprocess.CompletedProcess[str]:
+    """Run ``jobplane *args`` to its end, in :func:`jobplane_env` with ``env`` and then the
+    keywords set. (A mapping goes in ``env``: spread as keywords, its keys could be ``timeout``.)"""
     return subprocess.run(
         [JOBPLANE, *args],
         cwd=ROOT,
-        env=jobplane_env(**env),
+        env=jobplane_env(**{**(env or {}), **overrides}),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -62,7 +66,7 @@ def stop_all(procs: list[subprocess.Popen[str]], *, sig: int = signal.SIGKILL) -
             proc.send_signal(sig)
     hung: list[str] = []
     for proc in procs:
-        command = " ".join(map(str, proc.args))
+        command = _command(proc)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -79,6 +83,14 @@ def stop_all(procs: list[subprocess.Popen[str]], *, sig: int = signal.SIGKILL) -
             sys.stderr.write(f"--- {command} (exit {proc.returncode}) ---\n{tail}\n")
     if hung:
         raise AssertionError(f"did not stop within 30 s of signal {sig}: {hung}")
+
+
+def _command(proc: subprocess.Popen[str]) -> str:
+    """``proc``'s command line, its words joined by spaces."""
+    args = proc.args
+    if isinstance(args, str | bytes | os.PathLike):
+        return str(args)
+    return " ".join(map(str, args))
 
 
 def output_of(proc: subprocess.Popen[str], limit: int = 1 << 22) -> str:
@@ -103,9 +115,9 @@ async def wait_for_output(proc: subprocess.Popen[str], text: str, timeout_s: flo
     deadline = time.monotonic() + timeout_s
     while text not in output_of(proc):
         if proc.poll() is not None:
-            raise AssertionError(f"{proc.args} exited ({proc.returncode}) before {text!r}")
+            raise AssertionError(f"{proc.args!r} exited ({proc.returncode}) before {text!r}")
         if time.monotonic() > deadline:
-            raise AssertionError(f"{proc.args} did not print {text!r} in {timeout_s} s")
+            raise AssertionError(f"{proc.args!r} did not print {text!r} in {timeout_s} s")
         await asyncio.sleep(0.05)
 
 

@@ -9,6 +9,8 @@ from typing import Any
 
 import typer
 from pydantic_settings import BaseSettings
+from starlette.applications import Starlette
+from starlette.routing import Route
 
 from jobplane.settings import CommonSettings
 from jobplane_api.main import create_app
@@ -64,13 +66,14 @@ def routes(role: str) -> set[str]:
     if role == "api":
         paths = create_app(ApiSettings()).openapi()["paths"]
         return {path for path, operations in paths.items() if "get" in operations}
+    # The probe apps are built with no role behind them: their routes are read, never served.
     if role == "scheduler":
-        app: Any = scheduler_probes(None)  # type: ignore[arg-type]  # routes only, never served
+        app: Starlette = scheduler_probes(None)  # type: ignore[arg-type]  # routes only
     elif role == "worker":
-        app = worker_probes(None)  # type: ignore[arg-type]
+        app = worker_probes(None)  # type: ignore[arg-type]  # routes only
     else:
         return set()
-    return {r.path for r in app.routes if "GET" in (getattr(r, "methods", None) or ())}
+    return {r.path for r in app.routes if isinstance(r, Route) and "GET" in (r.methods or ())}
 
 
 def seconds(duration: str | int | float) -> float:

@@ -40,4 +40,5 @@ async def slots_used(store: SqlStore, key: str = "job") -> int:
     """The job's concurrency slots in use (its ``job_slots`` counter)."""
     async with store.engine.connect() as conn:
         used = await conn.scalar(select(job_slots.c.used).where(job_slots.c.job_key == key))
+    assert used is not None, f"job {key!r} has no job_slots row"
     return int(used)

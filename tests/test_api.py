@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
 from itertools import pairwise
+from typing import Any
 from uuid import UUID, uuid4
 
 import httpx
@@ -44,12 +45,12 @@ async def api(store: SqlStore, bus: Bus) -> AsyncIterator[httpx.AsyncClient]:
             yield client
 
 
-def _problem(response: httpx.Response, status: int) -> dict[str, object]:
+def _problem(response: httpx.Response, status: int) -> dict[str, Any]:
     assert response.status_code == status, response.text
     assert response.headers["content-type"].startswith(PROBLEM)
-    body = response.json()
+    body: dict[str, Any] = response.json()
     assert body["status"] == status and body["title"]
-    return body  # type: ignore[no-any-return]
+    return body
 
 
 async def test_list_and_get_jobs(api: httpx.AsyncClient) -> None:
@@ -114,7 +115,7 @@ async def test_edit_pause_resume(api: httpx.AsyncClient, bus: Bus) -> None:
     body = _problem(bad, 422)
     assert body["errors"] == [{"field": "cron", "reason": bad.json()["errors"][0]["reason"]}]
     immutable = await api.patch("/api/v1/jobs/tick", json={"version": 2, "options": {"key": "x"}})
-    assert _problem(immutable, 422)["errors"][0]["field"] == "key"  # type: ignore[index]
+    assert _problem(immutable, 422)["errors"][0]["field"] == "key"
     paused = (await api.post("/api/v1/jobs/tick/pause")).json()
     assert paused["paused"] and paused["next_fire_times"] == []
     resumed = (await api.post("/api/v1/jobs/tick/resume")).json()
@@ -165,9 +166,9 @@ async def test_trigger_validates_arguments_and_replays_idempotency_keys(
     assert created.status_code == 201, created.text
     assert created.json()["state"] == "enqueued" and created.json()["args"] == {"value": 3}
     bad = await api.post("/api/v1/jobs/echo/instances", json={"args": {"value": "three"}})
-    assert _problem(bad, 422)["errors"][0]["field"] == "args.value"  # type: ignore[index]
+    assert _problem(bad, 422)["errors"][0]["field"] == "args.value"
     missing = await api.post("/api/v1/jobs/echo/instances", json={"args": {}})
-    assert _problem(missing, 422)["errors"][0]["field"] == "args"  # type: ignore[index]
+    assert _problem(missing, 422)["errors"][0]["field"] == "args"
     _problem(await api.post("/api/v1/jobs/nope/instances", json={}), 404)
     _problem(await api.post("/api/v1/jobs/echo/instances", json={"priority": 99}), 422)
     _problem(await api.post("/api/v1/jobs/echo/instances", content=b"{not json"), 422)
@@ -254,13 +255,13 @@ async def test_batch_and_single_trigger_refuse_naive_run_at(api: httpx.AsyncClie
     single = await api.post(
         "/api/v1/jobs/echo/instances", json={"args": {"value": 1}, "run_at": naive}
     )
-    assert _problem(single, 422)["errors"][0]["field"] == "body.run_at"  # type: ignore[index]
+    assert _problem(single, 422)["errors"][0]["field"] == "body.run_at"
     items = [
         {"job_key": "echo", "args": {"value": 1}, "run_at": _LATER},
         {"job_key": "echo", "args": {"value": 2}, "run_at": naive},
     ]
     batch = await api.post("/api/v1/instances/batch", json={"items": items})
-    assert _problem(batch, 422)["errors"][0]["field"] == "body.items.1.run_at"  # type: ignore[index]
+    assert _problem(batch, 422)["errors"][0]["field"] == "body.items.1.run_at"
     both = [{"job_key": "echo", "args": {"value": 1}, "run_at": _LATER, "delay_s": 5}]
     problem = _problem(await api.post("/api/v1/instances/batch", json={"items": both}), 422)
     assert problem["errors"] == [
@@ -534,11 +535,11 @@ async def test_trigger_at_a_time_and_pinned_to_a_worker(
     stored = await store.get_instance(UUID(pinned.json()["id"]))
     assert stored.pinned_worker == "w-only"
     both = await api.post(url, json={"args": {"value": 4}, "run_at": later, "delay_s": 1})
-    assert _problem(both, 422)["errors"] == [  # type: ignore[comparison-overlap]
+    assert _problem(both, 422)["errors"] == [
         {"field": "delay_s", "reason": "give run_at or delay_s, not both"}
     ]
     too_long = await api.post(url, json={"args": {"value": 5}, "pinned_worker": "w" * 201})
-    assert _problem(too_long, 422)["errors"][0]["field"] == "body.pinned_worker"  # type: ignore[index]
+    assert _problem(too_long, 422)["errors"][0]["field"] == "body.pinned_worker"
 
 
 async def test_jobs_list_filters_by_queue_and_paused(

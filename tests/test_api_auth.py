@@ -16,6 +16,7 @@ from jobplane.store.factory import open_store
 from jobplane.store.sql import SqlStore
 from jobplane_api.main import create_app
 from jobplane_api.settings import ApiSettings
+from tests.api_helpers import AppClient
 from tests.apps.basic import app as jobs_app
 
 OPEN = {
@@ -65,21 +66,17 @@ async def pg_store(pg_database_url: str) -> AsyncIterator[SqlStore]:
 
 
 @pytest.fixture
-async def client(pg_store: SqlStore, redis_bus: Bus) -> AsyncIterator[httpx.AsyncClient]:
+async def client(pg_store: SqlStore, redis_bus: Bus) -> AsyncIterator[AppClient]:
     api = create_app(ApiSettings(auth_enabled=True), store=pg_store, bus=redis_bus)
-    async with api.router.lifespan_context(api):
-        transport = httpx.ASGITransport(app=api)
-        async with httpx.AsyncClient(transport=transport, base_url="http://api") as c:
-            c.app = api  # type: ignore[attr-defined]
-            yield c
+    async with api.router.lifespan_context(api), AppClient(api) as c:
+        yield c
 
 
-def _routes(client: httpx.AsyncClient) -> list[tuple[str, str]]:
+def _routes(client: AppClient) -> list[tuple[str, str]]:
     """Every operation of the app, from its OpenAPI document (which FastAPI builds from the
     route table)."""
-    api = client.app  # type: ignore[attr-defined]
-    out = []
-    for path, operations in api.openapi()["paths"].items():
+    out: list[tuple[str, str]] = []
+    for path, operations in client.app.openapi()["paths"].items():
         if path not in OPEN:
             out.extend((method.upper(), path) for method in operations)
     assert out, "no routes found"
@@ -94,11 +91,11 @@ def _url(path: str) -> str:
     )
 
 
-async def test_every_route_has_a_declared_role(client: httpx.AsyncClient) -> None:
+async def test_every_route_has_a_declared_role(client: AppClient) -> None:
     assert set(_routes(client)) == set(NEEDS), "a route was added without its role here"
 
 
-async def test_every_route_refuses_missing_and_bad_tokens(client: httpx.AsyncClient) -> None:
+async def test_every_route_refuses_missing_and_bad_tokens(client: AppClient) -> None:
     for method, path in _routes(client):
         for headers in ({}, {"Authorization": "Bearer jp_nope"}, {"Authorization": "Basic x"}):
             response = await client.request(method, _url(path), headers=headers, json={})

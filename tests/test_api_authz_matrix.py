@@ -58,7 +58,7 @@ async def matrix(postgres_url: str, pg_template: str, redis_url: str) -> AsyncIt
                 {"id": expired.id},
             )
         headers["expired"] = {"Authorization": f"Bearer {secret}"}
-        document = live.client.app.openapi()  # type: ignore[attr-defined]
+        document = live.client.app.openapi()
         operations = [
             (method.upper(), path, operation)
             for path, methods in document["paths"].items()

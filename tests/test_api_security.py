@@ -19,21 +19,19 @@ from jobplane.store.sql import SqlStore
 from jobplane_api.authn import Authenticator, Refusal
 from jobplane_api.main import DEFAULT_CSP, create_app
 from jobplane_api.settings import ApiSettings
+from tests.api_helpers import AppClient
 from tests.apps.basic import app as jobs_app
 from tests.cli_helpers import run_cli
 
 
 @pytest.fixture
-async def client(pg_store: SqlStore, redis_bus: Bus) -> AsyncIterator[httpx.AsyncClient]:
+async def client(pg_store: SqlStore, redis_bus: Bus) -> AsyncIterator[AppClient]:
     for spec in jobs_app.jobs.values():
         await pg_store.register_definition(spec.options, spec.args_schema(), "test")
     settings = ApiSettings(auth_enabled=True, auth_failures_per_minute=5, max_body_bytes=4096)
     api = create_app(settings, store=pg_store, bus=redis_bus)
-    async with api.router.lifespan_context(api):
-        transport = httpx.ASGITransport(app=api)
-        async with httpx.AsyncClient(transport=transport, base_url="http://api") as c:
-            c.app = api  # type: ignore[attr-defined]
-            yield c
+    async with api.router.lifespan_context(api), AppClient(api) as c:
+        yield c
 
 
 def bearer(secret: str) -> dict[str, str]:
@@ -47,7 +45,7 @@ async def test_no_token_is_401_whatever_the_body(client: httpx.AsyncClient) -> N
         {"content": b"x" * 10_000},  # over the body limit
         {"json": {"args": [[[[1]]]], "unknown": True}},  # invalid
     ):
-        response = await client.post(url, **request)  # type: ignore[arg-type]
+        response = await client.post(url, **request)
         assert response.status_code == 401, response.text
         assert response.headers["www-authenticate"] == "Bearer"
     assert (await client.get("/api/v1/instances/%00")).status_code == 401
@@ -156,12 +154,12 @@ async def test_the_last_admin_token_cannot_be_revoked(
 def test_an_admin_token_is_recovered_from_the_database(pg_database_url: str) -> None:
     env = {"JOBPLANE_DATABASE_URL": pg_database_url}
     made = run_cli("token", "create", "--role", "admin", "--name", "recovery",
-                   "--expires-in", "2h", **env)  # fmt: skip
+                   "--expires-in", "2h", env=env)  # fmt: skip
     assert made.returncode == 0, made.stderr
     assert made.stdout.strip().startswith("jp_")
-    listed = run_cli("token", "ls", **env)
+    listed = run_cli("token", "ls", env=env)
     assert "recovery" in listed.stdout and "expires" in listed.stdout, listed.stdout
-    bad = run_cli("token", "create", "--role", "admin", "--expires-in", "soon", **env)
+    bad = run_cli("token", "create", "--role", "admin", "--expires-in", "soon", env=env)
     assert bad.returncode == 2 and "--expires-in" in bad.stderr
 
 
@@ -173,7 +171,7 @@ def test_durations() -> None:
             parse_duration(bad)
 
 
-async def test_security_headers_and_local_docs(client: httpx.AsyncClient) -> None:
+async def test_security_headers_and_local_docs(client: AppClient) -> None:
     for path in ("/healthz", "/api/v1/jobs", "/openapi.json", "/docs"):
         assert (await client.get(path)).headers["x-content-type-options"] == "nosniff"
     docs = await client.get("/docs")
@@ -191,8 +189,9 @@ async def test_security_headers_and_local_docs(client: httpx.AsyncClient) -> Non
 
     from fastapi.responses import HTMLResponse
 
-    api = client.app  # type: ignore[attr-defined]
-    api.add_api_route("/plain-html", lambda: HTMLResponse("<p>hi</p>"), include_in_schema=False)
+    client.app.add_api_route(
+        "/plain-html", lambda: HTMLResponse("<p>hi</p>"), include_in_schema=False
+    )
     plain = await client.get("/plain-html")
     assert plain.headers["content-security-policy"] == DEFAULT_CSP
 

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ class _System:
     name = "Jobplane"
     version = "0.1.0"
     keeps = "every transition, in Postgres"
-    notes = ("a note",)
+    notes: Sequence[str] = ("a note",)
 
 
 def _rows() -> list[table.Row]:

@@ -37,7 +37,7 @@ async def test_migrate_provisions_the_token_once_and_the_api_accepts_it(
     secret = new_token()
     env = {"JOBPLANE_DATABASE_URL": pg_database_url, "JOBPLANE_BOOTSTRAP_ADMIN_TOKEN": secret}
     for _ in range(2):  # idempotent: every migrate (each deploy) runs it
-        result = await asyncio.to_thread(run_cli, "migrate", **env)
+        result = await asyncio.to_thread(run_cli, "migrate", env=env)
         assert result.returncode == 0, result.stderr
         assert secret not in result.stderr
     [token] = await pg_store.list_tokens()

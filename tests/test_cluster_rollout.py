@@ -123,7 +123,7 @@ async def test_scaling_and_rolling_every_role_loses_and_fails_nothing(
 ) -> None:
     token = "jp_" + secrets.token_urlsafe(32)
     migrated = await asyncio.to_thread(
-        run_cli, "migrate", **cluster.env, JOBPLANE_BOOTSTRAP_ADMIN_TOKEN=token
+        run_cli, "migrate", env=cluster.env, JOBPLANE_BOOTSTRAP_ADMIN_TOKEN=token
     )
     assert migrated.returncode == 0, migrated.stderr
     began = time.monotonic()

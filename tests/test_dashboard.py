@@ -9,7 +9,7 @@ import re
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, expect
+from playwright.sync_api import Browser, Dialog, expect
 
 from tests.fixtures.dashboard import DESKTOP, Cluster, screenshot, sign_in
 
@@ -200,7 +200,12 @@ def test_cancel_running_instances_one_and_in_bulk(browser: Browser, cluster: Clu
     expect(rows).to_have_count(2, timeout=10_000)
     page.get_by_label("Select every instance shown").check()
     asked: list[str] = []
-    page.once("dialog", lambda d: (asked.append(d.message), d.accept()))
+
+    def confirm(dialog: Dialog) -> None:
+        asked.append(dialog.message)
+        dialog.accept()
+
+    page.once("dialog", confirm)
     page.locator("#bulk").get_by_role("button", name="Cancel").click()
     expect(page.locator(".flash-ok")).to_contain_text("told 2 running to stop")
     assert asked == ["Cancel 2 selected instance(s)?"]

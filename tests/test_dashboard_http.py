@@ -62,7 +62,7 @@ async def _csrf(client: httpx.AsyncClient, path: str) -> str:
 async def test_every_page_renders_with_auth_off(open_dash: httpx.AsyncClient) -> None:
     """``jobplane dev``: no login, everyone is admin, but the CSRF check still applies."""
     csrf = await _csrf(open_dash, "/jobs/greet")
-    for headers in ({}, {"X-CSRF-Token": ("é" * 64).encode()}, {"X-CSRF-Token": csrf[::-1]}):
+    for headers in ({}, {b"X-CSRF-Token": ("é" * 64).encode()}, {"X-CSRF-Token": csrf[::-1]}):
         refused = await open_dash.post(
             "/jobs/greet/trigger", data={"args": '{"name": "x"}'}, headers=headers
         )
@@ -116,7 +116,9 @@ async def test_session_cookie_roles_and_revocation(
     assert "HttpOnly" in cookie and "SameSite=lax" in cookie and "Path=/" in cookie
     page = await dash.get("/jobs/greet")
     assert page.status_code == 200 and "Trigger greet" not in page.text
-    csrf = CSRF.search(page.text)[1]  # type: ignore[index]
+    found = CSRF.search(page.text)
+    assert found, page.text
+    csrf = found[1]
     refused = await dash.post("/jobs/greet/trigger", data={"args": "{}", "csrf": csrf})
     assert refused.status_code == 403 and "operator role" in refused.text
     data = {"version": "1", "retries": "3", "csrf": csrf}
@@ -452,7 +454,8 @@ async def test_job_page_charts_the_duration_of_its_latest_runs(
     await store.request_cancel(waiting.id, "test")  # ended without a run: no bar
     ended = await store.recent_ends("greet", 10)
     assert {i.id for i in ended} == {i.id for i in made}
-    assert [i.finished_at for i in ended] == sorted([i.finished_at for i in ended], reverse=True)
+    finished = [i.finished_at for i in ended if i.finished_at is not None]
+    assert len(finished) == len(ended) and finished == sorted(finished, reverse=True)
     assert len(await store.recent_ends("greet", 2)) == 2
 
     page = (await open_dash.get("/jobs/greet")).text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncGenerator
 
 import pytest
 
@@ -85,13 +86,14 @@ async def test_announce_marks_then_tells(store: SqlStore, bus: Bus) -> None:
     await define(store, "a", cron="0 * * * *")
     version = await _edit(store, "a", description="x")
     events = bus.subscribe()
+    assert isinstance(events, AsyncGenerator)  # (both buses subscribe with one: it closes)
     first = asyncio.ensure_future(anext(events))
     await asyncio.sleep(0.1)  # subscribed before the event goes out
     await announce(bus, [await store.get_definition("a")])
     assert await bus.get_pending_updates(["a"]) == {"a": version}
     event = await asyncio.wait_for(first, 5)
     assert event.kind is EventKind.DEFINITIONS_CHANGED and event.data == {"keys": ["a"]}
-    await events.aclose()  # type: ignore[attr-defined]
+    await events.aclose()
 
 
 async def test_leader_applies_a_pending_update_before_firing(store: SqlStore, bus: Bus) -> None:

@@ -166,7 +166,7 @@ async def test_idempotency_key_replays_and_conflicts(
         assert again == first
         for kwargs in ({"args": {"value": 2}}, {"args": {"value": 1}, "priority": 1}):
             with engine.begin() as conn, pytest.raises(IdempotencyConflictError) as info:
-                enqueue(conn, "echo", idempotency_key="o-1", delay=timedelta(hours=1), **kwargs)  # type: ignore[arg-type]
+                enqueue(conn, "echo", idempotency_key="o-1", delay=timedelta(hours=1), **kwargs)
             assert info.value.key == "o-1"
         with engine.begin() as conn, pytest.raises(IdempotencyConflictError):
             enqueue(conn, "always_fails", idempotency_key="o-1")  # another job

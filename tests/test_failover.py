@@ -127,7 +127,8 @@ async def test_every_tick_fires_exactly_once_through_leader_kills(
     assert skipped["tick_all"] == [], "fire_all skipped a tick"
     for key in ("tick_once", "tick_once_2", "tick_skip"):
         # Ticks are missed only across a failover: one stretch of Skipped each at most.
-        stretches = sum(1 for a, b in itertools.pairwise([None, *skipped[key]]) if _apart(a, b))
+        ticks = skipped[key]  # each paired with the one before it (None for the first)
+        stretches = sum(1 for a, b in zip([None, *ticks], ticks, strict=False) if _apart(a, b))
         assert stretches <= len(kills), (key, skipped[key])
         if key == "tick_skip":
             # Every SIGKILL misses a tick at least (the lease runs out more than the grace
@@ -141,20 +142,25 @@ async def test_every_tick_fires_exactly_once_through_leader_kills(
 def _check_record(key: str, instances: list[Instance], still_firing_at: datetime) -> None:
     """One tick job's record: every second exactly once, up to the end, each tick Skipped
     ("misfire") or run (it returns the tick it ran for)."""
-    assert all(i.scheduled_at is not None for i in instances)
-    record = sorted(instances, key=lambda i: i.scheduled_at)  # type: ignore[arg-type,return-value]
-    ticks = [i.scheduled_at for i in record]
+    record = sorted(instances, key=_tick)
+    ticks = [_tick(i) for i in record]
     assert len(ticks) == len(set(ticks)), f"{key}: a tick fired twice"
-    gaps = {b - a for a, b in itertools.pairwise(ticks)}  # type: ignore[operator]
+    gaps = {b - a for a, b in itertools.pairwise(ticks)}
     assert gaps == {timedelta(seconds=1)}, f"{key}: a tick went missing"
-    assert ticks[-1] >= still_firing_at, f"{key}: firing stopped before the end"  # type: ignore[operator]
+    assert ticks[-1] >= still_firing_at, f"{key}: firing stopped before the end"
     assert len(ticks) >= 30
     for i in record:
         if i.state is S.SKIPPED:
             assert i.reason == "misfire"
         else:
             assert i.state is S.SUCCEEDED, f"{key}: {i.id} ended {i.state}"
-            assert i.result == i.scheduled_at.isoformat()  # type: ignore[union-attr]
+            assert i.result == _tick(i).isoformat()
+
+
+def _tick(instance: Instance) -> datetime:
+    """A tick job's instance's tick (every one has one)."""
+    assert instance.scheduled_at is not None, instance
+    return instance.scheduled_at
 
 
 def _skipped(instances: list[Instance]) -> list[datetime]:

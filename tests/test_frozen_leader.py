@@ -11,6 +11,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from datetime import datetime
 
 import psycopg
 import pytest
@@ -131,9 +132,9 @@ async def _some(store: SqlStore) -> bool:
     return sum((await store.count_by_state("tick")).values()) >= 2
 
 
-async def _created_after(store: SqlStore, at: object) -> list:  # type: ignore[type-arg]
+async def _created_after(store: SqlStore, at: datetime) -> list[datetime]:
     page = await store.list_instances(InstanceFilter(job_key="tick"), limit=5000)
-    return [i.created_at for i in page.items if i.created_at > at]  # type: ignore[operator]
+    return [i.created_at for i in page.items if i.created_at > at]
 
 
 def _wait_for_idle_in_transaction(url: str) -> tuple[str, ...] | None:

@@ -86,7 +86,7 @@ def test_a_long_outage_is_recorded_in_bounded_passes() -> None:
     friday_night = datetime(2026, 5, 8, 22, tzinfo=UTC)  # a Friday
     made = records(JobDefinition(options=weekdays, version=1), T0, friday_night)
     assert len(made) == 15  # Mon-Fri (T0 is a Friday at noon: from Monday the 4th)
-    assert [m.scheduled_at.strftime("%a %H:%M") for m in made[-5:]] == [
+    assert [f"{m.scheduled_at:%a %H:%M}" for m in made[-5:]] == [
         "Thu 09:01",
         "Thu 09:02",
         "Fri 09:00",

@@ -25,7 +25,9 @@ async def test_a_connection_closed_mid_transaction_releases_the_write_lock(
         # What SQLAlchemy does when a task is cancelled mid-statement: the connection is closed
         # inside its transaction while a cursor of it is still referenced (by the traceback).
         raw = await engine.raw_connection()
-        sqlite_conn = raw.driver_connection._connection  # type: ignore[union-attr]
+        driver = raw.driver_connection  # aiosqlite's connection, over the sqlite3 one
+        assert driver is not None
+        sqlite_conn = driver._connection
         kept: list[sqlite3.Cursor] = []
 
         def begin_and_leave_a_cursor_open() -> None:

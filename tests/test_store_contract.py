@@ -315,7 +315,7 @@ async def test_idempotency_key_reused_for_another_request_creates_nothing(
             await store.create_instances(
                 [
                     NewInstance(job_key="job", idempotency_key="fresh"),
-                    NewInstance(job_key=key, idempotency_key="k", **kw),  # type: ignore[arg-type]
+                    NewInstance(job_key=key, idempotency_key="k", **kw),
                 ]
             )
         assert info.value.key == "k"

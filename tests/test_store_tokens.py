@@ -28,7 +28,8 @@ async def test_expiry_and_last_use(store: SqlStore) -> None:
     async with store.engine.begin() as conn:
         await conn.execute(update(api_tokens).values(last_used_at=noted - timedelta(minutes=2)))
     await store.authenticate(secret)
-    assert (await store.list_tokens())[0].last_used_at >= noted  # type: ignore[operator]
+    used = (await store.list_tokens())[0].last_used_at
+    assert used is not None and used >= noted
     async with store.engine.begin() as conn:
         await conn.execute(
             update(api_tokens).values(expires_at=info.created_at - timedelta(seconds=1))

@@ -7,14 +7,20 @@ from datetime import timedelta
 
 import pytest
 
-from jobplane.domain.models import InstanceSource, NewInstance, Outcome, WorkerInfo
+from jobplane.domain.models import (
+    InstanceSource,
+    LeaderLease,
+    NewInstance,
+    Outcome,
+    WorkerInfo,
+)
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.base import NotLeaderError
 from jobplane.store.sql import SqlStore
 from tests.store_helpers import define, enqueue
 
 
-async def _lead(store: SqlStore, holder: str = "s1", ttl: float = 30):  # type: ignore[no-untyped-def]
+async def _lead(store: SqlStore, holder: str = "s1", ttl: float = 30) -> LeaderLease:
     lease = await store.acquire_leadership(0, holder, ttl)
     assert lease is not None
     return lease

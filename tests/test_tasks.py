@@ -104,7 +104,9 @@ async def test_run_together_raises_a_childs_error_and_stops_the_others() -> None
 
 async def test_a_cancel_reported_as_a_connection_error_stays_a_cancel() -> None:
     async def command() -> None:
-        asyncio.current_task().cancel()  # type: ignore[union-attr]
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
         try:
             await asyncio.sleep(1)
         except asyncio.CancelledError:

@@ -79,7 +79,7 @@ async def snapshot(store: SqlStore, instance_id: UUID) -> Snapshot:
             .one()
             ._mapping
         )
-        last = (
+        latest = (
             await conn.execute(
                 select(instance_transitions)
                 .where(instance_transitions.c.instance_id == instance_id)
@@ -87,12 +87,13 @@ async def snapshot(store: SqlStore, instance_id: UUID) -> Snapshot:
                 .limit(1)
             )
         ).first()
-        runaways = await conn.scalar(
-            select(func.count()).where(runaway_slots.c.instance_id == instance_id)
-        )
-    return Snapshot(
-        dict(row), await slots_used(store, row["job_key"]), last and dict(last._mapping), runaways
-    )
+        runaways: int = (
+            await conn.execute(
+                select(func.count()).where(runaway_slots.c.instance_id == instance_id)
+            )
+        ).scalar_one()  # a count: always one row
+    last = None if latest is None else dict(latest._mapping)
+    return Snapshot(dict(row), await slots_used(store, row["job_key"]), last, runaways)
 
 
 def assert_follows_table(

@@ -41,8 +41,8 @@ async def test_a_batch_read_after_the_stop_is_not_claimed_and_nothing_is_lost(
     app = _echo_app()
     stop = asyncio.Event()
     stopping_bus = StopDuringReadBus(redis_bus, stop)
-    settings = WorkerSettings(worker_id=f"w-{uuid.uuid4().hex[:8]}", **FAST)  # type: ignore[arg-type]
-    first = asyncio.create_task(Worker(app, pg_store, stopping_bus, settings).run(stop))  # type: ignore[arg-type]
+    settings = WorkerSettings(worker_id=f"w-{uuid.uuid4().hex[:8]}", **FAST)
+    first = asyncio.create_task(Worker(app, pg_store, stopping_bus, settings).run(stop))
 
     async def registered() -> bool:
         return len(await pg_store.list_workers()) == 1

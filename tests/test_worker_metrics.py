@@ -6,6 +6,7 @@ from __future__ import annotations
 from jobplane.app import App
 from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
+from jobplane.domain.models import Instance
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.sql import SqlStore
 from jobplane_worker.worker import Worker
@@ -25,6 +26,11 @@ async def refused() -> int:
     return 2  # its success is refused by a trigger in the database (see the test)
 
 
+def _pickup_lag_s(instance: Instance) -> float:
+    assert instance.started_at is not None, instance
+    return (instance.started_at - (instance.published_at or instance.created_at)).total_seconds()
+
+
 def _value(worker: Worker, name: str, **labels: str) -> float:
     return worker.metrics.registry.get_sample_value(name, labels) or 0.0
 
@@ -39,10 +45,7 @@ async def test_pickup_lag_is_observed_per_claim(pg_store: SqlStore, redis_bus: B
     claimed = [await pg_store.get_instance(i.id) for i in made]
     # Each observation is the store's claim time minus its publication time (its creation time
     # when the claim came before the publication was marked: a fast worker wins that race).
-    expected = sum(
-        (i.started_at - (i.published_at or i.created_at)).total_seconds()  # type: ignore[operator]
-        for i in claimed
-    )
+    expected = sum(_pickup_lag_s(i) for i in claimed)
     assert abs(lag - expected) < 1e-3 and 0 <= lag < 3.0
 
 

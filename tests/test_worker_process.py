@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from subprocess import Popen
+from typing import Protocol
 from uuid import UUID
 
 import httpx
@@ -26,10 +27,16 @@ from tests.worker_helpers import settled, wait_for
 pytestmark = pytest.mark.timeout(180)
 
 
+class SpawnWorker(Protocol):
+    """Start ``jobplane worker`` with this id, these extra arguments and environment."""
+
+    def __call__(self, worker_id: str, *extra: str, **env: str) -> Popen[str]: ...
+
+
 @pytest.fixture
 def spawn_worker(
     pg_database_url: str, redis_url: str, redis_prefix: str, tmp_path: Path
-) -> Iterator[object]:
+) -> Iterator[SpawnWorker]:
     procs: list[Popen[str]] = []
 
     def spawn(worker_id: str, *extra: str, **env: str) -> Popen[str]:
@@ -69,10 +76,10 @@ async def _migrated(store: SqlStore) -> None:
 
 
 async def test_worker_process_runs_jobs_and_stops_cleanly_on_sigterm(
-    pg_store: SqlStore, redis_bus: Bus, spawn_worker: object
+    pg_store: SqlStore, redis_bus: Bus, spawn_worker: SpawnWorker
 ) -> None:
     await _migrated(pg_store)
-    proc = spawn_worker("proc-1")  # type: ignore[operator]
+    proc = spawn_worker("proc-1")
     await wait_for(lambda: _has_definitions(pg_store), what="job registration", timeout_s=30)
     dispatcher = Dispatcher(pg_store, redis_bus)
     made = [await dispatcher.trigger("echo", {"value": i}) for i in range(20)]
@@ -87,9 +94,9 @@ async def test_worker_process_runs_jobs_and_stops_cleanly_on_sigterm(
 
 
 async def test_sigterm_mid_job_releases_it_for_another_worker(
-    pg_store: SqlStore, redis_bus: Bus, spawn_worker: object, tmp_path: Path
+    pg_store: SqlStore, redis_bus: Bus, spawn_worker: SpawnWorker, tmp_path: Path
 ) -> None:
-    first = spawn_worker("first", "--grace", "0.5", JOBPLANE_TEST_SLEEP_S="30")  # type: ignore[operator]
+    first = spawn_worker("first", "--grace", "0.5", JOBPLANE_TEST_SLEEP_S="30")
     await wait_for(lambda: _has_definitions(pg_store), what="job registration", timeout_s=30)
     instance = await Dispatcher(pg_store, redis_bus).trigger("sleepy")
     marker = tmp_path / "started"
@@ -98,7 +105,7 @@ async def test_sigterm_mid_job_releases_it_for_another_worker(
     assert first.wait(timeout=30) == 0
     released = await pg_store.get_instance(instance.id)
     assert released.state is S.ENQUEUED and released.retries_used == 0
-    spawn_worker("second", JOBPLANE_TEST_SLEEP_S="0.1")  # type: ignore[operator]
+    spawn_worker("second", JOBPLANE_TEST_SLEEP_S="0.1")
     [done] = await settled(pg_store, [instance.id], timeout_s=60)
     assert done.state is S.SUCCEEDED and done.worker_id == "second"
     assert done.retries_used == 0 and done.attempt == 2
@@ -108,10 +115,10 @@ async def test_sigterm_mid_job_releases_it_for_another_worker(
 
 
 async def test_health_port_serves_probes_and_reports_a_runaway(
-    pg_store: SqlStore, redis_bus: Bus, spawn_worker: object, tmp_path: Path
+    pg_store: SqlStore, redis_bus: Bus, spawn_worker: SpawnWorker, tmp_path: Path
 ) -> None:
     port = free_port()
-    proc = spawn_worker(  # type: ignore[operator]
+    proc = spawn_worker(
         "probed",
         "--health-port",
         str(port),
@@ -198,10 +205,10 @@ async def _metrics(http: httpx.AsyncClient) -> dict[str, float]:
 
 
 async def test_sigterm_ends_a_blocking_read_at_once(
-    pg_store: SqlStore, redis_url: str, spawn_worker: object
+    pg_store: SqlStore, redis_url: str, spawn_worker: SpawnWorker
 ) -> None:
     poll_s = 30
-    proc = spawn_worker("idle", JOBPLANE_POLL_MS=str(poll_s * 1000))  # type: ignore[operator]
+    proc = spawn_worker("idle", JOBPLANE_POLL_MS=str(poll_s * 1000))
     await wait_for(lambda: _has_definitions(pg_store), what="job registration", timeout_s=30)
     await wait_for(lambda: _blocked_reader(redis_url), what="a blocking read", timeout_s=30)
     sent = time.monotonic()
@@ -233,13 +240,13 @@ async def _exists(path: Path) -> bool:
 
 
 async def test_sigterm_waits_for_a_sync_job_that_ignores_it_and_releases_it_after(
-    pg_store: SqlStore, redis_bus: Bus, spawn_worker: object, tmp_path: Path
+    pg_store: SqlStore, redis_bus: Bus, spawn_worker: SpawnWorker, tmp_path: Path
 ) -> None:
     """A thread cannot be stopped: after --grace the attempt stays Processing on its worker
     (lease renewed) while its code runs, so a second worker never starts it meanwhile; once
     the code returns it is released, the second worker runs it, and the first exits 0."""
     fast = {"JOBPLANE_LEASE_S": "1.5"}
-    first = spawn_worker("first", "--grace", "0.5", **fast)  # type: ignore[operator]
+    first = spawn_worker("first", "--grace", "0.5", **fast)
     await wait_for(lambda: _has_definitions(pg_store), what="job registration", timeout_s=30)
     gate = tmp_path / "gate"
     log = tmp_path / "gate.log"
@@ -248,7 +255,7 @@ async def test_sigterm_waits_for_a_sync_job_that_ignores_it_and_releases_it_afte
     )
     await wait_for(lambda: _exists(log), what="the job to start", timeout_s=30)
     claimed = await pg_store.get_instance(instance.id)
-    spawn_worker("second", **fast)  # type: ignore[operator]
+    spawn_worker("second", **fast)
     await wait_for(lambda: _workers(pg_store, 2), what="the second worker", timeout_s=30)
     first.send_signal(signal.SIGTERM)
 
@@ -288,13 +295,13 @@ async def test_sigterm_waits_for_a_sync_job_that_ignores_it_and_releases_it_afte
 async def test_the_dead_worker_sweep_frees_the_slot_of_a_killed_workers_runaway(
     pg_store: SqlStore,
     redis_bus: Bus,
-    spawn_worker: object,
+    spawn_worker: SpawnWorker,
     tmp_path: Path,
     pg_database_url: str,
     redis_url: str,
     redis_prefix: str,
 ) -> None:
-    first = spawn_worker("first", JOBPLANE_TIMEOUT_GRACE_S="0.5")  # type: ignore[operator]
+    first = spawn_worker("first", JOBPLANE_TIMEOUT_GRACE_S="0.5")
     await wait_for(lambda: _has_definitions(pg_store), what="job registration", timeout_s=30)
     gate = tmp_path / "gate"  # never opened: only the kill stops the first attempt
     instance = await Dispatcher(pg_store, redis_bus).trigger("runaway_retried", {"path": str(gate)})
@@ -316,7 +323,7 @@ async def test_the_dead_worker_sweep_frees_the_slot_of_a_killed_workers_runaway(
         JOBPLANE_REPUBLISH_AFTER_S="1",
     )
     try:
-        spawn_worker("second")  # type: ignore[operator]
+        spawn_worker("second")
         [done] = await settled(pg_store, [instance.id], timeout_s=60)
     finally:
         stop_all([scheduler], sig=signal.SIGTERM)
@@ -341,7 +348,7 @@ async def _failed(store: SqlStore, instance_id: UUID) -> bool:
 
 async def test_a_worker_marked_dead_while_paused_exits_when_it_resumes(
     pg_store: SqlStore,
-    spawn_worker: object,
+    spawn_worker: SpawnWorker,
     pg_database_url: str,
     redis_url: str,
     redis_prefix: str,
@@ -349,7 +356,7 @@ async def test_a_worker_marked_dead_while_paused_exits_when_it_resumes(
     """Frozen past the dead-worker threshold, the worker's slots and pinned instances were
     given away: resumed, its next heartbeat finds it marked stopped and it exits at once
     (status 2) instead of running on; its row is never revived."""
-    worker = spawn_worker("paused")  # type: ignore[operator]
+    worker = spawn_worker("paused")
     await wait_for(lambda: _workers(pg_store, 1), what="the worker's registration", timeout_s=30)
     scheduler = spawn_cli(
         "scheduler",

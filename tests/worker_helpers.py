@@ -7,7 +7,7 @@ import inspect
 import uuid
 from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, cast
+from typing import Any, TypedDict, cast
 from uuid import UUID
 
 from jobplane.app import App
@@ -19,7 +19,20 @@ from jobplane.store.sql import SqlStore
 from jobplane_worker.settings import WorkerSettings
 from jobplane_worker.worker import Worker
 
-FAST = {
+
+class Timings(TypedDict):
+    """The worker settings that :data:`FAST` shortens (typed, so ``**FAST`` is checked)."""
+
+    poll_ms: int
+    heartbeat_s: float
+    lease_s: float
+    reclaim_idle_s: float
+    unknown_job_delay_s: float
+    grace_s: float
+    timeout_grace_s: float
+
+
+FAST: Timings = {
     "poll_ms": 100,
     "heartbeat_s": 0.2,
     "lease_s": 2.0,

@@ -92,8 +92,10 @@ class StreamWatch:
             if name.endswith(":dead"):
                 continue
             for _, fields in await client.xrange(name) or []:
+                if fields is None:  # an entry with no fields names no instance
+                    continue
                 with contextlib.suppress(EnvelopeError, KeyError, TypeError):
-                    instance = Envelope.decode(fields[b"d"]).instance_id  # type: ignore[index]
+                    instance = Envelope.decode(fields[b"d"]).instance_id
                     entries[instance] += 1
                     streams[instance].add(name)
         states, left_at, enqueued, now = await self._states(list(entries))

@@ -55,11 +55,20 @@ class Config:
 class Client(Protocol):
     """One way of enqueueing the no-op job (a row of the table)."""
 
-    label: str
-    #: Extra measurement: this many single calls in flight at once (``None``: not measured).
-    in_flight: int | None
-    #: Whether :meth:`bulk` exists (one call enqueues many jobs).
-    has_bulk: bool
+    # Read-only members (properties), so that an adapter's plain class attribute matches them
+    # (``in_flight = None`` is of type ``None``, which a settable ``int | None`` would refuse).
+
+    @property
+    def label(self) -> str:
+        """The row's label."""
+
+    @property
+    def in_flight(self) -> int | None:
+        """Extra measurement: this many single calls in flight at once (``None``: not measured)."""
+
+    @property
+    def has_bulk(self) -> bool:
+        """Whether :meth:`bulk` exists (one call enqueues many jobs)."""
 
     async def single(self, sent: float) -> None:
         """Enqueue one job with argument ``sent``; return once the system acknowledged it."""
@@ -68,13 +77,17 @@ class Client(Protocol):
         """Enqueue ``count`` jobs (argument 0) in one call (only if ``has_bulk``)."""
 
 
-class System(Protocol):
+class Described(Protocol):
+    """What a row of the table says about the system."""
+
     name: str
     version: str
     #: What the system keeps of a job after it ran (a table column).
     keeps: str
     notes: Sequence[str]
 
+
+class System(Described, Protocol):
     async def setup(self, config: Config) -> Sequence[Client]:
         """Create what the system needs (database, schema); the clients, first is the main."""
 
@@ -237,7 +250,7 @@ async def _latency(
 
 
 def _row(
-    system: System,
+    system: Described,
     row: ClientRow,
     index: int,
     drain: tuple[int, float, float],

@@ -56,7 +56,7 @@ class Workers:
         for proc in self._procs:
             if proc.poll() is not None:
                 log = self.log()
-                raise RuntimeError(f"worker {proc.args} exited with {proc.returncode}:\n{log}")
+                raise RuntimeError(f"worker {proc.args!r} exited with {proc.returncode}:\n{log}")
 
     def log(self) -> str:
         self._log.seek(0)
