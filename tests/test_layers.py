@@ -97,11 +97,7 @@ def test_every_error_of_the_core_lives_in_errors_py_and_derives_from_jobplane_er
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef) and any(
-                isinstance(base, ast.Name | ast.Attribute)
-                and (getattr(base, "id", None) or getattr(base, "attr", "")).endswith(
-                    ("Error", "Exception")
-                )
-                for base in node.bases
+                _name_of(base).endswith(("Error", "Exception")) for base in node.bases
             ):
                 defined_elsewhere.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
     assert defined_elsewhere == []
@@ -109,3 +105,11 @@ def test_every_error_of_the_core_lives_in_errors_py_and_derives_from_jobplane_er
         value = getattr(errors, name)
         if isinstance(value, type) and issubclass(value, Exception):
             assert value is errors.JobplaneError or issubclass(value, errors.JobplaneError), name
+
+
+def _name_of(base: ast.expr) -> str:
+    if isinstance(base, ast.Name):
+        return base.id
+    if isinstance(base, ast.Attribute):
+        return base.attr
+    return ""
