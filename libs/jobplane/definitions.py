@@ -23,7 +23,7 @@ from jobplane.bus.abc import Bus
 from jobplane.bus.envelope import Event, EventKind
 from jobplane.domain.models import JobDefinition
 from jobplane.errors import BusUnavailableError, JobNotFoundError
-from jobplane.store.abc import Store
+from jobplane.store.abc import DefinitionReads
 
 logger = logging.getLogger("jobplane.definitions")
 
@@ -54,7 +54,7 @@ class DefinitionCache:
     so a caller such as the leader re-plans exactly those.
     """
 
-    def __init__(self, store: Store, bus: Bus) -> None:
+    def __init__(self, store: DefinitionReads, bus: Bus) -> None:
         self.store = store
         self.bus = bus
         self._definitions: dict[str, JobDefinition] = {}

@@ -47,7 +47,7 @@ from jobplane.errors import (
 )
 from jobplane.errors import JobDisabledError as JobDisabledError  # re-exported
 from jobplane.idempotency import fingerprint
-from jobplane.store.abc import Store
+from jobplane.store.abc import DispatchStore
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class Dispatcher:
 
     def __init__(
         self,
-        store: Store,
+        store: DispatchStore,
         bus: Bus,
         *,
         hold_triggered: bool = False,
@@ -180,7 +180,7 @@ class Dispatcher:
         return found
 
     async def _publish_created(self, instance: Instance) -> None:
-        """Publish an instance that :meth:`Store.create_published` recorded as published; if
+        """Publish an instance that :meth:`DispatchStore.create_published` recorded as published; if
         the bus is out of reach, clear that record so the sweep publishes it shortly."""
         if await self._send([instance]):
             return
@@ -216,7 +216,7 @@ class Dispatcher:
 
     async def cancel_many(self, filter: InstanceFilter, *, limit: int, actor: str) -> BulkCancel:
         """Cancel up to ``limit`` instances that ``filter`` selects, in one store transaction
-        (see :meth:`Store.cancel_many`); tell the workers of the running ones."""
+        (see :meth:`DispatchStore.cancel_many`); tell the workers of the running ones."""
         done = await self.store.cancel_many(filter, limit=limit, actor=actor)
         for instance in done.requested:
             if instance.state is InstanceState.PROCESSING:

@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jobplane.auth import TokenInfo, hash_secret
 from jobplane.errors import UnavailableError
-from jobplane.store.sql import SqlStore
+from jobplane.store.abc import ApiStore
 from jobplane_api import problems
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class Authenticator:
         self._failures: OrderedDict[str, tuple[float, int]] = OrderedDict()  # window start, n
 
     async def authenticate(
-        self, store: SqlStore, authorization: str | None, client: str
+        self, store: ApiStore, authorization: str | None, client: str
     ) -> TokenInfo:
         """The live token of an ``Authorization: Bearer …`` header; raises Refusal (401, or
         429 for a client over its failure limit)."""
@@ -143,7 +143,7 @@ class AuthenticateFirst:
         if scope["type"] != "http" or not scope["path"].startswith(self.prefix):
             await self.app(scope, receive, send)
             return
-        store: SqlStore = scope["app"].state.store
+        store: ApiStore = scope["app"].state.store
         header = Headers(scope=scope).get("authorization")
         try:
             token = await self.authenticator.authenticate(store, header, client_of(scope))

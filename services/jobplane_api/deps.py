@@ -11,12 +11,12 @@ from fastapi import Depends, Request
 
 from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
-from jobplane.store.sql import SqlStore
+from jobplane.store.abc import ApiStore
 from jobplane_api.settings import ApiSettings
 
 
-async def get_store(request: Request) -> SqlStore:
-    store: SqlStore = request.app.state.store
+async def get_store(request: Request) -> ApiStore:
+    store: ApiStore = request.app.state.store
     return store
 
 
@@ -35,7 +35,7 @@ async def get_settings(request: Request) -> ApiSettings:
     return settings
 
 
-StoreDep = Annotated[SqlStore, Depends(get_store)]
+StoreDep = Annotated[ApiStore, Depends(get_store)]
 BusDep = Annotated[Bus, Depends(get_bus)]
 DispatcherDep = Annotated[Dispatcher, Depends(get_dispatcher)]
 SettingsDep = Annotated[ApiSettings, Depends(get_settings)]

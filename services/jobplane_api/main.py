@@ -18,7 +18,7 @@ from jobplane.backends import backends
 from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
 from jobplane.serving import bind, serve_until, supervise
-from jobplane.store.sql import SqlStore
+from jobplane.store.abc import ApiStore
 from jobplane_api import dashboard, docs, problems
 from jobplane_api.authn import AuthenticateFirst, Authenticator
 from jobplane_api.http_metrics import MeasureRequests, RequestMetrics
@@ -47,7 +47,7 @@ instance for those.
 
 
 def create_app(
-    settings: ApiSettings, *, store: SqlStore | None = None, bus: Bus | None = None
+    settings: ApiSettings, *, store: ApiStore | None = None, bus: Bus | None = None
 ) -> FastAPI:
     """The FastAPI app. A ``store``/``bus`` handed in is used and not closed; otherwise the
     lifespan opens them from ``settings`` and closes them on shutdown."""
@@ -235,7 +235,7 @@ async def serve(
     settings: ApiSettings,
     stop: asyncio.Event,
     *,
-    store: SqlStore | None = None,
+    store: ApiStore | None = None,
     bus: Bus | None = None,
     sockets: list[socket.socket] | None = None,
 ) -> None:

@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, gen
 
 from jobplane.bus.abc import Bus, StreamStats
 from jobplane.errors import UnavailableError
-from jobplane.store.sql import SqlStore
+from jobplane.store.abc import ApiStore
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class MetricsCache:
         self._until = -1.0
         self._lock = asyncio.Lock()
 
-    async def render(self, store: SqlStore, bus: Bus) -> tuple[bytes, str]:
+    async def render(self, store: ApiStore, bus: Bus) -> tuple[bytes, str]:
         async with self._lock:
             if self.clock() >= self._until:
                 self._body = await render_metrics(store, bus)
@@ -40,7 +40,7 @@ class MetricsCache:
             return self._body, CONTENT_TYPE_LATEST
 
 
-async def render_metrics(store: SqlStore, bus: Bus) -> bytes:
+async def render_metrics(store: ApiStore, bus: Bus) -> bytes:
     """A fresh registry per scrape: the figures are the store's and the bus's, not this
     process's. While the bus does not answer, the stream figures are left out."""
     counts, live_workers = await store.gauges()

@@ -28,9 +28,9 @@ from jobplane.dispatch import Dispatcher, envelope_for
 from jobplane.domain.models import Instance, JobDefinition, LeaderLease, NewInstance
 from jobplane.errors import BusUnavailableError, UnavailableError
 from jobplane.events import listen
+from jobplane.store.abc import LeaderStore
 from jobplane.store.base import NotLeaderError
 from jobplane.store.creation import ENQUEUED_CHANNEL
-from jobplane.store.sql import SqlStore
 from jobplane.tasks import cancel_and_wait, run_together
 from jobplane_scheduler.cron_timers import CronTimers, catch_up, is_active, occurrence
 from jobplane_scheduler.metrics import SchedulerMetrics, SweepStep
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     """One scheduler replica. Does not own the store or the bus."""
 
-    def __init__(self, store: SqlStore, bus: Bus, settings: SchedulerSettings) -> None:
+    def __init__(self, store: LeaderStore, bus: Bus, settings: SchedulerSettings) -> None:
         self.store = store
         self.bus = bus
         self.settings = settings
@@ -176,7 +176,7 @@ class LeaderDuties:
 
     def __init__(
         self,
-        store: SqlStore,
+        store: LeaderStore,
         bus: Bus,
         settings: SchedulerSettings,
         lease: LeaderLease,

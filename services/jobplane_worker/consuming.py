@@ -24,7 +24,7 @@ from jobplane.app import App
 from jobplane.bus.abc import Consumer, Delivery
 from jobplane.domain.models import Claim
 from jobplane.errors import BusUnavailableError, UnavailableError
-from jobplane.store.abc import Store
+from jobplane.store.abc import WorkerStore
 from jobplane_worker.metrics import FencedWrite, WorkerMetrics
 from jobplane_worker.settings import WorkerSettings
 from jobplane_worker.tracing import claim_spans
@@ -53,7 +53,7 @@ class Intake:
         self,
         worker_id: str,
         app: App,
-        store: Store,
+        store: WorkerStore,
         settings: WorkerSettings,
         metrics: WorkerMetrics,
         *,

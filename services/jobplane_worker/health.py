@@ -24,7 +24,7 @@ from starlette.routing import Route
 from jobplane.bus.abc import Bus
 from jobplane.probes import reach
 from jobplane.serving import bind, serve_until
-from jobplane.store.abc import Store
+from jobplane.store.abc import WorkerStore
 from jobplane_worker.metrics import WorkerMetrics
 from jobplane_worker.settings import WorkerSettings
 
@@ -38,7 +38,7 @@ class Probed(Protocol):
     """What the probes read of the worker."""
 
     @property
-    def store(self) -> Store: ...
+    def store(self) -> WorkerStore: ...
     @property
     def bus(self) -> Bus: ...
     @property

@@ -15,7 +15,7 @@ from jobplane.domain.models import Claim
 from jobplane.domain.options import Isolation
 from jobplane.domain.reasons import StopReason
 from jobplane.errors import StoreUnavailableError, WorkerEvictedError
-from jobplane.store.abc import Store
+from jobplane.store.abc import WorkerStore
 from jobplane_worker.attempt import Attempt
 from jobplane_worker.metrics import FencedWrite, WorkerMetrics
 from jobplane_worker.settings import WorkerSettings
@@ -31,7 +31,7 @@ class Leases:
     def __init__(
         self,
         worker_id: str,
-        store: Store,
+        store: WorkerStore,
         settings: WorkerSettings,
         metrics: WorkerMetrics,
         running: dict[UUID, Attempt],

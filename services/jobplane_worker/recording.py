@@ -19,7 +19,7 @@ from jobplane.domain.options import OnLimit
 from jobplane.domain.reasons import StopReason
 from jobplane.domain.states import InstanceState
 from jobplane.errors import StoreUnavailableError, UnavailableError
-from jobplane.store.abc import Store
+from jobplane.store.abc import WorkerStore
 from jobplane_worker.attempt import Attempt
 from jobplane_worker.metrics import FencedWrite, WorkerMetrics
 from jobplane_worker.poison import complete_isolating_poison
@@ -37,7 +37,7 @@ class Recorder:
     def __init__(
         self,
         worker_id: str,
-        store: Store,
+        store: WorkerStore,
         dispatcher: Dispatcher,
         settings: WorkerSettings,
         metrics: WorkerMetrics,
@@ -121,7 +121,7 @@ class Recorder:
 
     async def _republish(self, requeued: list[Instance], wait_keys: dict[str, int]) -> None:
         """Publish retries, and as many instances parked by ``on_limit=wait`` as slots were
-        freed. Store writes are retried for a bounded time."""
+        freed. WorkerStore writes are retried for a bounded time."""
         deadline = time.monotonic() + SIDE_WRITE_RETRY_S
         for key, freed in wait_keys.items():
             requeued.extend(

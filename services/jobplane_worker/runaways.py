@@ -11,7 +11,7 @@ from uuid import UUID
 
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.options import OnLimit
-from jobplane.store.abc import Store
+from jobplane.store.abc import WorkerStore
 from jobplane_worker.attempt import Attempt
 from jobplane_worker.metrics import WorkerMetrics
 from jobplane_worker.retrying import retrying
@@ -25,7 +25,7 @@ class Runaways:
 
     def __init__(
         self,
-        store: Store,
+        store: WorkerStore,
         dispatcher: Dispatcher,
         metrics: WorkerMetrics,
         slot_freed: asyncio.Event,

@@ -49,7 +49,7 @@ from jobplane.domain.reasons import StopReason
 from jobplane.errors import StoreUnavailableError, WorkerEvictedError
 from jobplane.events import listen
 from jobplane.startup import wait_until_reachable
-from jobplane.store.abc import Store
+from jobplane.store.abc import WorkerStore
 from jobplane.tasks import cancel_and_wait
 from jobplane_worker.attempt import Attempt, run_attempt
 from jobplane_worker.consuming import Intake
@@ -72,7 +72,7 @@ SHUTDOWN_NAG_S = 30.0
 class Worker:
     """One worker process's engine. Does not own the store or the bus."""
 
-    def __init__(self, app: App, store: Store, bus: Bus, settings: WorkerSettings) -> None:
+    def __init__(self, app: App, store: WorkerStore, bus: Bus, settings: WorkerSettings) -> None:
         self.app = app
         self.store = store
         self.bus = bus

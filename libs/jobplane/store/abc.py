@@ -1,5 +1,8 @@
 """The metadata store contract. Postgres is the source of truth; SQLite is the embedded default.
 
+One interface per role (:class:`WorkerStore`, :class:`LeaderStore`, :class:`ApiStore`, built
+from smaller ones they share); :class:`Store` is all of them, as the SQL stores implement it.
+
 Every state change is one compare-and-set on the instance's current state (and, for writes made
 for an attempt, its claim token), with its history record written in the same statement or
 transaction. A write that matches nothing changed nothing and left no history: callers get
@@ -8,7 +11,7 @@ transaction. A write that matches nothing changed nothing and left no history: c
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 from uuid import UUID
@@ -37,8 +40,8 @@ from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState
 
 
-class Store(Protocol):
-    """Persistent state of Jobplane. Implementations own their engine and close it."""
+class StoreConnection(Protocol):
+    """The connection every role holds."""
 
     async def close(self) -> None:
         """Dispose of the connection pool."""
@@ -49,7 +52,25 @@ class Store(Protocol):
     async def now(self) -> datetime:
         """The store's clock (aware UTC): the one clock every process compares against."""
 
-    # -- definitions ---------------------------------------------------------------------
+
+class DefinitionReads(Protocol):
+    """Reading job definitions (the leader's cache, the dispatcher, the API)."""
+
+    async def get_definition(self, key: str) -> JobDefinition:
+        """Raises :class:`~jobplane.errors.JobNotFoundError`."""
+
+    async def list_definitions(
+        self, keys: Collection[str] | None = None, *, app: str | None = None
+    ) -> list[JobDefinition]:
+        """All definitions, or those among ``keys`` and/or registered by the App named
+        ``app``, ordered by key."""
+
+    async def definition_versions(self) -> dict[str, int]:
+        """``{key: version}`` for every definition: the cheap convergence check of caches."""
+
+
+class Registration(Protocol):
+    """A worker registering the jobs of its app."""
 
     async def register_definition(
         self,
@@ -65,6 +86,10 @@ class Store(Protocol):
         ``args_schema`` and ``app`` (when given: the name of the App registering it) are
         refreshed from code. The slot counter row is created with it.
         """
+
+
+class DefinitionEdits(DefinitionReads, Registration, Protocol):
+    """Editing job definitions, with their version history (the API)."""
 
     async def save_definition(
         self, options: JobOptions, *, expected_version: int, actor: str
@@ -89,19 +114,16 @@ class Store(Protocol):
         """Every saved version of a definition (register, edit, pause, resume, rollback),
         newest first, each with its full options. Raises JobNotFoundError."""
 
-    async def get_definition(self, key: str) -> JobDefinition:
-        """Raises :class:`~jobplane.errors.JobNotFoundError`."""
 
-    async def list_definitions(
-        self, keys: Collection[str] | None = None, *, app: str | None = None
-    ) -> list[JobDefinition]:
-        """All definitions, or those among ``keys`` and/or registered by the App named
-        ``app``, ordered by key."""
+class WorkerReads(Protocol):
+    """The registered workers, as the workers and the API see them."""
 
-    async def definition_versions(self) -> dict[str, int]:
-        """``{key: version}`` for every definition: the cheap convergence check of caches."""
+    async def list_workers(self) -> list[WorkerInfo]: ...
 
-    # -- instances -----------------------------------------------------------------------
+
+class DispatchStore(StoreConnection, DefinitionReads, Protocol):
+    """What :class:`~jobplane.dispatch.Dispatcher` uses: creating instances, the publishing
+    bookkeeping, and an operator's moves (cancel, run now)."""
 
     async def create_instances(
         self, new: Sequence[NewInstance], *, fence: LeaderLease | None = None
@@ -146,6 +168,187 @@ class Store(Protocol):
 
     async def get_instance(self, instance_id: UUID) -> Instance:
         """Raises :class:`~jobplane.errors.InstanceNotFoundError`."""
+
+    async def request_cancel(self, instance_id: UUID, actor: str) -> Instance:
+        """Cancel: a Scheduled or Enqueued instance ends Cancelled at once; a Processing one
+        gets ``cancel_requested`` for its worker. Raises IllegalTransitionError when terminal
+        and InstanceNotFoundError when unknown."""
+
+    async def run_now(self, instance_id: UUID, actor: str) -> Instance:
+        """Run a Scheduled instance now (held by the debug mode, or delayed): → Enqueued, due
+        now, to be published by the caller. Raises IllegalTransitionError when it is not
+        Scheduled and InstanceNotFoundError when unknown."""
+
+    async def cancel_many(self, filter: InstanceFilter, *, limit: int, actor: str) -> BulkCancel:
+        """Cancel, in one transaction, up to ``limit`` instances that ``filter`` selects, oldest
+        first: Scheduled and Enqueued ones end Cancelled (with history), Processing and Failed
+        ones get ``cancel_requested``, as :meth:`request_cancel` does one at a time. Instances
+        a cancel cannot change (terminal, or moved on meanwhile) are skipped, never an error."""
+
+
+class WorkerStore(DispatchStore, Registration, WorkerReads, Protocol):
+    """The worker role: claims, heartbeats, checkpoints, outcomes, its own registration."""
+
+    async def claim(
+        self, ids: Sequence[UUID], worker_id: str, lease_s: float, jobs: Collection[str]
+    ) -> ClaimResult:
+        """Claim the Enqueued instances among ``ids`` for ``worker_id``, in one statement.
+
+        Only instances of ``jobs`` (the jobs this worker knows), not pinned to another worker,
+        are eligible. Each claimed instance takes a fresh token from the claim sequence, a lease
+        of ``lease_s`` on the store's clock, and one slot of its job: per job key, the free slots
+        (max concurrency - used) go to the eligible rows by priority then age; the excess is
+        Skipped (``on_limit=skip``) or left Enqueued and unpublished (``on_limit=wait``).
+        An eligible instance with ``cancel_requested`` (a cancel that reached a running attempt
+        which was then released) is never claimed: it ends Cancelled in the same statement.
+        """
+
+    async def heartbeat(
+        self,
+        leases: Collection[tuple[UUID, int]],
+        lease_s: float,
+        progress: Mapping[UUID, tuple[float, str | None]] | None = None,
+    ) -> dict[UUID, bool]:
+        """Extend the leases still held (id and token match, Processing) to ``lease_s`` from
+        the store's clock, and record the latest ``progress`` of those. Returns, for each lease
+        kept, whether a cancel was requested; a lease missing from the answer was lost."""
+
+    async def save_checkpoint(self, instance_id: UUID, claim_token: int, data: Any) -> bool:
+        """Persist a job's checkpoint (JSON) for its next attempt; fenced by the claim token.
+        ``False`` if the attempt no longer holds the instance."""
+
+    async def complete(self, outcomes: Sequence[Outcome]) -> dict[UUID, InstanceState]:
+        """Record the end of attempts (fenced by their claim tokens); release their slots.
+
+        A Failed attempt with retries left moves on to Scheduled (backoff > 0) or Enqueued
+        (the caller publishes it), otherwise to Terminated. A cancel wins over a retry: a Failed
+        outcome (exception or timeout) of an instance with ``cancel_requested`` ends Cancelled
+        instead, the error kept, decided by the same conditional update. Returns the state
+        each recorded instance ended in; an outcome whose token no longer matches was fenced
+        off, changed nothing, and is absent from the answer.
+
+        An outcome with ``holds_slot`` (its code still runs) keeps its job's slot, recorded as
+        held by (instance id, claim token) until :meth:`release_runaway_slot`, or until the
+        dead-worker sweep finds its worker stopped.
+        """
+
+    async def release_runaway_slot(self, instance_id: UUID, claim_token: int) -> bool:
+        """Give back the slot an attempt kept when its outcome was recorded with
+        ``holds_slot`` (its code has now returned). ``False`` if it holds none (never held,
+        already released, or released by the sweep)."""
+
+    async def republish_waiting(self, job_keys: Collection[str], limit: int) -> list[Instance]:
+        """Enqueued, unpublished instances of ``job_keys`` (parked by ``on_limit=wait``),
+        oldest first, marked published now: the caller hands them to the bus."""
+
+    async def register_worker(self, info: WorkerInfo) -> None:
+        """Insert or refresh a worker row; sets its heartbeat to now. Slots still held by
+        runaway code under this worker id (a previous process's) are given back."""
+
+    async def worker_heartbeat(self, worker_id: str) -> bool:
+        """Stamp the worker's heartbeat; False (and nothing stamped) if it was marked stopped
+        meanwhile: a worker the sweep declared dead is never silently revived."""
+        ...
+
+    async def worker_stopped(self, worker_id: str) -> None: ...
+
+    async def transition(
+        self,
+        instance_id: UUID,
+        to_state: InstanceState,
+        *,
+        expect: Collection[InstanceState],
+        claim_token: int | None = None,
+        actor: str,
+        reason: str | None = None,
+    ) -> Instance | None:
+        """Move one instance to ``to_state`` if it is in one of ``expect`` (and, when given,
+        still holds ``claim_token``). Leaving Processing releases the slot in the same
+        statement. Returns the new instance, or ``None`` if nothing matched.
+        Raises IllegalTransitionError if some state of ``expect`` cannot reach ``to_state``."""
+
+
+class LeaderStore(DispatchStore, Protocol):
+    """The scheduler role: its lease, and the leader's duties (each fenced by the leader's
+    lease: :class:`~jobplane.errors.NotLeaderError` once deposed)."""
+
+    async def acquire_leadership(self, shard: int, holder: str, ttl_s: float) -> LeaderLease | None:
+        """Take the lease of ``shard`` if it is free or expired (a new term), or renew it if
+        ``holder`` holds it (same term). ``None`` if someone else holds a live lease."""
+
+    async def release_leadership(self, shard: int, holder: str, term: int) -> bool:
+        """Give the lease up at once (graceful stop) if still held at ``term``."""
+
+    async def scheduler_seen(self, shard: int, holder: str) -> None:
+        """Record that replica ``holder`` campaigns for ``shard`` now (leader or standby);
+        forget replicas silent for an hour."""
+
+    async def scheduler_gone(self, shard: int, holder: str) -> None:
+        """Forget replica ``holder`` (it stops cleanly)."""
+
+    async def fire(self, lease: LeaderLease, new: Sequence[NewInstance]) -> list[Instance]:
+        """Create cron occurrences (and misfire records) as leader; a tick already recorded
+        is not created again (unique job key + scheduled time)."""
+
+    async def last_occurrences(self, keys: Collection[str]) -> dict[str, datetime]:
+        """The latest recorded cron tick of each job: where the next fire is computed from."""
+
+    async def promote_due(self, lease: LeaderLease, limit: int = 1000) -> list[Instance]:
+        """Scheduled instances whose ``run_at`` has come (database clock) → Enqueued."""
+
+    async def promote_due_each(self, lease: LeaderLease, limit: int = 1000) -> list[Instance]:
+        """:meth:`promote_due` one instance per transaction (after the database refused the
+        batch): an instance still refused is logged and left Scheduled."""
+
+    async def release_expired(self, lease: LeaderLease, limit: int = 1000) -> list[Instance]:
+        """Expired attempt leases: → Enqueued (an unexpected retry, no retry used), →
+        Terminated when unexpected retries are exhausted, → Cancelled if a cancel was pending.
+        Returns the released (Enqueued) ones, to publish."""
+
+    async def resolve_orphaned_pins(self, lease: LeaderLease) -> list[tuple[Instance, str]]:
+        """Instances pinned to a worker that is gone: unpinned (returned, to publish, each
+        with the worker it was pinned to) or Terminated, per the job's ``pin_fallback``."""
+
+    async def terminate_unknown_jobs(
+        self, lease: LeaderLease, after_s: float, limit: int = 1000
+    ) -> list[Instance]:
+        """Enqueued instances waiting longer than ``after_s`` of a job that no live worker has
+        registered, nor any worker for that long: → Terminated ("no worker knows the job")."""
+
+    async def scheduled_due_within(self, seconds: float) -> list[datetime]:
+        """``run_at`` of the Scheduled instances due within ``seconds``."""
+
+    async def unpublished(self, older_than_s: float, limit: int = 1000) -> list[Instance]:
+        """Enqueued, unclaimed instances whose message may be lost."""
+
+    async def unpublished_among(self, ids: Collection[UUID]) -> list[Instance]:
+        """Those of ``ids`` still Enqueued and never published (announced by a notification
+        from an in-transaction enqueue)."""
+
+    def notifications(self, channel: str) -> AsyncIterator[list[str]]:
+        """Batches of payloads notified on ``channel`` by committed transactions (Postgres
+        ``LISTEN``); ends at once on a store without notifications (SQLite). Raises
+        :class:`~jobplane.errors.StoreUnavailableError` when the listening connection is lost."""
+
+    async def all_enqueued(self, after: UUID | None, limit: int = 1000) -> list[Instance]:
+        """Every Enqueued instance in id order, a page at a time."""
+
+    async def mark_dead_workers(
+        self, silent_for_s: float, *, fence: LeaderLease | None = None
+    ) -> list[str]:
+        """Mark workers silent for ``silent_for_s`` as stopped; return their ids. Slots held
+        by runaway code of stopped workers are given back in the same transaction. Fenced by
+        the leader's lease ``fence``."""
+
+    async def delete_finished_before(
+        self, before: datetime, limit: int = 1000, *, fence: LeaderLease | None = None
+    ) -> int:
+        """Retention: delete a batch of terminal instances (and history) finished before.
+        Fenced by the leader's lease ``fence``."""
+
+
+class ApiStore(DispatchStore, DefinitionEdits, WorkerReads, Protocol):
+    """The API role (REST and the dashboard): reads, figures, the cluster's state, tokens."""
 
     async def list_instances(
         self, filter: InstanceFilter, *, limit: int = 50, before: UUID | None = None
@@ -201,121 +404,7 @@ class Store(Protocol):
         ``created_at - scheduled_at``) and p95 pickup lag (claims recorded in the window: the
         time since the instance's latest → Enqueued before it), with how many of each."""
 
-    # -- the attempt lifecycle -----------------------------------------------------------
-
-    async def claim(
-        self, ids: Sequence[UUID], worker_id: str, lease_s: float, jobs: Collection[str]
-    ) -> ClaimResult:
-        """Claim the Enqueued instances among ``ids`` for ``worker_id``, in one statement.
-
-        Only instances of ``jobs`` (the jobs this worker knows), not pinned to another worker,
-        are eligible. Each claimed instance takes a fresh token from the claim sequence, a lease
-        of ``lease_s`` on the store's clock, and one slot of its job: per job key, the free slots
-        (max concurrency - used) go to the eligible rows by priority then age; the excess is
-        Skipped (``on_limit=skip``) or left Enqueued and unpublished (``on_limit=wait``).
-        An eligible instance with ``cancel_requested`` (a cancel that reached a running attempt
-        which was then released) is never claimed: it ends Cancelled in the same statement.
-        """
-
-    async def heartbeat(
-        self,
-        leases: Collection[tuple[UUID, int]],
-        lease_s: float,
-        progress: Mapping[UUID, tuple[float, str | None]] | None = None,
-    ) -> dict[UUID, bool]:
-        """Extend the leases still held (id and token match, Processing) to ``lease_s`` from
-        the store's clock, and record the latest ``progress`` of those. Returns, for each lease
-        kept, whether a cancel was requested; a lease missing from the answer was lost."""
-
-    async def save_checkpoint(self, instance_id: UUID, claim_token: int, data: Any) -> bool:
-        """Persist a job's checkpoint (JSON) for its next attempt; fenced by the claim token.
-        ``False`` if the attempt no longer holds the instance."""
-
-    async def complete(self, outcomes: Sequence[Outcome]) -> dict[UUID, InstanceState]:
-        """Record the end of attempts (fenced by their claim tokens); release their slots.
-
-        A Failed attempt with retries left moves on to Scheduled (backoff > 0) or Enqueued
-        (the caller publishes it), otherwise to Terminated. A cancel wins over a retry: a Failed
-        outcome (exception or timeout) of an instance with ``cancel_requested`` ends Cancelled
-        instead, the error kept, decided by the same conditional update. Returns the state
-        each recorded instance ended in; an outcome whose token no longer matches was fenced
-        off, changed nothing, and is absent from the answer.
-
-        An outcome with ``holds_slot`` (its code still runs) keeps its job's slot, recorded as
-        held by (instance id, claim token) until :meth:`release_runaway_slot`, or until the
-        dead-worker sweep finds its worker stopped.
-        """
-
-    async def release_runaway_slot(self, instance_id: UUID, claim_token: int) -> bool:
-        """Give back the slot an attempt kept when its outcome was recorded with
-        ``holds_slot`` (its code has now returned). ``False`` if it holds none (never held,
-        already released, or released by the sweep)."""
-
-    async def transition(
-        self,
-        instance_id: UUID,
-        to_state: InstanceState,
-        *,
-        expect: Collection[InstanceState],
-        claim_token: int | None = None,
-        actor: str,
-        reason: str | None = None,
-    ) -> Instance | None:
-        """Move one instance to ``to_state`` if it is in one of ``expect`` (and, when given,
-        still holds ``claim_token``). Leaving Processing releases the slot in the same
-        statement. Returns the new instance, or ``None`` if nothing matched.
-        Raises IllegalTransitionError if some state of ``expect`` cannot reach ``to_state``."""
-
-    async def request_cancel(self, instance_id: UUID, actor: str) -> Instance:
-        """Cancel: a Scheduled or Enqueued instance ends Cancelled at once; a Processing one
-        gets ``cancel_requested`` for its worker. Raises IllegalTransitionError when terminal
-        and InstanceNotFoundError when unknown."""
-
-    async def run_now(self, instance_id: UUID, actor: str) -> Instance:
-        """Run a Scheduled instance now (held by the debug mode, or delayed): → Enqueued, due
-        now, to be published by the caller. Raises IllegalTransitionError when it is not
-        Scheduled and InstanceNotFoundError when unknown."""
-
-    async def cancel_many(self, filter: InstanceFilter, *, limit: int, actor: str) -> BulkCancel:
-        """Cancel, in one transaction, up to ``limit`` instances that ``filter`` selects, oldest
-        first: Scheduled and Enqueued ones end Cancelled (with history), Processing and Failed
-        ones get ``cancel_requested``, as :meth:`request_cancel` does one at a time. Instances
-        a cancel cannot change (terminal, or moved on meanwhile) are skipped, never an error."""
-
-    async def republish_waiting(self, job_keys: Collection[str], limit: int) -> list[Instance]:
-        """Enqueued, unpublished instances of ``job_keys`` (parked by ``on_limit=wait``),
-        oldest first, marked published now: the caller hands them to the bus."""
-
-    # -- workers and leadership ----------------------------------------------------------
-
-    async def register_worker(self, info: WorkerInfo) -> None:
-        """Insert or refresh a worker row; sets its heartbeat to now. Slots still held by
-        runaway code under this worker id (a previous process's) are given back."""
-
-    async def worker_heartbeat(self, worker_id: str) -> bool:
-        """Stamp the worker's heartbeat; False (and nothing stamped) if it was marked stopped
-        meanwhile: a worker the sweep declared dead is never silently revived."""
-        ...
-
-    async def worker_stopped(self, worker_id: str) -> None: ...
-
-    async def list_workers(self) -> list[WorkerInfo]: ...
-
-    async def acquire_leadership(self, shard: int, holder: str, ttl_s: float) -> LeaderLease | None:
-        """Take the lease of ``shard`` if it is free or expired (a new term), or renew it if
-        ``holder`` holds it (same term). ``None`` if someone else holds a live lease."""
-
-    async def release_leadership(self, shard: int, holder: str, term: int) -> bool:
-        """Give the lease up at once (graceful stop) if still held at ``term``."""
-
     async def get_leader(self, shard: int) -> LeaderLease | None: ...
-
-    async def scheduler_seen(self, shard: int, holder: str) -> None:
-        """Record that replica ``holder`` campaigns for ``shard`` now (leader or standby);
-        forget replicas silent for an hour."""
-
-    async def scheduler_gone(self, shard: int, holder: str) -> None:
-        """Forget replica ``holder`` (it stops cleanly)."""
 
     async def list_schedulers(self, shard: int) -> list[SchedulerReplica]:
         """Every replica remembered for ``shard``, the most recently seen first."""
@@ -327,66 +416,18 @@ class Store(Protocol):
         """Slots held by runaway code (an attempt whose outcome is recorded while its sync
         code runs on), the longest-held first; at most a few hundred."""
 
-    # -- leader duties (each fenced by the leader's lease; NotLeaderError when deposed) ----
-
-    async def fire(self, lease: LeaderLease, new: Sequence[NewInstance]) -> list[Instance]:
-        """Create cron occurrences (and misfire records) as leader; a tick already recorded
-        is not created again (unique job key + scheduled time)."""
-
-    async def last_occurrences(self, keys: Collection[str]) -> dict[str, datetime]:
-        """The latest recorded cron tick of each job: where the next fire is computed from."""
-
-    async def promote_due(self, lease: LeaderLease, limit: int = 1000) -> list[Instance]:
-        """Scheduled instances whose ``run_at`` has come (database clock) → Enqueued."""
-
-    async def promote_due_each(self, lease: LeaderLease, limit: int = 1000) -> list[Instance]:
-        """:meth:`promote_due` one instance per transaction (after the database refused the
-        batch): an instance still refused is logged and left Scheduled."""
-
-    async def release_expired(self, lease: LeaderLease, limit: int = 1000) -> list[Instance]:
-        """Expired attempt leases: → Enqueued (an unexpected retry, no retry used), →
-        Terminated when unexpected retries are exhausted, → Cancelled if a cancel was pending.
-        Returns the released (Enqueued) ones, to publish."""
-
-    async def resolve_orphaned_pins(self, lease: LeaderLease) -> list[tuple[Instance, str]]:
-        """Instances pinned to a worker that is gone: unpinned (returned, to publish, each
-        with the worker it was pinned to) or Terminated, per the job's ``pin_fallback``."""
-
-    async def terminate_unknown_jobs(
-        self, lease: LeaderLease, after_s: float, limit: int = 1000
-    ) -> list[Instance]:
-        """Enqueued instances waiting longer than ``after_s`` of a job that no live worker has
-        registered, nor any worker for that long: → Terminated ("no worker knows the job")."""
-
-    async def scheduled_due_within(self, seconds: float) -> list[datetime]:
-        """``run_at`` of the Scheduled instances due within ``seconds``."""
-
-    async def unpublished(self, older_than_s: float, limit: int = 1000) -> list[Instance]:
-        """Enqueued, unclaimed instances whose message may be lost."""
-
-    async def all_enqueued(self, after: UUID | None, limit: int = 1000) -> list[Instance]:
-        """Every Enqueued instance in id order, a page at a time."""
-
-    async def mark_dead_workers(
-        self, silent_for_s: float, *, fence: LeaderLease | None = None
-    ) -> list[str]:
-        """Mark workers silent for ``silent_for_s`` as stopped; return their ids. Slots held
-        by runaway code of stopped workers are given back in the same transaction. Fenced by
-        the leader's lease ``fence``."""
-
-    async def delete_finished_before(
-        self, before: datetime, limit: int = 1000, *, fence: LeaderLease | None = None
-    ) -> int:
-        """Retention: delete a batch of terminal instances (and history) finished before.
-        Fenced by the leader's lease ``fence``."""
-
-    # -- API tokens ------------------------------------------------------------------------
-
     async def create_token(
         self, name: str, role: Role, actor: str, *, expires_in: timedelta | None = None
     ) -> tuple[TokenInfo, str]:
         """A new token and its secret: the only time the secret exists outside the caller.
         With ``expires_in`` it stops working that long after now (the database's clock)."""
+
+    async def ensure_token(
+        self, secret: str, name: str, role: Role, actor: str
+    ) -> tuple[TokenInfo, bool]:
+        """The token with this (caller-chosen) secret, created with ``name`` and ``role`` if
+        no token has it yet; ``(info, created)``. Idempotent and safe under concurrency; an
+        existing token is returned as it is, even revoked."""
 
     async def authenticate(self, secret: str) -> TokenInfo | None:
         """The live token whose secret this is, if any (matched on its SHA-256): not revoked,
@@ -397,3 +438,8 @@ class Store(Protocol):
     async def revoke_token(self, token_id: UUID) -> bool:
         """Revoke at once; ``False`` if unknown or already revoked. Raises LastAdminError
         instead of revoking the last live admin token."""
+
+
+class Store(WorkerStore, LeaderStore, ApiStore, Protocol):
+    """Persistent state of Jobplane: every role's interface in one. Implementations own
+    their engine and close it. Roles type against the narrower interfaces above."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from jobplane.store.abc import Store
 from jobplane.store.base import logger
 from jobplane.store.bulk import BulkStore
 from jobplane.store.cluster import ClusterStore
@@ -25,7 +28,13 @@ class SqlStore(
     BulkStore,
     WorkloadStore,
 ):
-    """Generic implementation of :class:`jobplane.store.abc.Store`; owns its engine."""
+    """Generic implementation of :class:`jobplane.store.abc.Store` (every role's interface);
+    owns its engine."""
+
+
+if TYPE_CHECKING:
+    # The type checker proves the SQL stores implement every role's interface.
+    _IMPLEMENTS: type[Store] = SqlStore
 
 
 __all__ = ["LIMIT_REASON", "SqlStore", "logger"]

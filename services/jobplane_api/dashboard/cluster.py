@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from jobplane.domain.models import LeaderLease, RunawaySlot, WorkerInfo
-from jobplane.store.sql import SqlStore
+from jobplane.store.abc import ApiStore
 
 #: A worker whose heartbeat is older than this is shown as silent (the leader's sweep marks
 #: it stopped later, by its own setting).
@@ -27,14 +27,14 @@ class WorkerRow:
         return self.info.stopped_at is not None
 
 
-async def app_jobs(store: SqlStore, app: str) -> tuple[str, ...] | None:
+async def app_jobs(store: ApiStore, app: str) -> tuple[str, ...] | None:
     """The keys of the jobs ``app`` registered (``None``: no app, every job)."""
     if not app:
         return None
     return tuple(sorted(d.key for d in await store.list_definitions(app=app)))
 
 
-async def cluster_view(store: SqlStore, jobs: Collection[str] | None = None) -> dict[str, Any]:
+async def cluster_view(store: ApiStore, jobs: Collection[str] | None = None) -> dict[str, Any]:
     """Workers (live first) with their busy slots and runaway slots, the scheduler leader's
     lease and the other scheduler replicas (standbys; silent when they have not campaigned
     for 30 s). With ``jobs``, only the workers that registered one of them (an app's

@@ -9,7 +9,7 @@ from datetime import timedelta
 
 from jobplane.domain.models import InstanceFilter
 from jobplane.domain.states import InstanceState
-from jobplane.store.sql import SqlStore
+from jobplane.store.abc import ApiStore
 
 #: The time ranges the list offers, in minutes (0: any time).
 RANGES = {"": 0, "15m": 15, "1h": 60, "24h": 1440, "7d": 10080}
@@ -30,7 +30,7 @@ class Listing:
 
 
 async def listing_of(
-    store: SqlStore, *, state: Sequence[str], job: str, worker: str, since: str, app: str
+    store: ApiStore, *, state: Sequence[str], job: str, worker: str, since: str, app: str
 ) -> Listing:
     states = tuple(InstanceState(s) for s in state if s in set(InstanceState))
     minutes = RANGES.get(since, 0)
