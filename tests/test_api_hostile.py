@@ -284,7 +284,7 @@ async def test_a_result_that_could_not_be_read_back_fails_the_attempt() -> None:
 
 
 async def test_checkpoints_and_progress_that_could_not_be_stored_are_refused_in_the_job() -> None:
-    from jobplane.context import JobContext
+    from jobplane.context import JobContext, bind_worker, pending_progress
 
     saved: list[Any] = []
 
@@ -292,8 +292,9 @@ async def test_checkpoints_and_progress_that_could_not_be_stored_are_refused_in_
         saved.append(data)
         return True
 
-    ctx = JobContext(
-        instance_id=uuid4(), job_key="j", attempt=1, scheduled_at=None, worker_id="w", saver=saver
+    ctx = bind_worker(
+        JobContext(instance_id=uuid4(), job_key="j", attempt=1, scheduled_at=None, worker_id="w"),
+        saver=saver,
     )
     await ctx.checkpoint({"done": nested(5)})
     for bad in (nested(MAX_JSON_DEPTH + 1), {"x": float("nan")}, {"x": "\x00"}):
@@ -305,7 +306,7 @@ async def test_checkpoints_and_progress_that_could_not_be_stored_are_refused_in_
     for message in ("a\x00b", "m" * 1001):
         with pytest.raises(InvalidOptionsError):
             ctx.progress(0.6, message)
-    assert ctx.pending_progress == (0.5, "half way")
+    assert pending_progress(ctx) == (0.5, "half way")
 
 
 async def test_values_stored_before_the_limits_never_break_reads(

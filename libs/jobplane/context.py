@@ -91,6 +91,21 @@ class _InstanceLogger(logging.LoggerAdapter[logging.Logger]):
 PROGRESS_MESSAGE_MAX = 1000
 
 
+@dataclass(frozen=True, slots=True)
+class _WorkerHooks:
+    """How a context reaches its worker; empty outside one."""
+
+    #: Persists a checkpoint, fenced by the claim token.
+    saver: Callable[[Any], Awaitable[bool]] | None = None
+    #: In an isolated job's child process: :meth:`JobContext.checkpoint_sync` calls it directly
+    #: (the job runs on the child's only thread, so it cannot hand the write to an event loop).
+    sync_saver: Callable[[Any], bool] | None = None
+    #: In an isolated job's child process: forwards each progress report to the worker.
+    on_progress: Callable[[float, str | None], None] | None = None
+    #: The worker's event loop, on which a sync job's checkpoint is written.
+    loop: asyncio.AbstractEventLoop | None = None
+
+
 @dataclass
 class JobContext:
     """Handed to a job function that asks for it (a parameter annotated ``JobContext``)."""
@@ -105,20 +120,17 @@ class JobContext:
     worker_id: str
     #: The checkpoint saved by an earlier attempt of this instance (``None`` on the first).
     last_checkpoint: Any = None
+    #: Set by the worker when the attempt should stop; ``await ctx.cancellation.wait()`` (async)
+    #: or ``ctx.cancellation.wait_sync(timeout)`` (a sync job's thread) waits for it.
     cancellation: Cancellation = field(default_factory=Cancellation)
     logger: logging.LoggerAdapter[logging.Logger] = field(init=False)
-    #: Set by the worker: persists a checkpoint, fenced by the claim token.
-    saver: Callable[[Any], Awaitable[bool]] | None = field(default=None, repr=False)
-    #: Set in an isolated job's child process: :meth:`checkpoint_sync` calls it directly (the
-    #: job runs on the child's only thread, so it cannot hand the write to an event loop).
-    sync_saver: Callable[[Any], bool] | None = field(default=None, repr=False)
-    #: Set in an isolated job's child process: forwards each progress report to the worker.
-    on_progress: Callable[[float, str | None], None] | None = field(default=None, repr=False)
-    loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
-    #: Latest progress not yet written; the worker sends it with the next heartbeat.
-    pending_progress: tuple[float, str | None] | None = field(default=None, init=False)
+    # The worker's plumbing, not the job's: set with :func:`bind_worker`, read with
+    # :func:`pending_progress`.
+    _hooks: _WorkerHooks = field(init=False, repr=False)
+    _pending_progress: tuple[float, str | None] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._hooks = _WorkerHooks()
         self.logger = _InstanceLogger(
             logging.getLogger(f"jobplane.jobs.{self.job_key}"),
             {
@@ -142,9 +154,9 @@ class JobContext:
         if message is not None:
             # Refused here, in the job, rather than by the database in the heartbeat's write.
             check_text(message, "progress message", max_length=PROGRESS_MESSAGE_MAX)
-        self.pending_progress = (fraction, message)
-        if self.on_progress is not None:
-            self.on_progress(fraction, message)
+        self._pending_progress = (fraction, message)
+        if self._hooks.on_progress is not None:
+            self._hooks.on_progress(fraction, message)
 
     async def checkpoint(self, data: Any) -> None:
         """Persist ``data`` (JSON) now; the next attempt of this instance gets it back as
@@ -154,9 +166,9 @@ class JobContext:
         attempt was fenced (not retried). Data that could not be read back (see
         :func:`~jobplane.domain.limits.check_json`) raises InvalidOptionsError."""
         check_json(data, "checkpoint", max_bytes=MAX_RESULT_BYTES)
-        if self.saver is None:
+        if self._hooks.saver is None:
             raise RuntimeError("checkpoint() is only available inside a worker")
-        if not await self.saver(data):
+        if not await self._hooks.saver(data):
             raise LeaseLostError(f"instance {self.instance_id}: checkpoint refused, lease lost")
         self.last_checkpoint = data
 
@@ -164,11 +176,40 @@ class JobContext:
         """:meth:`checkpoint` for sync jobs (they run in a pool thread, or in a child process
         with ``isolation="process"``)."""
         check_json(data, "checkpoint", max_bytes=MAX_RESULT_BYTES)
-        if self.sync_saver is not None:
-            if not self.sync_saver(data):
+        sync_saver = self._hooks.sync_saver
+        if sync_saver is not None:
+            if not sync_saver(data):
                 raise LeaseLostError(f"instance {self.instance_id}: checkpoint refused, lease lost")
             self.last_checkpoint = data
             return
-        if self.loop is None:
+        if self._hooks.loop is None:
             raise RuntimeError("checkpoint_sync() is only available inside a worker")
-        asyncio.run_coroutine_threadsafe(self.checkpoint(data), self.loop).result()
+        asyncio.run_coroutine_threadsafe(self.checkpoint(data), self._hooks.loop).result()
+
+
+# -- the worker's side (not for job code) ---------------------------------------------------
+
+
+def bind_worker(
+    ctx: JobContext,
+    *,
+    saver: Callable[[Any], Awaitable[bool]] | None = None,
+    sync_saver: Callable[[Any], bool] | None = None,
+    on_progress: Callable[[float, str | None], None] | None = None,
+    loop: asyncio.AbstractEventLoop | None = None,
+) -> JobContext:
+    """Connect ``ctx`` to the worker running its attempt (see :class:`_WorkerHooks`)."""
+    ctx._hooks = _WorkerHooks(saver, sync_saver, on_progress, loop)
+    return ctx
+
+
+def pending_progress(ctx: JobContext) -> tuple[float, str | None] | None:
+    """The latest progress reported and not yet written (the next heartbeat sends it)."""
+    return ctx._pending_progress
+
+
+def progress_written(ctx: JobContext, progress: tuple[float, str | None]) -> None:
+    """``progress`` (as :func:`pending_progress` returned it) was written: clear it, unless a
+    newer report came in meanwhile (a new tuple, even with the same values)."""
+    if ctx._pending_progress is progress:
+        ctx._pending_progress = None

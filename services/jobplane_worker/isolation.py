@@ -43,7 +43,7 @@ from uuid import UUID
 from pydantic import BaseModel
 
 from jobplane.app import App, JobSpec
-from jobplane.context import JobContext, LeaseLostError
+from jobplane.context import JobContext, LeaseLostError, bind_worker
 from jobplane.domain.limits import MAX_RESULT_BYTES, check_json
 from jobplane.domain.reasons import StopReason
 from jobplane.errors import JobplaneError, StoreUnavailableError
@@ -349,13 +349,15 @@ async def _child_run(
     app = _find_app(importlib.import_module(module_name), key)
     spec = app.jobs[key]
     scheduled_at = info["scheduled_at"]
-    ctx = JobContext(
-        instance_id=UUID(info["instance_id"]),
-        job_key=info["job_key"],
-        attempt=info["attempt"],
-        scheduled_at=datetime.fromisoformat(scheduled_at) if scheduled_at else None,
-        worker_id=info["worker_id"],
-        last_checkpoint=json.loads(info["last_checkpoint"]),
+    ctx = bind_worker(
+        JobContext(
+            instance_id=UUID(info["instance_id"]),
+            job_key=info["job_key"],
+            attempt=info["attempt"],
+            scheduled_at=datetime.fromisoformat(scheduled_at) if scheduled_at else None,
+            worker_id=info["worker_id"],
+            last_checkpoint=json.loads(info["last_checkpoint"]),
+        ),
         saver=link.checkpoint_async,
         sync_saver=link.checkpoint,
         on_progress=link.progress,

@@ -11,6 +11,7 @@ import logging
 import time
 from uuid import UUID
 
+from jobplane.context import pending_progress, progress_written
 from jobplane.domain.models import Claim
 from jobplane.domain.options import Isolation
 from jobplane.domain.reasons import StopReason
@@ -134,9 +135,9 @@ class Leases:
             return
         # Progress stays pending until a heartbeat has written it (a failed one loses nothing).
         progress = {
-            a.claim.instance.id: a.ctx.pending_progress
+            a.claim.instance.id: pending
             for a in attempts
-            if a.ctx.pending_progress is not None
+            if (pending := pending_progress(a.ctx)) is not None
         }
         sent = time.monotonic()
         kept = await self.store.heartbeat(
@@ -146,8 +147,8 @@ class Leases:
             instance_id = attempt.claim.instance.id
             if instance_id in kept:
                 self._until[instance_id] = sent + self.settings.lease_s
-                if attempt.ctx.pending_progress is progress.get(instance_id):
-                    attempt.ctx.pending_progress = None  # written; a newer report would stay
+                if (written := progress.get(instance_id)) is not None:
+                    progress_written(attempt.ctx, written)  # a newer report stays pending
             if instance_id not in kept:
                 # Another worker may own it now; every write of ours would be refused anyway.
                 attempt.lease_lost = True
@@ -164,7 +165,7 @@ class Leases:
     async def flush_progress(self, attempt: Attempt) -> None:
         """Write progress reported since the last heartbeat before the outcome is recorded,
         so that the last report of a short attempt is not lost."""
-        progress = attempt.ctx.pending_progress
+        progress = pending_progress(attempt.ctx)
         if progress is None:
             return
         instance_id = attempt.claim.instance.id
@@ -183,7 +184,6 @@ class Leases:
                 extra={"action": "worker.progress", "instance_id": str(instance_id)},
             )
             return
-        if attempt.ctx.pending_progress == progress:
-            attempt.ctx.pending_progress = None  # written; a newer report stays pending
+        progress_written(attempt.ctx, progress)  # a newer report stays pending
         if instance_id not in kept:
             self.metrics.lease_lost_writes.labels(write=FencedWrite.PROGRESS).inc()

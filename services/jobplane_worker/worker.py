@@ -41,7 +41,7 @@ from jobplane import __version__, telemetry
 from jobplane.app import App, Resources
 from jobplane.bus.abc import Bus
 from jobplane.bus.envelope import Event, EventKind
-from jobplane.context import CheckpointNotSavedError, JobContext
+from jobplane.context import CheckpointNotSavedError, JobContext, bind_worker
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import Claim, Outcome, WorkerInfo
 from jobplane.domain.options import Isolation
@@ -200,14 +200,17 @@ class Worker:
 
     def _start(self, claim: Claim, lease_until: float, trace: Context | None = None) -> None:
         instance = claim.instance
-        ctx = JobContext(
-            instance_id=instance.id,
-            job_key=instance.job_key,
-            attempt=instance.attempt,
-            # When it was due: the cron occurrence, else run_at (delayed, retry), else created.
-            scheduled_at=instance.scheduled_at or instance.run_at or instance.created_at,
-            worker_id=self.id,
-            last_checkpoint=instance.checkpoint,
+        ctx = bind_worker(
+            JobContext(
+                instance_id=instance.id,
+                job_key=instance.job_key,
+                attempt=instance.attempt,
+                # When it was due: the cron occurrence, else run_at (delayed, retry), else
+                # created.
+                scheduled_at=instance.scheduled_at or instance.run_at or instance.created_at,
+                worker_id=self.id,
+                last_checkpoint=instance.checkpoint,
+            ),
             saver=functools.partial(self._save_checkpoint, claim),
             loop=asyncio.get_running_loop(),
         )
