@@ -4,12 +4,16 @@ out of reach."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from uuid import UUID
+
 import pytest
 
 from jobplane.bus.abc import Bus
+from jobplane.bus.envelope import Envelope
 from jobplane.bus.factory import open_bus
 from jobplane.dispatch import Dispatcher, InvalidArgumentsError, JobDisabledError
-from jobplane.domain.models import InstanceFilter
+from jobplane.domain.models import InstanceFilter, NewInstance
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState as S
 from jobplane.errors import JobNotFoundError
@@ -84,3 +88,32 @@ async def test_a_trigger_the_bus_did_not_take_is_left_for_the_sweep(store: SqlSt
         await unreachable.close()
     stored = await store.get_instance(made.id)
     assert stored.state is S.ENQUEUED and stored.published_at is None
+
+
+async def test_a_claim_that_parks_right_after_the_publish_keeps_its_park(
+    store: SqlStore, bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race: a worker reads the message and claims before the dispatcher has recorded the
+    publication; the job is at its limit, so the claim parks the instance (clears its mark)
+    for whoever frees a slot to republish. The publication's mark must not land after the
+    park: a parked instance that looks published is republished by nobody until the sweep's
+    republish threshold. So the dispatcher marks first, then sends."""
+    await define(store, "job", max_concurrency=1, on_limit="wait")
+    [running] = await store.create_instances([NewInstance(job_key="job")])
+    assert len((await store.claim([running.id], "w1", 30, ["job"])).claimed) == 1
+    [waiting] = await store.create_instances([NewInstance(job_key="job")])
+    parked: list[UUID] = []
+    send = bus.publish
+
+    async def send_then_claim_at_once(envelopes: Sequence[tuple[str, Envelope]]) -> None:
+        await send(envelopes)
+        parked.extend((await store.claim([waiting.id], "w2", 30, ["job"])).waiting)
+
+    monkeypatch.setattr(bus, "publish", send_then_claim_at_once)
+    await Dispatcher(store, bus).publish([waiting])
+    assert parked == [waiting.id]
+    stored = await store.get_instance(waiting.id)
+    assert stored.state is S.ENQUEUED and stored.published_at is None  # still parked
+    # The slot frees: the parked instance is found and republished at once.
+    [again] = await store.republish_waiting(["job"], 10)
+    assert again.id == waiting.id

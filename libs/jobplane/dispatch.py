@@ -180,22 +180,11 @@ class Dispatcher:
         return found
 
     async def _publish_created(self, instance: Instance) -> None:
-        """Publish an instance that :meth:`DispatchStore.create_published` recorded as published; if
-        the bus is out of reach, clear that record so the sweep publishes it shortly."""
-        if await self._send([instance]):
-            return
-        try:
-            await self.store.unmark_published([instance.id])
-        except (UnavailableError, SQLAlchemyError) as exc:
-            # Still recovered: the sweep republishes it once its publication looks too old.
-            logger.warning(
-                "could not clear the publication of instance %s: %s; the sweep republishes "
-                "it after its republish threshold",
-                instance.id,
-                exc,
-                exc_info=not isinstance(exc, UnavailableError),
-                extra={"action": "dispatch.unmark_failed", "instance_id": str(instance.id)},
-            )
+        """Publish an instance that :meth:`DispatchStore.create_published` recorded as
+        published; if the bus is out of reach, clear that record so the sweep publishes it
+        shortly."""
+        if not await self._send([instance]):
+            await self._unmark([instance.id])
 
     async def run_now(self, instance_id: UUID, actor: str = "client") -> Instance:
         """Run a Scheduled instance (held or delayed) now: Enqueued and published. Raises
@@ -310,28 +299,60 @@ class Dispatcher:
 
     async def publish(self, instances: Sequence[Instance], *, force: bool = False) -> None:
         """Publish the Enqueued ones among ``instances`` that were not published yet (all of
-        them with ``force``: republishing, as the earlier message may be gone); record it."""
+        them with ``force``: republishing, as the earlier message may be gone); record it.
+
+        The mark is written before the messages are sent, as a single trigger writes it with
+        the instance. The other order loses a race: a worker can read the message and claim
+        at once, and a claim that finds the job at its limit (``on_limit="wait"``) parks the
+        instance by clearing its mark, so that whoever frees a slot republishes it; a mark
+        written after that park hid the parked instance until the sweep's republish
+        threshold. Marked first, a park always comes after the mark. If the send then fails,
+        the mark is cleared again; if this process dies in between, the sweep republishes
+        the marked instance once its mark is older than the republish threshold."""
         due = [
             i
             for i in instances
             if i.state is InstanceState.ENQUEUED and (force or not i.published_at)
         ]
-        if not due or not await self._send(due):
+        if not due:
             return
+        ids = [i.id for i in due]
+        marked = await self._mark(ids)
+        if not await self._send(due) and marked:
+            await self._unmark(ids)
+
+    async def _mark(self, ids: list[UUID]) -> bool:
+        """Record ``ids`` as published; False (logged) when the store cannot say so now."""
         try:
-            await self.store.mark_published([i.id for i in due], fence=self.fence)
+            await self.store.mark_published(ids, fence=self.fence)
         except (UnavailableError, SQLAlchemyError) as exc:
-            # Bookkeeping after the fact: the instances are committed and their messages are
-            # on the bus, so the caller has its answer (an API client must not see an error
-            # and retry a committed trigger). Unmarked, they are only republished by the sweep
-            # (a second message for an instance is harmless: the claim takes it once).
+            # Bookkeeping: the instances are committed, so they are still sent (an API client
+            # must not see an error and retry a committed trigger). Unmarked, the sweep may
+            # publish them again (a second message for an instance is harmless: the claim
+            # takes it once).
             logger.warning(
-                "published %d instance(s) but could not record it: %s; the sweep may "
-                "republish them",
-                len(due),
+                "could not record %d instance(s) as published: %s; the sweep may republish them",
+                len(ids),
                 exc,
                 exc_info=not isinstance(exc, UnavailableError),
                 extra={"action": "dispatch.mark_published_failed"},
+            )
+            return False
+        return True
+
+    async def _unmark(self, ids: list[UUID]) -> None:
+        """Clear the marks of instances whose messages were not sent, so the sweep publishes
+        them at its next pass; if even that fails, it does once the marks are old enough."""
+        try:
+            await self.store.unmark_published(ids)
+        except (UnavailableError, SQLAlchemyError) as exc:
+            logger.warning(
+                "could not clear the publish mark of %d instance(s): %s; the sweep "
+                "republishes them after its threshold",
+                len(ids),
+                exc,
+                exc_info=not isinstance(exc, UnavailableError),
+                extra={"action": "dispatch.unmark_failed"},
             )
 
     async def _send(self, due: Sequence[Instance]) -> bool:
