@@ -4,8 +4,8 @@ Declare jobs on an :class:`App`; trigger them with a :class:`Dispatcher`; run th
 ``jobplane worker --app module:app`` (or everything in one process with ``jobplane dev``).
 
 Most names below are imported on first use (PEP 562), not with the package: a worker never
-builds an HTTP :class:`Client`, so it never loads httpx (nor rich and pygments, which httpx's
-own command line pulls in).
+builds an HTTP :class:`Client`, so it never loads httpx (nor rich, which httpx's own command
+line pulls in).
 """
 
 from __future__ import annotations
