@@ -204,6 +204,44 @@ async def _metrics(http: httpx.AsyncClient) -> dict[str, float]:
     return totals
 
 
+#: Imported by a worker only for what it is asked to do: the probe server (``--health-port``),
+#: traces (``OTEL_EXPORTER_OTLP_ENDPOINT``), the HTTP client and the tables of the API commands,
+#: arguments validated at a trigger; and never the API role.
+OPTIONAL_PACKAGES = [
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "httpx",
+    "rich",
+    "jsonschema",
+    "opentelemetry.sdk.trace",
+    "opentelemetry.exporter",
+    "jobplane_api",
+    "jobplane_worker.health",
+    "jobplane.serving",
+]
+PROBE_PACKAGES = ["jobplane.serving", "jobplane_worker.health", "starlette", "uvicorn"]
+
+
+@pytest.mark.parametrize("health", [False, True], ids=["plain", "health-port"])
+async def test_a_worker_imports_optional_packages_only_when_it_uses_them(
+    pg_store: SqlStore, redis_bus: Bus, spawn_worker: SpawnWorker, health: bool
+) -> None:
+    """An idle worker's memory is mostly the modules it imported: a plain worker (no probe
+    port, no trace endpoint) never loads the optional ones, even while it runs a job; one with
+    a probe port loads the probe server's (which shows the job below sees them when they are
+    there)."""
+    extra = ["--health-port", str(free_port())] if health else []
+    spawn_worker("lean", *extra, OTEL_EXPORTER_OTLP_ENDPOINT="")
+    await wait_for(lambda: _has_definitions(pg_store), what="job registration", timeout_s=30)
+    made = await Dispatcher(pg_store, redis_bus).trigger(
+        "loaded_packages", {"names": OPTIONAL_PACKAGES}
+    )
+    [done] = await settled(pg_store, [made.id], timeout_s=60)
+    assert done.state is S.SUCCEEDED, done.error
+    assert done.result == (sorted(PROBE_PACKAGES) if health else [])
+
+
 async def test_sigterm_ends_a_blocking_read_at_once(
     pg_store: SqlStore, redis_url: str, spawn_worker: SpawnWorker
 ) -> None:

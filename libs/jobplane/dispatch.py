@@ -15,7 +15,6 @@ from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
-import jsonschema
 from sqlalchemy.exc import SQLAlchemyError
 
 from jobplane import telemetry
@@ -444,6 +443,10 @@ def envelope_for(instance: Instance, trace: str | None = None) -> Envelope:
 
 def validate_args(schema: dict[str, Any], args: Any) -> None:
     """Raise :class:`InvalidArgumentsError` naming the JSON path of the first bad field."""
+    # Imported at the first validation, not with the module: a worker triggers nothing at rest,
+    # and jsonschema with its referencing registry is ~3 MB it would otherwise carry.
+    import jsonschema
+
     validator = jsonschema.Draft202012Validator(schema)
     error = jsonschema.exceptions.best_match(
         validator.iter_errors(args if args is not None else {})

@@ -6,25 +6,37 @@ URL and token come from ``--url``/``--token`` or ``JOBPLANE_API_URL``/``JOBPLANE
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
-from jobplane.client import Client
 from jobplane.errors import ApiError, JobplaneError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from jobplane.client import Client
 
 jobs_cli = typer.Typer(help="Job definitions (over the API).", no_args_is_help=True)
 instances_cli = typer.Typer(help="Instances (over the API).", no_args_is_help=True)
 workers_cli = typer.Typer(help="Workers (over the API).", no_args_is_help=True)
-out = Console()
+
+
+@functools.cache
+def out() -> Console:
+    """The terminal these commands print tables to. Built (and rich imported) by the first
+    command that prints one: the other roles of the ``jobplane`` command load this module too,
+    and an idle worker should not carry rich."""
+    from rich.console import Console
+
+    return Console()
 
 
 class Output(StrEnum):
@@ -43,6 +55,9 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 @contextmanager
 def client(url: str, token: str | None) -> Iterator[Client]:
     """A client; API errors become one red line and exit status 1."""
+    # httpx (and the rich and pygments its own command line imports) only for these commands.
+    from jobplane.client import Client
+
     try:
         with Client(url, token) as c:
             yield c
@@ -60,11 +75,13 @@ def show(data: Any, fmt: Output, columns: list[str]) -> None:
     if fmt is Output.JSON:
         typer.echo(json.dumps(data, indent=2, default=str))
         return
+    from rich.table import Table
+
     rows = data if isinstance(data, list) else [data]
     table = Table(*columns)
     for row in rows:
         table.add_row(*(_cell(row.get(c)) for c in columns))
-    out.print(table)
+    out().print(table)
 
 
 def _cell(value: Any) -> str:
@@ -205,7 +222,7 @@ def trigger(
 
 
 def _follow(c: Client, instance_id: str) -> dict[str, Any]:
-    with out.status("waiting…") as status:
+    with out().status("waiting…") as status:
         while True:
             found = c.instance(instance_id)
             progress = found.get("progress")

@@ -53,7 +53,6 @@ from jobplane.store.abc import WorkerStore
 from jobplane.tasks import cancel_and_wait
 from jobplane_worker.attempt import Attempt, run_attempt
 from jobplane_worker.consuming import Intake
-from jobplane_worker.health import serving
 from jobplane_worker.leases import Leases
 from jobplane_worker.metrics import ClaimOutcome, FencedWrite, WorkerMetrics
 from jobplane_worker.recording import Recorder, quietly
@@ -120,6 +119,10 @@ class Worker:
         async with contextlib.AsyncExitStack() as stack:
             watched: list[asyncio.Task[Any]] = []
             if self.settings.health_port:
+                # Starlette and uvicorn are loaded for a probe port only: a plain worker
+                # never carries them.
+                from jobplane_worker.health import serving
+
                 probes = serving(self, self.settings.health_host, self.settings.health_port)
                 watched.append(await stack.enter_async_context(probes))
             await self._run_until(stop, watched)

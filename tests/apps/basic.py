@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -195,3 +196,14 @@ def child_notices_timeout(ctx: JobContext, args: Gate) -> str:
         time.sleep(0.02)
     Path(args.path).write_text(str(ctx.cancellation.reason))
     return "stopped"
+
+
+class Packages(BaseModel):
+    names: list[str]
+
+
+@app.triggered()
+def loaded_packages(args: Packages) -> list[str]:
+    """Which of ``names`` (top-level packages or dotted modules) this process has imported:
+    what a worker carries, seen from inside it."""
+    return sorted(name for name in args.names if name in sys.modules)
