@@ -13,7 +13,8 @@ from sqlalchemy import inspect, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.store.factory import make_engine
-from jobplane.store.migrate import current_revision, downgrade, head_revision, upgrade
+from jobplane.store.migrate import alembic_revisions, downgrade, upgrade
+from jobplane.store.schema import current_revision, head_revision, is_ancestor, known_revisions
 from jobplane.store.tables import metadata
 
 
@@ -58,6 +59,27 @@ async def test_upgrade_then_downgrade_cleanly(empty_engine: AsyncEngine) -> None
     assert await _tables(empty_engine) <= {"alembic_version"}
     await upgrade(empty_engine)  # and back up again
     assert await current_revision(empty_engine) == head_revision()
+
+
+async def _alembic_current(engine: AsyncEngine) -> str | None:
+    async with engine.connect() as conn:
+        return await conn.run_sync(
+            lambda sync: MigrationContext.configure(sync).get_current_revision()
+        )
+
+
+async def test_the_schema_check_reads_revisions_as_alembic_does(empty_engine: AsyncEngine) -> None:
+    # Roles check the schema without Alembic (jobplane.store.schema): it must agree with it.
+    assert known_revisions() == alembic_revisions()
+    assert is_ancestor(known_revisions()[0]) and not is_ancestor(head_revision())
+    assert not is_ancestor("9999")
+    assert await current_revision(empty_engine) is None
+    for revision in known_revisions()[:3]:
+        await upgrade(empty_engine, revision)
+        assert await current_revision(empty_engine) == await _alembic_current(empty_engine)
+        assert await current_revision(empty_engine) == revision
+    await upgrade(empty_engine)
+    assert await current_revision(empty_engine) == await _alembic_current(empty_engine)
 
 
 async def test_migrations_match_the_tables_the_code_uses(empty_engine: AsyncEngine) -> None:

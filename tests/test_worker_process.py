@@ -70,7 +70,7 @@ def spawn_worker(
 
 
 async def _migrated(store: SqlStore) -> None:
-    from jobplane.store.migrate import current_revision, head_revision
+    from jobplane.store.schema import current_revision, head_revision
 
     assert await current_revision(store.engine) == head_revision()
 
@@ -206,8 +206,10 @@ async def _metrics(http: httpx.AsyncClient) -> dict[str, float]:
 
 #: Imported by a worker only for what it is asked to do: the probe server (``--health-port``),
 #: traces (``OTEL_EXPORTER_OTLP_ENDPOINT``), the HTTP client and the tables of the API commands,
-#: arguments validated at a trigger; and never the API role.
+#: arguments validated at a trigger, migrating (the schema check at start reads the revision
+#: without Alembic); and never the API role.
 OPTIONAL_PACKAGES = [
+    "alembic",
     "fastapi",
     "starlette",
     "uvicorn",

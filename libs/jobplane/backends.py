@@ -15,7 +15,7 @@ from jobplane.bus.factory import open_bus
 from jobplane.errors import ConfigurationError, SchemaBehindError, StoreUnavailableError
 from jobplane.settings import CommonSettings
 from jobplane.startup import wait_until_reachable
-from jobplane.store import migrate
+from jobplane.store import schema
 from jobplane.store.factory import make_engine, open_store, redact
 from jobplane.store.sql import SqlStore
 
@@ -30,15 +30,18 @@ async def migrate_database(
 
         async def reach() -> None:
             try:
-                await migrate.current_revision(engine)
+                await schema.current_revision(engine)
             except StoreUnavailableError:
                 raise
             except OSError as exc:
                 raise StoreUnavailableError(f"cannot reach {redact(url)}: {exc}") from exc
 
         await wait_until_reachable(reach, "the database", startup_timeout_s, stop)
+        # Alembic only here, for `jobplane migrate`: a role checks the schema without it.
+        from jobplane.store import migrate
+
         await migrate.upgrade(engine)
-        return await migrate.current_revision(engine) or "base"
+        return await schema.current_revision(engine) or "base"
     except StoreUnavailableError:
         raise
     except OSError as exc:
@@ -94,13 +97,13 @@ async def open_checked_store(settings: CommonSettings) -> AsyncIterator[SqlStore
 async def _check_store(store: SqlStore, url: str) -> None:
     try:
         await store.ping()
-        revision = await migrate.current_revision(store.engine)
+        revision = await schema.current_revision(store.engine)
     except StoreUnavailableError as exc:
         raise StoreUnavailableError(f"cannot reach the database {redact(url)}: {exc}") from exc
-    head = migrate.head_revision()
+    head = schema.head_revision()
     if revision == head:
         return
-    if revision is None or migrate.is_ancestor(revision):
+    if revision is None or schema.is_ancestor(revision):
         raise SchemaBehindError(
             f"database {redact(url)} is at schema revision {revision or 'none'}, "
             f"this version needs {head}: run `jobplane migrate`"

@@ -1,4 +1,5 @@
-"""Schema migrations with Alembic, on Postgres (asyncpg) and SQLite (aiosqlite)."""
+"""Schema migrations with Alembic, on Postgres (asyncpg) and SQLite (aiosqlite). Reading which
+revision a database is at needs no Alembic: :mod:`jobplane.store.schema`."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -21,18 +21,11 @@ def alembic_config(connection: Connection | None = None) -> Config:
     return config
 
 
-def head_revision() -> str:
-    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
-    assert head is not None
-    return head
-
-
-def is_ancestor(revision: str) -> bool:
-    """Whether ``revision`` is one of this version's revisions before the head."""
+def alembic_revisions() -> list[str]:
+    """This version's revisions as Alembic reads the scripts, oldest first (the light reading
+    in :mod:`jobplane.store.schema` must agree; a test checks it)."""
     script = ScriptDirectory.from_config(alembic_config())
-    return revision != head_revision() and any(
-        r.revision == revision for r in script.walk_revisions()
-    )
+    return [r.revision for r in reversed(list(script.walk_revisions()))]
 
 
 async def upgrade(engine: AsyncEngine, revision: str = "head") -> None:
@@ -43,10 +36,3 @@ async def upgrade(engine: AsyncEngine, revision: str = "head") -> None:
 async def downgrade(engine: AsyncEngine, revision: str = "base") -> None:
     async with engine.begin() as conn:
         await conn.run_sync(lambda sync: command.downgrade(alembic_config(sync), revision))
-
-
-async def current_revision(engine: AsyncEngine) -> str | None:
-    async with engine.connect() as conn:
-        return await conn.run_sync(
-            lambda sync: MigrationContext.configure(sync).get_current_revision()
-        )
