@@ -371,8 +371,10 @@ class ApiStore(DispatchStore, DefinitionEdits, WorkerReads, Protocol):
         size."""
 
     async def gauges(self) -> tuple[dict[tuple[str, InstanceState], int], int]:
-        """Instances by (job, state), and how many workers have not stopped, in one
-        statement."""
+        """Instances by (job, state) (pairs with none are absent), and how many workers have
+        not stopped, in one statement. Read from the same counters as :meth:`count_by_state`
+        and a partial index of the live workers: its cost does not grow with the instances
+        nor with the workers that stopped."""
 
     async def queues(self) -> list[str]:
         """The queues of the defined jobs, sorted."""
