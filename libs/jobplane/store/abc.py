@@ -52,6 +52,12 @@ class StoreConnection(Protocol):
     async def now(self) -> datetime:
         """The store's clock (aware UTC): the one clock every process compares against."""
 
+    @property
+    def concurrent_reads(self) -> bool:
+        """Whether reads started at once run at once (each on its own connection: Postgres).
+        ``False`` where they would only queue for the same lock (SQLite: every transaction
+        takes the file's), so callers run them one after the other."""
+
 
 class DefinitionReads(Protocol):
     """Reading job definitions (the leader's cache, the dispatcher, the API)."""
