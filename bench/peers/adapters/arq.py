@@ -3,11 +3,8 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Sequence
 from importlib.metadata import version
-from pathlib import Path
 from typing import Any
 
 from arq import ArqRedis, create_pool
@@ -15,7 +12,7 @@ from arq.connections import RedisSettings
 
 from bench.peers.adapters import harness, probe
 
-REDIS = RedisSettings.from_dsn(os.environ.get("PEERS_REDIS_URL", "redis://127.0.0.1:1"))
+REDIS = RedisSettings.from_dsn(harness.redis_url())
 
 
 async def noop(ctx: Any, sent: float) -> None:
@@ -25,22 +22,15 @@ async def noop(ctx: Any, sent: float) -> None:
 class WorkerSettings:
     functions = [noop]
     redis_settings = REDIS
-    max_jobs = int(os.environ.get("PEERS_CONCURRENCY", "10"))
+    max_jobs = harness.worker_concurrency()
 
 
-class Client:
-    label = ""
-    in_flight = None
-    has_bulk = False
-
+class Client(harness.SingleCalls):
     def __init__(self, pool: ArqRedis) -> None:
         self._pool = pool
 
     async def single(self, sent: float) -> None:
         await self._pool.enqueue_job("noop", sent)
-
-    async def bulk(self, count: int) -> None:
-        raise NotImplementedError
 
 
 class System:
@@ -57,12 +47,11 @@ class System:
         return [Client(self._pool)]
 
     def worker_commands(self, config: harness.Config) -> list[list[str]]:
-        arq = str(Path(sys.executable).parent / "arq")
-        command = [arq, "bench.peers.adapters.arq.WorkerSettings"]
+        command = [harness.installed("arq"), "bench.peers.adapters.arq.WorkerSettings"]
         return [command, command]
 
     def worker_env(self, config: harness.Config) -> dict[str, str]:
-        return {"PEERS_CONCURRENCY": str(config.concurrency)}
+        return harness.concurrency_env(config)
 
     async def teardown(self) -> None:
         if self._pool is not None:

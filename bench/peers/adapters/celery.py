@@ -3,17 +3,14 @@ processes (one job at a time each, Celery's default prefetch of 4)."""
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Sequence
 from importlib.metadata import version
-from pathlib import Path
 
 from celery import Celery
 
 from bench.peers.adapters import harness, probe
 
-app = Celery("peers", broker=os.environ.get("PEERS_REDIS_URL"))
+app = Celery("peers", broker=harness.redis_url())
 app.conf.update(task_ignore_result=True, broker_connection_retry_on_startup=True)
 
 
@@ -22,19 +19,12 @@ def noop(sent: float) -> None:
     probe.record(sent)
 
 
-class Client:
-    label = ""
-    in_flight = None
-    has_bulk = False
-
+class Client(harness.SingleCalls):
     async def single(self, sent: float) -> None:
         noop.delay(sent)
 
-    async def bulk(self, count: int) -> None:
-        raise NotImplementedError
 
-
-class System:
+class System(harness.NoWorkerEnv):
     name = "Celery"
     version = version("celery")
     keeps = "nothing (no result backend)"
@@ -44,12 +34,9 @@ class System:
         return [Client()]
 
     def worker_commands(self, config: harness.Config) -> list[list[str]]:
-        celery = str(Path(sys.executable).parent / "celery")
-        common = [celery, "-A", "bench.peers.adapters.celery", "worker", "--pool", "solo"]
+        common = [harness.installed("celery"), "-A", "bench.peers.adapters.celery"]
+        common += ["worker", "--pool", "solo"]
         return [[*common, "-n", f"peers{i}@%h", "--loglevel", "WARNING"] for i in range(2)]
-
-    def worker_env(self, config: harness.Config) -> dict[str, str]:
-        return {}
 
     async def teardown(self) -> None:
         app.close()

@@ -3,18 +3,15 @@ threads each (its defaults), under Dramatiq's supervisor process."""
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Sequence
 from importlib.metadata import version
-from pathlib import Path
 
 import dramatiq
 from dramatiq.brokers.redis import RedisBroker
 
 from bench.peers.adapters import harness, probe
 
-broker = RedisBroker(url=os.environ.get("PEERS_REDIS_URL"))
+broker = RedisBroker(url=harness.redis_url())
 dramatiq.set_broker(broker)
 
 
@@ -23,19 +20,12 @@ def noop(sent: float) -> None:
     probe.record(sent)
 
 
-class Client:
-    label = ""
-    in_flight = None
-    has_bulk = False
-
+class Client(harness.SingleCalls):
     async def single(self, sent: float) -> None:
         noop.send(sent)
 
-    async def bulk(self, count: int) -> None:
-        raise NotImplementedError
 
-
-class System:
+class System(harness.NoWorkerEnv):
     name = "Dramatiq"
     version = version("dramatiq")
     keeps = "nothing"
@@ -45,11 +35,16 @@ class System:
         return [Client()]
 
     def worker_commands(self, config: harness.Config) -> list[list[str]]:
-        command = str(Path(sys.executable).parent / "dramatiq")
-        return [[command, "bench.peers.adapters.dramatiq", "--processes", "2", "--threads", "8"]]
-
-    def worker_env(self, config: harness.Config) -> dict[str, str]:
-        return {}
+        return [
+            [
+                harness.installed("dramatiq"),
+                "bench.peers.adapters.dramatiq",
+                "--processes",
+                "2",
+                "--threads",
+                "8",
+            ]
+        ]
 
     async def teardown(self) -> None:
         broker.close()

@@ -25,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from bench.peers.adapters import probe
@@ -99,6 +100,49 @@ class System(Described, Protocol):
 
     async def teardown(self) -> None:
         """Remove what setup created."""
+
+
+def installed(script: str) -> str:
+    """The console script ``script`` of the peer's environment (beside this interpreter)."""
+    return str(Path(sys.executable).parent / script)
+
+
+def redis_url() -> str:
+    """The run's Redis (the driver sets ``PEERS_REDIS_URL``), for brokers built at import time
+    in the adapter and its workers alike. Unset (the module imported on its own), a port
+    nothing listens on: never a Redis that happens to run here."""
+    return os.environ.get("PEERS_REDIS_URL", "redis://127.0.0.1:1")
+
+
+def concurrency_env(config: Config) -> dict[str, str]:
+    """The workers' environment that passes ``config.concurrency`` to systems whose worker
+    settings live in the adapter module (read there by :func:`worker_concurrency`)."""
+    return {"PEERS_CONCURRENCY": str(config.concurrency)}
+
+
+def worker_concurrency() -> int:
+    """In a worker process: the concurrency :func:`concurrency_env` passed."""
+    return int(os.environ.get("PEERS_CONCURRENCY", "10"))
+
+
+class SingleCalls:
+    """The one client of a system measured through its single enqueue only: an unlabelled row,
+    no bulk API (the harness enqueues the whole backlog singly), no in-flight figure.
+    Subclasses define :meth:`Client.single`."""
+
+    label = ""
+    in_flight = None
+    has_bulk = False
+
+    async def bulk(self, count: int) -> None:
+        raise NotImplementedError("no bulk API: the harness enqueues one job per call")
+
+
+class NoWorkerEnv:
+    """For a system whose workers need nothing but the inherited environment."""
+
+    def worker_env(self, config: Config) -> dict[str, str]:
+        return {}
 
 
 @dataclass

@@ -5,11 +5,9 @@ process (``POST /api/v1/jobs/noop/instances`` / ``POST /api/v1/instances/batch``
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from importlib.metadata import version
-from pathlib import Path
 
 import httpx
 from pydantic import BaseModel
@@ -91,8 +89,8 @@ class System:
         return [PythonClient(Dispatcher(store, bus)), RestClient(http)]
 
     def worker_commands(self, config: harness.Config) -> list[list[str]]:
-        jobplane = str(Path(sys.executable).parent / "jobplane")
-        common = [jobplane, "worker", "--app", "bench.peers.adapters.jobplane:app"]
+        common = [harness.installed("jobplane"), "worker"]
+        common += ["--app", "bench.peers.adapters.jobplane:app"]
         common += ["--concurrency", str(config.concurrency)]
         return [[*common, "--worker-id", f"peers-{i}"] for i in range(2)]
 

@@ -4,10 +4,8 @@
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Sequence
 from importlib.metadata import version
-from pathlib import Path
 
 import procrastinate
 import psycopg
@@ -39,7 +37,7 @@ class Client:
         await noop.batch_defer_async(*({"sent": 0.0} for _ in range(count)))
 
 
-class System:
+class System(harness.NoWorkerEnv):
     name = "procrastinate"
     version = version("procrastinate")
     keeps = "each job's row and status events, in Postgres"
@@ -53,12 +51,9 @@ class System:
         return [Client()]
 
     def worker_commands(self, config: harness.Config) -> list[list[str]]:
-        command = [str(Path(sys.executable).parent / "procrastinate")]
+        command = [harness.installed("procrastinate")]
         command += ["--app", "bench.peers.adapters.procrastinate.app", "worker"]
         return [[*command, "--concurrency", str(config.concurrency)]] * 2
-
-    def worker_env(self, config: harness.Config) -> dict[str, str]:
-        return {}
 
     async def teardown(self) -> None:
         await app.close_async()

@@ -52,6 +52,12 @@ class StoreConnection(Protocol):
     async def now(self) -> datetime:
         """The store's clock (aware UTC): the one clock every process compares against."""
 
+    @property
+    def concurrent_reads(self) -> bool:
+        """Whether reads started at once run at once (each on its own connection: Postgres).
+        ``False`` where they would only queue for the same lock (SQLite: every transaction
+        takes the file's), so callers run them one after the other."""
+
 
 class DefinitionReads(Protocol):
     """Reading job definitions (the leader's cache, the dispatcher, the API)."""
@@ -371,8 +377,10 @@ class ApiStore(DispatchStore, DefinitionEdits, WorkerReads, Protocol):
         size."""
 
     async def gauges(self) -> tuple[dict[tuple[str, InstanceState], int], int]:
-        """Instances by (job, state), and how many workers have not stopped, in one
-        statement."""
+        """Instances by (job, state) (pairs with none are absent), and how many workers have
+        not stopped, in one statement. Read from the same counters as :meth:`count_by_state`
+        and a partial index of the live workers: its cost does not grow with the instances
+        nor with the workers that stopped."""
 
     async def queues(self) -> list[str]:
         """The queues of the defined jobs, sorted."""

@@ -85,6 +85,10 @@ def retry_conflicts(
 class SqlBase:
     """Owns ``engine`` and disposes of it in :meth:`close`."""
 
+    #: See :attr:`jobplane.store.abc.StoreConnection.concurrent_reads`: SQLite's reads are
+    #: ``BEGIN IMMEDIATE`` transactions too, so they queue on the file's lock.
+    concurrent_reads = False
+
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
 

@@ -344,6 +344,8 @@ async def _stop_listening(
 
 
 class PostgresStore(PostgresStatsStore, SqlStore):
+    concurrent_reads = True  # each read takes a pooled connection of its own
+
     async def notifications(self, channel: str) -> AsyncIterator[list[str]]:
         """Batches of payloads ``NOTIFY``-ed on ``channel`` (delivered on commit only), over
         one connection held for the purpose. Raises :class:`StoreUnavailableError` when that

@@ -29,7 +29,13 @@ from jobplane.domain.models import Bucket, JobSummary, Lags
 from jobplane.domain.states import TERMINAL_STATES, InstanceState
 from jobplane.ids import id_floor
 from jobplane.store.base import SqlBase
-from jobplane.store.tables import instance_transitions, job_definitions, job_instances, workers
+from jobplane.store.tables import (
+    instance_counts,
+    instance_transitions,
+    job_definitions,
+    job_instances,
+    workers,
+)
 
 TERMINAL = sorted(s.value for s in TERMINAL_STATES)
 
@@ -64,10 +70,16 @@ class StatsStore(SqlBase):
 
     async def gauges(self) -> tuple[dict[tuple[str, InstanceState], int], int]:
         """Instances by (job, state) and the workers that have not stopped, in one
-        statement (what a metrics scrape reads)."""
-        by_job = select(
-            job_instances.c.job_key, job_instances.c.state, func.count().label("n")
-        ).group_by(job_instances.c.job_key, job_instances.c.state)
+        statement (what a metrics scrape reads). The instances are the counters the triggers
+        of migration 0017 keep (at most jobs x states x shards rows, however many instances
+        there are), the workers the live ones (a partial index, however many have stopped)."""
+        C = instance_counts.c
+        total = func.sum(C.n)
+        by_job = (
+            select(C.job_key, C.state, total.label("n"))
+            .group_by(C.job_key, C.state)
+            .having(total != 0)  # a (job, state) whose instances all moved or went: absent
+        )
         live = select(
             literal(None, String).label("job_key"),
             literal(None, String).label("state"),
@@ -78,9 +90,9 @@ class StatsStore(SqlBase):
         async with self._read() as conn:
             for job_key, state, n in await conn.execute(union_all(by_job, live)):
                 if job_key is None:
-                    live_workers = n
+                    live_workers = int(n)
                 else:
-                    counts[(job_key, InstanceState(state))] = n
+                    counts[(job_key, InstanceState(state))] = int(n)
         return counts, live_workers
 
     async def queues(self) -> list[str]:

@@ -257,6 +257,14 @@ workers = Table(
     Column("started_at", UtcDateTime, nullable=False),
     Column("heartbeat_at", UtcDateTime, nullable=False),
     Column("stopped_at", UtcDateTime, nullable=True),
+    # The live workers (the metrics' count, the sweeps): every process start adds a row that
+    # stays after it stops, so the live ones are read from this index, not the table.
+    Index(
+        "ix_workers_live",
+        "id",
+        postgresql_where=text("stopped_at IS NULL"),
+        sqlite_where=text("stopped_at IS NULL"),
+    ),
 )
 
 scheduler_leases = Table(

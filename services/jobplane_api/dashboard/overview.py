@@ -11,6 +11,7 @@ from fastapi.responses import HTMLResponse
 from jobplane.domain.models import Bucket, InstanceFilter, Lags
 from jobplane.domain.states import InstanceState
 from jobplane_api.dashboard.cluster import app_jobs, cluster_view
+from jobplane_api.dashboard.reads import PageReads
 from jobplane_api.dashboard.render import render
 from jobplane_api.dashboard.session import ViewerDep
 from jobplane_api.dashboard.shared import Shared
@@ -74,22 +75,27 @@ async def overview(
     and the leader are the cluster's."""
     keys = await app_jobs(store, app)
     lags: Shared[Lags] = request.app.state.dashboard_lags
-    charts = [
-        Chart("Last hour", "min", await store.throughput(60, 60, job_keys=keys)),
-        Chart("Last day", "h", await store.throughput(3600, 24, job_keys=keys)),
-    ]
     failed = InstanceFilter(states=FAILED, job_keys=keys)
-    failures = await store.list_instances(failed, limit=FAILURES_SHOWN)
-    counts = await store.count_by_state(job_keys=keys)
+    async with PageReads(store) as reads:  # independent reads, started together
+        last_hour = reads.read(store.throughput, 60, 60, job_keys=keys)
+        last_day = reads.read(store.throughput, 3600, 24, job_keys=keys)
+        failures = reads.read(store.list_instances, failed, limit=FAILURES_SHOWN)
+        counts_read = reads.read(store.count_by_state, job_keys=keys)
+        lags_read = reads.read(lags.get, store.lags)
+        cluster = reads.compose(cluster_view, store, reads, keys)
+    counts = counts_read.result()
     context: dict[str, Any] = {
         "nav": "overview",
         "app": app,
         "counts": {s: counts.get(s, 0) for s in InstanceState},
         "total": sum(counts.values()),
-        "charts": charts,
-        "failures": failures.items,
-        "lags": await lags.get(store.lags),
-        **await cluster_view(store, keys),
+        "charts": [
+            Chart("Last hour", "min", last_hour.result()),
+            Chart("Last day", "h", last_day.result()),
+        ],
+        "failures": failures.result().items,
+        "lags": lags_read.result(),
+        **cluster.result(),
     }
     name = "_overview.html" if partial else "overview.html"
     return await render(request, session, name, context)
