@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -114,3 +114,17 @@ async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout_s: float 
         if asyncio.get_running_loop().time() > deadline:
             raise TimeoutError("benchmark did not finish in time")
         await asyncio.sleep(0.05)
+
+
+def stop_processes(procs: Iterable[subprocess.Popen[bytes]], timeout_s: float = 30) -> None:
+    """SIGTERM every process still running, wait for each, and kill one that does not stop."""
+    everyone = list(procs)
+    for proc in everyone:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in everyone:
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from bench.common import REDIS_URL, ROOT, environment, percentile
+from bench.common import REDIS_URL, ROOT, environment, percentile, stop_processes
 from jobplane.store.sql import SqlStore
 
 
@@ -91,16 +91,7 @@ async def main(rounds: int, ttl: float) -> None:
                     f"median {percentile(times, 0.5):.3f} s, max {max(times):.3f} s"
                 )
         finally:
-            everyone = [*procs.values(), *signalled]
-            for proc in everyone:
-                if proc.poll() is None:
-                    proc.terminate()
-            for proc in everyone:
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop_processes([*procs.values(), *signalled])
 
 
 if __name__ == "__main__":

@@ -24,7 +24,15 @@ from collections.abc import Sequence
 from itertools import count
 from uuid import UUID
 
-from bench.common import REDIS_URL, ROOT, bus_for, environment, percentile, wait_until
+from bench.common import (
+    REDIS_URL,
+    ROOT,
+    bus_for,
+    environment,
+    percentile,
+    stop_processes,
+    wait_until,
+)
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.states import InstanceState
 from jobplane.store.sql import SqlStore
@@ -68,16 +76,7 @@ class Cluster:
         self.gone.append(proc)
 
     def close(self) -> None:
-        everyone = [self.scheduler, *self.workers.values(), *self.gone]
-        for proc in everyone:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in everyone:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes([self.scheduler, *self.workers.values(), *self.gone])
 
 
 async def _running(store: SqlStore, instance_id: UUID, after_attempt: int) -> bool:

@@ -8,6 +8,7 @@ from typing import Any
 from uuid import UUID
 
 from sqlalchemy import (
+    ColumnElement,
     Select,
     and_,
     func,
@@ -127,20 +128,8 @@ class InstanceStore(SqlBase):
     async def unmark_published(self, ids: Collection[UUID]) -> None:
         if not ids:
             return
-        wanted = list(ids)
         async with self._write() as conn:
-            # Only Enqueued rows: a claimed one needs no message any more. Rows a claim holds
-            # are skipped rather than waited for, as in mark_published.
-            await conn.execute(
-                update(job_instances)
-                .where(
-                    locked_in_id_order(
-                        lambda c: c.id.in_(wanted) & (c.state == InstanceState.ENQUEUED.value),
-                        skip_locked=True,
-                    )
-                )
-                .values(published_at=None)
-            )
+            await _set_published(conn, ids, None)
 
     async def _check_keys(self, conn: AsyncConnection, keys: set[str]) -> None:
         """Raise JobNotFoundError for the first key without a definition."""
@@ -197,23 +186,9 @@ class InstanceStore(SqlBase):
     ) -> None:
         if not ids:
             return
-        wanted = list(ids)
         async with self._write() as conn:
             await self._fence(conn, fence)
-            # Rows a concurrent transaction holds are skipped, not waited for: a claim (which
-            # locks in id order too) makes them Processing, and a claimed row needs no mark; a
-            # row left unmarked for another reason is only republished by the sweep. So this
-            # bookkeeping never waits on, nor deadlocks with, a claim.
-            await conn.execute(
-                update(job_instances)
-                .where(
-                    locked_in_id_order(
-                        lambda c: c.id.in_(wanted) & (c.state == InstanceState.ENQUEUED.value),
-                        skip_locked=True,
-                    )
-                )
-                .values(published_at=self._clock())
-            )
+            await _set_published(conn, ids, self._clock())
 
     async def still_enqueued(self, ids: Collection[UUID]) -> set[UUID]:
         if not ids:
@@ -317,6 +292,27 @@ def filtered(query: Select[Any], filter: InstanceFilter) -> Select[Any]:
     if filter.worker_id is not None:
         query = query.where(job_instances.c.worker_id == filter.worker_id)
     return query
+
+
+async def _set_published(
+    conn: AsyncConnection, ids: Collection[UUID], value: ColumnElement[datetime] | None
+) -> None:
+    """Set or clear the publication mark of the Enqueued ones among ``ids`` (a claimed row
+    needs no message any more). Rows a concurrent transaction holds are skipped, not waited
+    for: a claim (which locks in id order too) makes them Processing, and a claimed row needs
+    no mark; a row left with the wrong mark is only republished by the sweep. So this
+    bookkeeping never waits on, nor deadlocks with, a claim."""
+    wanted = list(ids)
+    await conn.execute(
+        update(job_instances)
+        .where(
+            locked_in_id_order(
+                lambda c: c.id.in_(wanted) & (c.state == InstanceState.ENQUEUED.value),
+                skip_locked=True,
+            )
+        )
+        .values(published_at=value)
+    )
 
 
 def _shifted(moment: datetime, delta: timedelta) -> datetime | None:
