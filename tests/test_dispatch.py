@@ -16,7 +16,7 @@ from jobplane.dispatch import Dispatcher, InvalidArgumentsError, JobDisabledErro
 from jobplane.domain.models import InstanceFilter, NewInstance
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState as S
-from jobplane.errors import JobNotFoundError
+from jobplane.errors import BusUnavailableError, JobNotFoundError
 from jobplane.store.sql import SqlStore
 from tests.store_helpers import define
 
@@ -117,3 +117,33 @@ async def test_a_claim_that_parks_right_after_the_publish_keeps_its_park(
     # The slot frees: the parked instance is found and republished at once.
     [again] = await store.republish_waiting(["job"], 10)
     assert again.id == waiting.id
+
+
+async def test_publishing_resumes_with_its_mark_once_the_bus_is_back(
+    store: SqlStore, bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the bus is out of reach the sweep retries its batches: nothing is marked for
+    them (marking and clearing each pass would be writes for nothing); the first send that
+    works records its mark, and the next batch is marked before it is sent again."""
+    await define(store, "job")
+    first, second = await store.create_instances(
+        [NewInstance(job_key="job"), NewInstance(job_key="job")]
+    )
+    dispatcher = Dispatcher(store, bus)
+    send = bus.publish
+
+    async def away(envelopes: Sequence[tuple[str, Envelope]]) -> None:
+        raise BusUnavailableError("redis is away")
+
+    monkeypatch.setattr(bus, "publish", away)
+    for _ in range(2):
+        await dispatcher.publish([first])
+        assert (await store.get_instance(first.id)).published_at is None
+    monkeypatch.setattr(bus, "publish", send)
+    await dispatcher.publish([first])
+    assert (await store.get_instance(first.id)).published_at is not None
+    await dispatcher.publish([second])
+    assert (await store.get_instance(second.id)).published_at is not None
+    consumer = bus.consumer("w1", ["default"])
+    delivered = await consumer.read(10, 500)
+    assert {d.envelope.instance_id for d in delivered} == {first.id, second.id}

@@ -78,6 +78,8 @@ class Dispatcher:
         #: Definitions as last read, by key: a single trigger is validated against these and
         #: the store refuses it if the stored version moved on (see :meth:`_trigger_one`).
         self._definitions: dict[str, JobDefinition] = {}
+        #: The last send failed (the bus is out of reach): see :meth:`publish`.
+        self._bus_failed = False
 
     async def trigger(
         self,
@@ -307,7 +309,12 @@ class Dispatcher:
         written after that park hid the parked instance until the sweep's republish
         threshold. Marked first, a park always comes after the mark. If the send then fails,
         the mark is cleared again; if this process dies in between, the sweep republishes
-        the marked instance once its mark is older than the republish threshold."""
+        the marked instance once its mark is older than the republish threshold.
+
+        While the bus is out of reach (the last send failed), marking first would write and
+        clear the mark of every batch the sweep retries, each pass, for nothing: then the
+        send goes first and the mark follows a send that worked (the race above may then
+        delay one batch until the sweep's threshold, never lose it)."""
         due = [
             i
             for i in instances
@@ -316,6 +323,10 @@ class Dispatcher:
         if not due:
             return
         ids = [i.id for i in due]
+        if self._bus_failed:
+            if await self._send(due):
+                await self._mark(ids)
+            return
         marked = await self._mark(ids)
         if not await self._send(due) and marked:
             await self._unmark(ids)
@@ -361,6 +372,7 @@ class Dispatcher:
                 trace = telemetry.traceparent()  # one per batch: its entries share the span
                 await self.bus.publish([(i.queue, envelope_for(i, trace)) for i in due])
         except BusUnavailableError:
+            self._bus_failed = True
             # Not an error for the caller: the instance is stored; the sweep republishes it.
             logger.warning(
                 "bus unavailable; %d instance(s) left for the sweep to publish",
@@ -368,6 +380,7 @@ class Dispatcher:
                 extra={"action": "dispatch.publish_deferred"},
             )
             return False
+        self._bus_failed = False
         return True
 
 

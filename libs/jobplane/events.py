@@ -125,10 +125,25 @@ async def listen(
             logger.debug("%s: the subscription ended; resubscribing", what)
         finally:
             # A handler error that propagates leaves the subscription suspended: close it now
-            # (Redis: its connection) rather than when it is collected.
+            # (Redis: its connection) rather than when it is collected. Closing it while the
+            # bus is away may fail too; that must not replace what is propagating (a
+            # scheduler's NotLeaderError would look like a crash).
             if isinstance(subscription, AsyncGenerator):
-                await subscription.aclose()
+                await _close(subscription, what)
         await asyncio.sleep(retry_s)
+
+
+async def _close(subscription: AsyncGenerator[Event, None], what: str) -> None:
+    try:
+        await subscription.aclose()
+    except Exception as exc:  # cleanup: logged, never raised over what propagates
+        logger.warning(
+            "%s: could not close the subscription: %s",
+            what,
+            exc,
+            exc_info=not isinstance(exc, UnavailableError),
+            extra={"action": "events.close_failed"},
+        )
 
 
 async def _handle(

@@ -136,7 +136,9 @@ class Recorder:
         )
 
     async def release(self, attempt: Attempt, lease_until: float) -> None:
-        """Processing → Enqueued (no retry used) on shutdown, once the code has stopped;
+        """Processing → Enqueued (no retry used) once the code has stopped, on shutdown or
+        because the attempt was fenced (its lease could not be renewed in time: the reason
+        then says "lease lost");
         retried while the store is unreachable and the lease may still hold (after that the
         reaper releases it, counting an unexpected retry). A refusal is logged, not retried."""
         instance = attempt.claim.instance
@@ -154,7 +156,7 @@ class Recorder:
                 expect=[InstanceState.PROCESSING],
                 claim_token=attempt.claim.token,
                 actor=self.worker_id,
-                reason=StopReason.SHUTDOWN,
+                reason=StopReason.LEASE_LOST if attempt.fenced else StopReason.SHUTDOWN,
             )
         except StoreUnavailableError as exc:
             logger.warning(

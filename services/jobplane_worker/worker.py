@@ -288,7 +288,9 @@ class Worker:
             # runs, and max concurrency counts it until the thread returns.
             outcome = replace(outcome, holds_slot=True)
         await self.leases.flush_progress(attempt)
-        self.metrics.finished.labels(job=key, outcome=ClaimOutcome(outcome.state.value)).inc()
+        # The outcome state itself is the label (succeeded, failed, cancelled, or any other an
+        # attempt may end in): a label never fails the recording of an outcome.
+        self.metrics.finished.labels(job=key, outcome=outcome.state.value).inc()
         self.recorder.put(attempt, outcome)
 
     # -- events ----------------------------------------------------------------------------

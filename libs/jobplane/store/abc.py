@@ -164,10 +164,12 @@ class DispatchStore(StoreConnection, DefinitionReads, Protocol):
     async def mark_published(
         self, ids: Collection[UUID], *, fence: LeaderLease | None = None
     ) -> None:
-        """Record that messages for ``ids`` were handed to the bus (sets ``published_at``).
-        Best effort: a row another transaction holds (being claimed) is skipped. With
-        ``fence`` (the leader's lease) nothing is written once that term is over
-        (:class:`~jobplane.store.base.NotLeaderError`)."""
+        """Record that messages for ``ids`` are being handed to the bus (sets
+        ``published_at``; the dispatcher writes it before it sends, see
+        :meth:`~jobplane.dispatch.Dispatcher.publish`). Best effort: a row another
+        transaction holds (being claimed) is skipped. With ``fence`` (the leader's lease)
+        nothing is written once that term is over (:class:`~jobplane.errors.NotLeaderError`).
+        """
 
     async def still_enqueued(self, ids: Collection[UUID]) -> set[UUID]:
         """Those of ``ids`` that are Enqueued (a message for any other is obsolete)."""

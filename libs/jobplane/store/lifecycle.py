@@ -345,6 +345,9 @@ class LifecycleStore(SqlBase):
     ) -> Instance | None:
         for state in expect:
             check_transition(state, to_state)
+            if to_state is InstanceState.PROCESSING:
+                # Entering Processing is a claim (a new attempt, a token, a lease): never this.
+                raise IllegalTransitionError(state, to_state)
         async with self._write() as conn:
             # The row is locked: the state read here is the one the UPDATE compares with.
             current = await conn.scalar(

@@ -67,8 +67,10 @@ async def move_instances(
     but recorded in ``runaway_slots`` as held by the attempt's still-running code.
 
     Several rows are moved by one UPDATE, which on Postgres locks them in the order its plan
-    meets them: callers lock a batch in id order first (``FOR UPDATE``), as every multi-row
-    instance write does."""
+    meets them. Callers therefore either lock the batch first in id order (``FOR UPDATE``), or
+    select it with ``SKIP LOCKED`` (the sweeps: due promotions in ``run_at`` order, expired
+    leases in expiry order, orphaned pins), so that two writers never wait on each other's
+    rows in opposite orders; a single row needs neither."""
     if not ids:
         return []
     effects = effects_of(from_state, to_state)
