@@ -62,9 +62,9 @@ class DrivenClock:
         self._advanced = asyncio.Event()
         return before + timedelta(seconds=seconds)
 
-    async def advance_to(self, at: datetime) -> None:
-        """Advance to ``at`` (not back if it has passed)."""
-        await self.advance(max(0.0, (at - await self.now()).total_seconds()))
+    async def advance_to(self, at: datetime) -> datetime:
+        """Advance to ``at`` (not back if it has passed); returns a time it has reached."""
+        return await self.advance(max(0.0, (at - await self.now()).total_seconds()))
 
     async def passed(self, at: datetime) -> None:
         """Wait until the cron loop sleeps (not about to wake) until after ``at``: whatever
@@ -143,14 +143,16 @@ async def advance_until(
     what: str = "ticks",
 ) -> None:
     """Advance ``clock`` to the next whole second (the next tick of a one-second job) at a
-    time until ``count()`` reaches ``n``, each step only once the previous one made ``count()``
-    grow: the leader never falls behind the driven time, so no tick is late because the test
-    ran ahead."""
-    while (seen := await count()) < n:
+    time until ``count()`` reaches ``n``. Each step waits for the cron loop to act on the time
+    it reached, so the leader never falls behind the driven time (no tick is late because the
+    test ran ahead) and a step never waits for a real second."""
+    steps = n - await count() + 20
+    for _ in range(steps):
+        if await count() >= n:
+            return
         now = await clock.now()
-        await clock.advance_to(now.replace(microsecond=0) + timedelta(seconds=1, milliseconds=1))
-
-        async def grew(before: int = seen) -> bool:
-            return await count() > before
-
-        await wait_for(grew, timeout_s=10, what=f"{what} ({seen} of {n})")
+        reached = await clock.advance_to(
+            now.replace(microsecond=0) + timedelta(seconds=1, milliseconds=1)
+        )
+        await clock.passed(reached)
+    raise AssertionError(f"{what}: {await count()} of {n} after {steps} seconds driven")

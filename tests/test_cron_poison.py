@@ -40,10 +40,11 @@ async def _poison(store: SqlStore, key: str, cron: str) -> None:
 
 
 @pytest.fixture
-async def api(store: SqlStore, bus: Bus) -> AsyncIterator[httpx.AsyncClient]:
+async def api(store: SqlStore, memory_bus: Bus) -> AsyncIterator[httpx.AsyncClient]:
+    """The API on every store; on the in-memory bus, which plays no part in validation."""
     await define(store, "nightly", cron="0 3 * * *", timezone="Europe/Berlin")
     await define(store, "hourly", cron="0 * * * *")
-    app = create_app(ApiSettings(auth_enabled=False), store=store, bus=bus)
+    app = create_app(ApiSettings(auth_enabled=False), store=store, bus=memory_bus)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
