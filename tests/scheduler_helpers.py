@@ -126,6 +126,23 @@ async def running_scheduler(
         await asyncio.wait_for(task, timeout=30)
 
 
+def sweeps(scheduler: Scheduler) -> int:
+    """How many sweeps this replica has completed as leader."""
+    name = "jobplane_scheduler_sweep_duration_seconds_count"
+    return int(scheduler.metrics.registry.get_sample_value(name) or 0)
+
+
+async def swept(scheduler: Scheduler, n: int = 3) -> None:
+    """Wait until the leader has completed ``n`` more sweeps (the first may have begun
+    before the call: ``n - 1`` whole sweeps ran after it)."""
+    start = sweeps(scheduler)
+
+    async def done() -> bool:
+        return sweeps(scheduler) >= start + n
+
+    await wait_for(done, timeout_s=10, what=f"{n} sweeps")
+
+
 async def applied(scheduler: Scheduler, key: str, version: int = 1, paused: bool = False) -> None:
     """Wait until the leader has applied ``version`` of ``key`` (cached and planned)."""
 
