@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
 from itertools import pairwise
@@ -23,7 +22,7 @@ from jobplane_api.main import create_app
 from jobplane_api.settings import ApiSettings
 from tests.apps.basic import app as jobs_app
 from tests.cli_helpers import free_port
-from tests.scheduler_helpers import running_scheduler
+from tests.scheduler_helpers import running_scheduler, swept
 from tests.worker_helpers import running_worker, wait_for
 
 PROBLEM = "application/problem+json"
@@ -620,7 +619,7 @@ async def test_hold_debug_mode_runs_triggered_jobs_only_by_hand(store: SqlStore,
         app.router.lifespan_context(app),
         httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as api,
         running_worker(jobs_app, store, bus),
-        running_scheduler(store, bus),
+        running_scheduler(store, bus) as scheduler,
     ):
         key = {"Idempotency-Key": "held-1"}
         url = "/api/v1/jobs/echo/instances"
@@ -636,7 +635,7 @@ async def test_hold_debug_mode_runs_triggered_jobs_only_by_hand(store: SqlStore,
         # A hand trigger of a recurring job is already a run by hand: not held.
         tick = (await api.post("/api/v1/jobs/tick/instances", json={})).json()
         assert tick["state"] == "enqueued"
-        await asyncio.sleep(2.5)  # a worker and the leader's sweeps are running
+        await swept(scheduler)  # a worker runs, and the leader's sweeps pass them by
         assert (await store.get_instance(UUID(held["id"]))).state is S.SCHEDULED
 
         ran = await api.post(f"/api/v1/instances/{held['id']}/run")

@@ -18,9 +18,8 @@ from jobplane.store.sql import SqlStore
 from jobplane.store.tables import job_definition_versions, job_definitions
 from jobplane_api.main import create_app
 from jobplane_api.settings import ApiSettings
-from tests.scheduler_helpers import running_scheduler
+from tests.scheduler_helpers import DrivenClock, advance_until, applied, running_scheduler
 from tests.store_helpers import define
-from tests.worker_helpers import wait_for
 
 NEVER = ["0 0 30 2 *", "0 0 31 4 *", "0 0 */20 * 1#5", "0 12 30 2 * 15"]
 
@@ -41,10 +40,11 @@ async def _poison(store: SqlStore, key: str, cron: str) -> None:
 
 
 @pytest.fixture
-async def api(store: SqlStore, bus: Bus) -> AsyncIterator[httpx.AsyncClient]:
+async def api(store: SqlStore, memory_bus: Bus) -> AsyncIterator[httpx.AsyncClient]:
+    """The API on every store; on the in-memory bus, which plays no part in validation."""
     await define(store, "nightly", cron="0 3 * * *", timezone="Europe/Berlin")
     await define(store, "hourly", cron="0 * * * *")
-    app = create_app(ApiSettings(auth_enabled=False), store=store, bus=bus)
+    app = create_app(ApiSettings(auth_enabled=False), store=store, bus=memory_bus)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
@@ -100,12 +100,13 @@ async def test_a_stored_never_firing_cron_does_not_stop_the_leader(
     await define(store, "broken", cron="* * * * * *")
     await define(store, "tick", cron="* * * * * *")
     await _poison(store, "broken", "0 0 30 2 *")
-    async with running_scheduler(store, bus) as scheduler:
+    clock = DrivenClock(store)
+    async with running_scheduler(store, bus, clock=clock) as scheduler:
 
-        async def ticked(n: int) -> bool:
-            return sum((await store.count_by_state("tick")).values()) >= n
+        async def ticks(key: str) -> int:
+            return sum((await store.count_by_state(key)).values())
 
-        await wait_for(lambda: ticked(3), timeout_s=10, what="three ticks of the sound job")
+        await advance_until(clock, lambda: ticks("tick"), 3, what="ticks of the sound job")
         assert scheduler.lease is not None  # still leading
         # An edit of the broken job (announced like the API does) plans it again.
         saved = await store.save_definition(
@@ -114,10 +115,7 @@ async def test_a_stored_never_firing_cron_does_not_stop_the_leader(
             actor="test",
         )
         assert saved is not None
-        await announce(bus, [saved])
-
-        async def fired() -> bool:
-            return sum((await store.count_by_state("broken")).values()) >= 1
-
-        await wait_for(fired, timeout_s=10, what="the mended job's first tick")
+        await announce(bus, [saved])  # the event, over the bus, re-plans it
+        await applied(scheduler, "broken", saved.version)
+        await advance_until(clock, lambda: ticks("broken"), 1, what="the mended job's first tick")
     assert sum((await store.count_by_state("tick")).values()) >= 3

@@ -13,9 +13,8 @@ from jobplane.definitions import DefinitionCache, announce
 from jobplane.domain.models import InstanceFilter
 from jobplane.errors import JobNotFoundError
 from jobplane.store.sql import SqlStore
-from tests.scheduler_helpers import running_scheduler
+from tests.scheduler_helpers import DrivenClock, advance_until, running_scheduler
 from tests.store_helpers import define
-from tests.worker_helpers import wait_for
 
 
 async def _edit(store: SqlStore, key: str, **changes: object) -> int:
@@ -100,25 +99,22 @@ async def test_leader_applies_a_pending_update_before_firing(store: SqlStore, bu
     """The edit's event is lost and the version check is a minute away: the mark alone makes
     the very next fire use the new options (here: the job was paused)."""
     await define(store, "tick", cron="* * * * * *")
-    async with running_scheduler(store, bus, sweep_interval_s=60):
-        await wait_for(lambda: _fired(store, 1), timeout_s=10, what="a first tick")
+    clock = DrivenClock(store)
+    async with running_scheduler(store, bus, clock=clock, sweep_interval_s=60):
+        await advance_until(clock, lambda: _fired_count(store), 1, what="a first tick")
         current = await store.get_definition("tick")
         paused = await store.set_paused("tick", True, "test")
         await bus.set_pending_updates({"tick": paused.version})  # the mark, not the event
         assert paused.version == current.version + 1
         settled = await _fired_count(store)
-        await asyncio.sleep(2.5)
+        await clock.passed(await clock.advance(2.5))  # two ticks' time and more
         # At most the tick being fired while the edit was saved; no tick after it.
         assert await _fired_count(store) <= settled + 1
         before = await _fired_count(store)
-        await asyncio.sleep(1.5)
+        await clock.passed(await clock.advance(1.5))
         assert await _fired_count(store) == before
 
 
 async def _fired_count(store: SqlStore) -> int:
     page = await store.list_instances(InstanceFilter(job_key="tick"), limit=1000)
     return len(page.items)
-
-
-async def _fired(store: SqlStore, n: int) -> bool:
-    return await _fired_count(store) >= n

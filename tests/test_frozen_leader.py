@@ -88,7 +88,12 @@ async def test_a_leader_frozen_inside_its_fenced_transaction_is_replaced_in_time
     }
     second = spawn_cli("scheduler", **env)
     schedulers.append(second)
-    await asyncio.sleep(1.0)  # the second one campaigns and stands by
+
+    async def second_stands_by() -> bool:
+        replicas = await pg_store.list_schedulers(0)
+        return any(_holder_pid(r.holder) == second.pid for r in replicas)
+
+    await wait_for(second_stands_by, timeout_s=30, what="the second scheduler to campaign")
 
     # Catch the leader inside its fenced transaction: hold the instance table so that its next
     # tick's insert (after the fence took its lock on the lease row) waits; freeze the process

@@ -1,12 +1,11 @@
 """The scheduler in-process, on every store. Tests of what reaches the bus run on both buses;
-tests of the schedule alone (what is recorded when: pauses, edits, misfires, end dates) use the
-in-memory bus, since the bus plays no part in what they check."""
+tests of the schedule alone (what is recorded when: pauses, edits, misfires, start and end
+dates) use the in-memory bus, since the bus plays no part in what they check, and drive the
+leader's clock (``DrivenClock``) instead of waiting for the ticks."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-import time
 from datetime import datetime, timedelta
 
 from jobplane.bus.abc import Bus
@@ -22,8 +21,7 @@ from jobplane.domain.models import (
 )
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.sql import SqlStore
-from jobplane_scheduler.scheduler import Scheduler
-from tests.scheduler_helpers import running_scheduler
+from tests.scheduler_helpers import DrivenClock, advance_until, applied, running_scheduler
 from tests.store_helpers import define
 from tests.worker_helpers import wait_for
 
@@ -43,9 +41,11 @@ def _ticks(instances: list[Instance]) -> list[datetime]:
     return [_tick(i) for i in instances]
 
 
-async def test_every_second_job_fires_on_the_second(store: SqlStore, bus: Bus) -> None:
+async def test_every_second_job_fires_on_the_second(store: SqlStore, memory_bus: Bus) -> None:
+    # On the real clock (the lag is measured against the database's); what reaches each bus
+    # is checked below.
     await define(store, "tick", cron="* * * * * *")
-    async with running_scheduler(store, bus) as scheduler:
+    async with running_scheduler(store, memory_bus) as scheduler:
         await wait_for(lambda: _count(store, "tick", 3), timeout_s=10, what="three ticks")
         assert scheduler.lease is not None
     fired = await _cron_instances(store, "tick")
@@ -59,14 +59,31 @@ async def test_every_second_job_fires_on_the_second(store: SqlStore, bus: Bus) -
     assert (await store.get_leader(0)) is None  # released on stop
 
 
+async def test_a_fired_tick_reaches_the_bus(store: SqlStore, bus: Bus) -> None:
+    await define(store, "tick", cron="* * * * * *")
+    clock = DrivenClock(store)
+    async with running_scheduler(store, bus, clock=clock):
+        await advance_until(clock, lambda: _total(store, "tick"), 1, what="a tick")
+        [tick] = await _cron_instances(store, "tick")
+        assert tick.state is S.ENQUEUED and tick.published_at is not None
+        deliveries = await bus.consumer("w1", ["default"]).read(10, 500)
+        assert tick.id in {d.envelope.instance_id for d in deliveries}
+
+
 async def _count(store: SqlStore, key: str, n: int) -> bool:
-    return sum((await store.count_by_state(key)).values()) >= n
+    return await _total(store, key) >= n
 
 
-async def test_delayed_instance_is_promoted_when_due(store: SqlStore, bus: Bus) -> None:
+async def _total(store: SqlStore, key: str) -> int:
+    return sum((await store.count_by_state(key)).values())
+
+
+async def test_delayed_instance_is_promoted_when_due(store: SqlStore, memory_bus: Bus) -> None:
     await define(store, "job")
-    async with running_scheduler(store, bus):
-        instance = await Dispatcher(store, bus).trigger("job", delay=timedelta(milliseconds=600))
+    async with running_scheduler(store, memory_bus):
+        instance = await Dispatcher(store, memory_bus).trigger(
+            "job", delay=timedelta(milliseconds=600)
+        )
         assert instance.state is S.SCHEDULED
 
         async def enqueued() -> bool:
@@ -81,30 +98,35 @@ async def test_delayed_instance_is_promoted_when_due(store: SqlStore, bus: Bus) 
 
 async def test_edited_cron_applies_on_the_next_fire(store: SqlStore, memory_bus: Bus) -> None:
     opts = await define(store, "tick", cron="0 0 1 1 *")  # once a year
-    async with running_scheduler(store, memory_bus):
-        await asyncio.sleep(0.5)
+    clock = DrivenClock(store)
+    async with running_scheduler(store, memory_bus, clock=clock) as scheduler:
+        await applied(scheduler, "tick")
+        await clock.passed(await clock.advance(0.5))
         assert await store.count_by_state("tick") == {}
         saved = await store.save_definition(
             opts.edited(cron="* * * * * *"), expected_version=1, actor="test"
         )
         assert saved is not None
-        await wait_for(lambda: _count(store, "tick", 2), timeout_s=10, what="the edited cron")
+        await applied(scheduler, "tick", saved.version)
+        await advance_until(clock, lambda: _total(store, "tick"), 2, what="the edited cron")
 
 
 async def test_pause_then_resume_follows_the_misfire_policy(
     store: SqlStore, memory_bus: Bus
 ) -> None:
     await define(store, "tick", cron="* * * * * *")
-    async with running_scheduler(store, memory_bus):
-        await wait_for(lambda: _count(store, "tick", 1), timeout_s=10, what="a first tick")
-        await store.set_paused("tick", True, "test")
-        await asyncio.sleep(0.5)
-        paused_at = sum((await store.count_by_state("tick")).values())
-        await asyncio.sleep(2.5)
-        assert sum((await store.count_by_state("tick")).values()) == paused_at  # no fires
-        await store.set_paused("tick", False, "test")
-        await wait_for(
-            lambda: _count(store, "tick", paused_at + 3), timeout_s=10, what="catch-up after resume"
+    clock = DrivenClock(store)
+    async with running_scheduler(store, memory_bus, clock=clock) as scheduler:
+        await advance_until(clock, lambda: _total(store, "tick"), 1, what="a first tick")
+        paused = await store.set_paused("tick", True, "test")
+        await applied(scheduler, "tick", paused.version, paused=True)
+        paused_at = await _total(store, "tick")
+        await clock.passed(await clock.advance(3.0))  # three ticks' time
+        assert await _total(store, "tick") == paused_at  # no fires
+        resumed = await store.set_paused("tick", False, "test")
+        await applied(scheduler, "tick", resumed.version)
+        await advance_until(
+            clock, lambda: _total(store, "tick"), paused_at + 3, what="catch-up after resume"
         )
     fired = await _cron_instances(store, "tick")
     skipped = [i for i in fired if i.state is S.SKIPPED]
@@ -116,8 +138,10 @@ async def test_pause_then_resume_follows_the_misfire_policy(
 
 async def test_debug_mode_never_fires_cron(store: SqlStore, memory_bus: Bus) -> None:
     await define(store, "tick", cron="* * * * * *")
-    async with running_scheduler(store, memory_bus, debug_no_auto_cron=True):
-        await asyncio.sleep(2.2)
+    clock = DrivenClock(store)
+    async with running_scheduler(store, memory_bus, clock=clock, debug_no_auto_cron=True) as s:
+        await applied(s, "tick")
+        await clock.passed(await clock.advance(2.2))  # two ticks' time and more
     assert await store.count_by_state("tick") == {}
 
 
@@ -132,29 +156,32 @@ async def test_no_tick_after_end_at_on_any_replan(store: SqlStore, memory_bus: B
     tick = NewInstance(job_key="ended", source=InstanceSource.CRON, scheduled_at=end)
     await store.fire(lease, [tick])
     assert await store.release_leadership(0, "earlier", lease.term)
-    async with running_scheduler(store, memory_bus) as scheduler:
-        await wait_for(lambda: _leads(scheduler), timeout_s=10, what="leadership")
-        await asyncio.sleep(2.5)  # two and more one-second ticks
+    clock = DrivenClock(store)
+    async with running_scheduler(store, memory_bus, clock=clock) as scheduler:
+        await applied(scheduler, "never")
+        await applied(scheduler, "ended")
+        await clock.passed(await clock.advance(2.5))  # two and more one-second ticks
         # A pause and resume re-plans both jobs again.
         await store.set_paused("never", True, "test")
-        await store.set_paused("never", False, "test")
-        await asyncio.sleep(1.5)
+        resumed = await store.set_paused("never", False, "test")
+        await applied(scheduler, "never", resumed.version)
+        await clock.passed(await clock.advance(1.5))
     assert await store.count_by_state("never") == {}
     assert [i.scheduled_at for i in await _cron_instances(store, "ended")] == [end]
 
 
-async def test_the_tick_at_start_at_fires(store: SqlStore, bus: Bus) -> None:
+async def test_the_tick_at_start_at_fires(store: SqlStore, memory_bus: Bus) -> None:
     start = (await store.now()).replace(microsecond=0) + timedelta(seconds=3)
     start += timedelta(seconds=start.second % 2)  # an even second: one of the job's ticks
     await define(store, "tick", cron="* * * * * */2", start_at=start)
-    async with running_scheduler(store, bus):
-        await wait_for(lambda: _count(store, "tick", 2), timeout_s=10, what="two ticks")
+    clock = DrivenClock(store)
+    async with running_scheduler(store, memory_bus, clock=clock) as scheduler:
+        await applied(scheduler, "tick")
+        for n, at in enumerate([start, start + timedelta(seconds=2)], 1):
+            await clock.advance_to(at)
+            await wait_for(lambda n=n: _count(store, "tick", n), timeout_s=10, what="a tick")
     ticks = [i.scheduled_at for i in await _cron_instances(store, "tick")]
     assert ticks[:2] == [start, start + timedelta(seconds=2)]
-
-
-async def _leads(scheduler: Scheduler) -> bool:
-    return scheduler.lease is not None
 
 
 async def test_a_long_outage_records_every_missed_tick(store: SqlStore, memory_bus: Bus) -> None:
@@ -166,8 +193,10 @@ async def test_a_long_outage_records_every_missed_tick(store: SqlStore, memory_b
     tick = NewInstance(job_key="tick", source=InstanceSource.CRON, scheduled_at=first)
     await store.fire(lease, [tick])
     assert await store.release_leadership(0, "earlier", lease.term)
-    async with running_scheduler(store, memory_bus):
-        await wait_for(lambda: _count(store, "tick", 1_205), timeout_s=30, what="the backfill")
+    clock = DrivenClock(store)
+    async with running_scheduler(store, memory_bus, clock=clock):
+        await wait_for(lambda: _count(store, "tick", 1_201), timeout_s=30, what="the backfill")
+        await advance_until(clock, lambda: _total(store, "tick"), 1_205, what="ticks after it")
     fired = await _cron_instances(store, "tick")
     ticks = _ticks(fired)
     assert ticks[0] == first
@@ -185,11 +214,14 @@ async def test_a_sitting_leader_that_falls_behind_follows_the_misfire_policy(
     # later than the 1 s grace follow each job's policy, as they would after a failover.
     await define(store, "skip", cron="* * * * * *", misfire="skip")
     await define(store, "all", cron="* * * * * *", misfire="fire_all")
-    async with running_scheduler(store, memory_bus, lease_ttl_s=10.0) as scheduler:
-        await wait_for(lambda: _count(store, "skip", 2), timeout_s=10, what="on-time ticks")
+    clock = DrivenClock(store)
+    async with running_scheduler(store, memory_bus, clock=clock, lease_ttl_s=10.0) as scheduler:
+        await advance_until(clock, lambda: _total(store, "skip"), 2, what="on-time ticks")
         term = scheduler.lease.term if scheduler.lease else None
-        time.sleep(3.0)  # noqa: ASYNC251 (the point: the whole leader stops, as in a pause)
-        await wait_for(lambda: _count(store, "skip", 7), timeout_s=10, what="ticks after it")
+        # The leader's time jumps 3 s in one step, as over a pause of its whole process: the
+        # loop wakes to ticks later than their grace.
+        await clock.advance(3.0)
+        await advance_until(clock, lambda: _total(store, "skip"), 7, what="ticks after it")
         assert scheduler.lease is not None and scheduler.lease.term == term
     skip = await _cron_instances(store, "skip")
     missed = [i for i in skip if i.state is S.SKIPPED]
@@ -215,14 +247,16 @@ async def test_an_edited_cron_catches_up_from_the_edit_not_the_last_occurrence(
     occurrence = NewInstance(job_key="yearly", source=InstanceSource.CRON, scheduled_at=first)
     await store.fire(lease, [occurrence])
     assert await store.release_leadership(0, "earlier", lease.term)
-    async with running_scheduler(store, memory_bus):
-        await asyncio.sleep(0.5)
+    clock = DrivenClock(store)
+    async with running_scheduler(store, memory_bus, clock=clock) as scheduler:
+        await applied(scheduler, "yearly")
         saved = await store.save_definition(
             opts.edited(cron="* * * * * *"), expected_version=1, actor="test"
         )
         assert saved is not None and saved.schedule_since is not None
         await announce(memory_bus, [saved])
-        await wait_for(lambda: _count(store, "yearly", 4), timeout_s=10, what="the new ticks")
+        await applied(scheduler, "yearly", saved.version)
+        await advance_until(clock, lambda: _total(store, "yearly"), 4, what="the new ticks")
     fired = await _cron_instances(store, "yearly")
     assert fired[0].scheduled_at == first
     after = fired[1:]

@@ -23,6 +23,7 @@ from sqlalchemy.exc import DBAPIError
 from jobplane import telemetry
 from jobplane.bus.abc import Bus, BusEpoch
 from jobplane.bus.envelope import Event, EventKind
+from jobplane.clock import Clock, StoreClock
 from jobplane.definitions import DefinitionCache
 from jobplane.dispatch import Dispatcher, envelope_for
 from jobplane.domain.models import Instance, JobDefinition, LeaderLease, NewInstance
@@ -40,12 +41,23 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    """One scheduler replica. Does not own the store or the bus."""
+    """One scheduler replica. Does not own the store or the bus.
 
-    def __init__(self, store: LeaderStore, bus: Bus, settings: SchedulerSettings) -> None:
+    ``clock`` is what the leader plans cron ticks against and sleeps on between them (the
+    store's clock by default; tests drive their own). The lease campaign and the sweeps, whose
+    work is judged in SQL by the database's clock, wait in real time."""
+
+    def __init__(
+        self,
+        store: LeaderStore,
+        bus: Bus,
+        settings: SchedulerSettings,
+        clock: Clock | None = None,
+    ) -> None:
         self.store = store
         self.bus = bus
         self.settings = settings
+        self.clock: Clock = clock or StoreClock(store)
         self.lease: LeaderLease | None = None
         self.metrics = SchedulerMetrics(lambda: self.lease)
         self._duties: asyncio.Task[None] | None = None
@@ -125,7 +137,9 @@ class Scheduler:
                 lease.term,
                 extra={"action": "scheduler.leading", "term": lease.term},
             )
-            duties = LeaderDuties(self.store, self.bus, self.settings, lease, self.metrics)
+            duties = LeaderDuties(
+                self.store, self.bus, self.settings, lease, self.metrics, clock=self.clock
+            )
             self._duties = asyncio.create_task(duties.run(), name="jobplane-leader")
             self._leader = duties
         self.lease = lease
@@ -181,11 +195,15 @@ class LeaderDuties:
         settings: SchedulerSettings,
         lease: LeaderLease,
         metrics: SchedulerMetrics | None = None,
+        *,
+        clock: Clock | None = None,
     ) -> None:
         self.store = store
         self.bus = bus
         self.settings = settings
         self.lease = lease
+        #: Cron ticks are planned against it and waited for on it (see :class:`Scheduler`).
+        self.clock: Clock = clock or StoreClock(store)
         self.metrics = metrics or SchedulerMetrics(lambda: lease)
         self.dispatcher = Dispatcher(store, bus, fence=lease)
         self.timers = CronTimers()
@@ -258,7 +276,7 @@ class LeaderDuties:
             else:
                 active.append(definition)
         last = await self.store.last_occurrences([d.key for d in active])
-        now = await self.store.now()
+        now = await self.clock.now()
         records = []
         for definition in active:
             try:
@@ -310,7 +328,7 @@ class LeaderDuties:
 
     async def _cron_loop(self) -> None:
         while True:
-            now = await self.store.now()
+            now = await self.clock.now()
             async with self._planning:
                 due = self.timers.pop_due(now)
                 if due:
@@ -325,7 +343,7 @@ class LeaderDuties:
         """Fire the due ticks, after applying the pending updates of their jobs: an edit whose
         event is still in flight (or lost) is not fired on stale options. Holds ``_planning``."""
         changed = await self.cache.refresh({key for key, _ in due})
-        now = await self.store.now()
+        now = await self.clock.now()
         # A tick later than its job's misfire grace (the leader fell behind: a pause shorter
         # than the lease, overload) follows the misfire policy, as after a failover: the job
         # is re-planned through the catch-up from its last recorded occurrence.
@@ -350,12 +368,11 @@ class LeaderDuties:
         return (now - at).total_seconds() > definition.options.misfire_grace_s
 
     async def _sleep_until(self, at: datetime | None, now: datetime) -> None:
-        """Sleep on the local clock until ``at`` (or a wake-up); what is then written is checked
-        against the database's clock, so skew can never fire early."""
+        """Sleep on the clock until ``at`` (or a wake-up): the loop then reads the clock again
+        and fires only what is due by it, so waking early never fires early."""
         delay = self.settings.sweep_interval_s if at is None else (at - now).total_seconds()
         self._wake.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), max(0.0, min(delay, 60.0)))
+        await self.clock.sleep(min(delay, 60.0), self._wake)
 
     async def _fire(self, records: list[Any]) -> None:
         # A stop (SIGTERM, lost term) cancels the duties, possibly between the insert and the
@@ -538,6 +555,7 @@ class LeaderDuties:
         loop = asyncio.get_running_loop()
         end = loop.time() + self.settings.sweep_interval_s
         for run_at in sorted(self._delayed):
+            # The store's clock, not ``self.clock``: promotion is decided against it in SQL.
             delay = (run_at - await self.store.now()).total_seconds()
             if loop.time() + max(delay, 0) >= end:
                 break
