@@ -6,7 +6,10 @@ leader's clock (``DrivenClock``) instead of waiting for the ticks."""
 from __future__ import annotations
 
 import itertools
+import time
 from datetime import datetime, timedelta
+
+import pytest
 
 from jobplane.bus.abc import Bus
 from jobplane.bus.envelope import Envelope
@@ -230,6 +233,26 @@ async def test_a_sitting_leader_that_falls_behind_follows_the_misfire_policy(
     assert all(b - a == timedelta(seconds=1) for a, b in itertools.pairwise(ticks))
     fire_all = await _cron_instances(store, "all")
     assert not [i for i in fire_all if i.state is S.SKIPPED]
+
+
+@pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
+async def test_a_leader_whose_whole_loop_froze_keeps_its_term_and_the_misfire_policy(
+    store: SqlStore, memory_bus: Bus
+) -> None:
+    # The same, on the real clock with the event loop really blocked for 3 s (as in a pause of
+    # the process): the lease renewals stop too, and a pause shorter than the lease must not
+    # cost the term. On one store: what it adds is the blocked loop, not the store.
+    await define(store, "skip", cron="* * * * * *", misfire="skip")
+    async with running_scheduler(store, memory_bus, lease_ttl_s=10.0) as scheduler:
+        await wait_for(lambda: _count(store, "skip", 2), timeout_s=10, what="on-time ticks")
+        term = scheduler.lease.term if scheduler.lease else None
+        time.sleep(3.0)  # noqa: ASYNC251 (the point: the whole leader stops, as in a pause)
+        await wait_for(lambda: _count(store, "skip", 7), timeout_s=10, what="ticks after it")
+        assert scheduler.lease is not None and scheduler.lease.term == term
+    skip = await _cron_instances(store, "skip")
+    missed = [i for i in skip if i.state is S.SKIPPED]
+    assert missed and all(i.reason == "misfire" for i in missed)
+    assert all(b - a == timedelta(seconds=1) for a, b in itertools.pairwise(_ticks(skip)))
 
 
 async def test_an_edited_cron_catches_up_from_the_edit_not_the_last_occurrence(
