@@ -11,6 +11,14 @@ from typing import Any
 from uuid import UUID
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an error's message (a driver's own error when SQLAlchemy wraps it),
+    without NUL characters (Postgres text cannot hold them), or its type's name if it has no
+    message: for log lines and for errors stored with an instance."""
+    text = str(getattr(exc, "orig", None) or exc).replace("\x00", "")
+    return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+
+
 class JobplaneError(Exception):
     """Root of every error raised by Jobplane."""
 

@@ -27,7 +27,7 @@ from jobplane.clock import Clock, StoreClock
 from jobplane.definitions import DefinitionCache
 from jobplane.dispatch import Dispatcher, envelope_for
 from jobplane.domain.models import Instance, JobDefinition, LeaderLease, NewInstance
-from jobplane.errors import BusUnavailableError, UnavailableError
+from jobplane.errors import BusUnavailableError, UnavailableError, first_line
 from jobplane.events import listen
 from jobplane.store.abc import LeaderStore
 from jobplane.store.base import NotLeaderError
@@ -416,7 +416,7 @@ class LeaderDuties:
                     "the database refused %d tick(s) of job %s: %s; skipped",
                     len(ticks),
                     key,
-                    _first_line(refused),
+                    first_line(refused),
                     extra={"action": "scheduler.fire_refused", "job_key": key},
                 )
         return fired
@@ -431,7 +431,7 @@ class LeaderDuties:
             logger.error(
                 "sweep step %s refused by the database: %s",
                 step,
-                _first_line(exc),
+                first_line(exc),
                 extra={"action": "scheduler.sweep_refused", "step": step},
             )
 
@@ -638,11 +638,6 @@ class LeaderDuties:
     async def _on_definitions_changed(self, event: Event) -> None:
         async with self._planning:
             await self._replan(await self.cache.apply_event(event))
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(getattr(exc, "orig", None) or exc)
-    return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
 
 
 def _is_uuid(text: str) -> bool:

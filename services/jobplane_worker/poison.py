@@ -18,6 +18,7 @@ from sqlalchemy.exc import DBAPIError
 
 from jobplane.domain.models import ErrorInfo, Outcome
 from jobplane.domain.states import InstanceState
+from jobplane.errors import first_line
 
 logger = logging.getLogger("jobplane_worker.worker")
 
@@ -46,7 +47,7 @@ async def complete_isolating_poison(
         logger.error(
             "the outcome of instance %s was refused by the database: %s; recording a failure",
             outcome.instance_id,
-            _first_line(exc),
+            first_line(exc),
             extra={"action": "worker.outcome_refused", "instance_id": str(outcome.instance_id)},
         )
         try:
@@ -56,7 +57,7 @@ async def complete_isolating_poison(
             logger.error(
                 "instance %s: not even a failure could be recorded (%s); left to its lease",
                 outcome.instance_id,
-                _first_line(again),
+                first_line(again),
                 extra={"action": "worker.outcome_lost", "instance_id": str(outcome.instance_id)},
             )
             return {}
@@ -67,12 +68,7 @@ def parked(outcome: Outcome, exc: DBAPIError) -> Outcome:
     A success whose result cannot be stored is a failure, as a result that is not JSON is."""
     error = ErrorInfo(
         type="OutcomeNotStored",
-        message=f"the outcome could not be stored: {_first_line(exc)}",
+        message=f"the outcome could not be stored: {first_line(exc)}",
     )
     state = InstanceState.FAILED if outcome.state is InstanceState.SUCCEEDED else outcome.state
     return replace(outcome, state=state, result=None, error=error)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(getattr(exc, "orig", None) or exc).replace("\x00", "")
-    return text.strip().splitlines()[0] if text.strip() else type(exc).__name__

@@ -32,7 +32,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from jobplane.domain.models import LeaderLease
 from jobplane.errors import NotLeaderError as NotLeaderError  # re-exported
 from jobplane.errors import StoreConflictError as StoreConflictError  # re-exported
-from jobplane.errors import StoreUnavailableError
+from jobplane.errors import StoreUnavailableError, first_line
 from jobplane.store.tables import counters, instance_transitions, job_instances, scheduler_leases
 from jobplane.tasks import being_cancelled
 
@@ -121,14 +121,14 @@ class SqlBase:
             if isinstance(exc, DBAPIError) and _sqlstate(exc) in CONFLICT_SQLSTATES:
                 if being_cancelled():
                     raise asyncio.CancelledError from exc
-                raise StoreConflictError(f"transaction conflict: {_first_line(exc)}") from exc
+                raise StoreConflictError(f"transaction conflict: {first_line(exc)}") from exc
             # (a bare DBAPIError too: asyncpg's "the database system is shutting down" while
             # connecting is neither an OperationalError nor an InterfaceError)
             if isinstance(exc, DBAPIError) and not _is_disconnect(exc):
                 raise
             if being_cancelled():
                 raise asyncio.CancelledError from exc  # the cancel, as the driver reported it
-            raise StoreUnavailableError(f"metadata store unavailable: {_first_line(exc)}") from exc
+            raise StoreUnavailableError(f"metadata store unavailable: {first_line(exc)}") from exc
 
     async def notifications(self, channel: str) -> AsyncIterator[list[str]]:
         """Batches of payloads notified on ``channel`` by committed transactions. This store
@@ -249,8 +249,3 @@ def _sqlstate(exc: DBAPIError) -> str:
     orig = exc.orig
     cause = getattr(orig, "__cause__", None)
     return str(getattr(orig, "sqlstate", None) or getattr(cause, "sqlstate", None) or "")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(getattr(exc, "orig", None) or exc)
-    return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
