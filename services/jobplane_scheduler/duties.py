@@ -1,0 +1,500 @@
+"""The leader's duties, run while a :class:`~jobplane_scheduler.scheduler.Scheduler` holds the
+lease: fire cron ticks, promote due instances, release expired leases, republish what the bus
+lost, publish what applications enqueued. Each write is fenced by the lease's term."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from datetime import datetime, timedelta
+from typing import Any
+from uuid import UUID
+
+from sqlalchemy.exc import DBAPIError
+
+from jobplane import telemetry
+from jobplane.bus.abc import Bus, BusEpoch
+from jobplane.bus.envelope import Event, EventKind
+from jobplane.clock import Clock, StoreClock
+from jobplane.definitions import DefinitionCache
+from jobplane.dispatch import Dispatcher, envelope_for
+from jobplane.domain.models import Instance, JobDefinition, LeaderLease, NewInstance
+from jobplane.errors import BusUnavailableError, UnavailableError, first_line
+from jobplane.events import listen
+from jobplane.store.abc import LeaderStore
+from jobplane.store.base import NotLeaderError
+from jobplane.store.creation import ENQUEUED_CHANNEL
+from jobplane.tasks import run_together
+from jobplane_scheduler.cron_timers import CronTimers, catch_up, is_active, occurrence
+from jobplane_scheduler.metrics import SchedulerMetrics, SweepStep
+from jobplane_scheduler.settings import SchedulerSettings
+
+# The role's one logger name, as before the split (operators filter on it).
+logger = logging.getLogger("jobplane_scheduler.scheduler")
+
+
+class LeaderDuties:
+    """What the leader does while its term lasts. Cancelled when the term ends."""
+
+    def __init__(
+        self,
+        store: LeaderStore,
+        bus: Bus,
+        settings: SchedulerSettings,
+        lease: LeaderLease,
+        metrics: SchedulerMetrics | None = None,
+        *,
+        clock: Clock | None = None,
+    ) -> None:
+        self.store = store
+        self.bus = bus
+        self.settings = settings
+        self.lease = lease
+        #: Cron ticks are planned against it and waited for on it (see :class:`Scheduler`).
+        self.clock: Clock = clock or StoreClock(store)
+        self.metrics = metrics or SchedulerMetrics(lambda: lease)
+        self.dispatcher = Dispatcher(store, bus, fence=lease)
+        self.timers = CronTimers()
+        self.cache = DefinitionCache(store, bus)
+        # Serialises re-planning and firing: the cron loop, the sweep and the event listener
+        # all apply definition changes, and a tick must be planned once.
+        self._planning = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._epoch: BusEpoch | None = None
+        self._delayed: list[datetime] = []
+        #: Jobs whose missed ticks are still being recorded in batches (see catch_up).
+        self._backfill: set[str] = set()
+        #: Expired leases are released from this (monotonic) time on (see ``reap_grace_s``).
+        self._reap_from = 0.0
+
+    async def run(self) -> None:
+        deposed = False
+        while not deposed:
+            # (Re)start from scratch: every job re-planned from its last recorded occurrence,
+            # so ticks due during an outage are caught up per the misfire policy.
+            self.timers = CronTimers()
+            self.cache = DefinitionCache(self.store, self.bus)
+            self._backfill.clear()
+            # After an outage every lease may look expired: give the workers a heartbeat (and
+            # their outcomes a retry) before reaping, so finished or running work is not re-run.
+            self._reap_from = time.monotonic() + self.settings.reap_grace_s
+            try:
+                await self._load_definitions()
+                await run_together(
+                    self._cron_loop(), self._sweep_loop(), self._event_loop(), self._enqueued_loop()
+                )
+            except* NotLeaderError:
+                logger.warning(
+                    "term %d is over; stopping leader duties",
+                    self.lease.term,
+                    extra={"action": "scheduler.deposed"},
+                )
+                deposed = True
+            except* UnavailableError as group:
+                # An outage pauses the duties, it does not end the term. Nothing is lost: the
+                # restart re-plans every job from what is recorded, and every write is fenced,
+                # so if the lease ran out meanwhile the next write ends the duties instead.
+                logger.warning(
+                    "leader duties paused: %s",
+                    group.exceptions[0],
+                    extra={"action": "scheduler.paused"},
+                )
+                await asyncio.sleep(self.settings.sweep_interval_s)
+
+    # -- cron ------------------------------------------------------------------------------
+
+    async def _load_definitions(self) -> None:
+        """Apply definition changes found by the version check against Postgres (the sweep's
+        backstop for lost events and marks; at start: every definition)."""
+        async with self._planning:
+            await self._replan(await self.cache.refresh(verify=True))
+
+    async def _replan(self, keys: set[str]) -> None:
+        """Re-plan the timers of the jobs whose definition changed and catch up their missed
+        ticks (a resumed or edited job follows its misfire policy). Holds ``_planning``."""
+        if not keys:
+            return
+        cached = self.cache.definitions
+        active = []
+        for key in keys:
+            definition = cached.get(key)
+            if definition is None or self.settings.debug_no_auto_cron or not is_active(definition):
+                self.timers.drop_job(key)
+                self._backfill.discard(key)
+            else:
+                active.append(definition)
+        last = await self.store.last_occurrences([d.key for d in active])
+        now = await self.clock.now()
+        records = []
+        for definition in active:
+            try:
+                records.extend(self._plan(definition, last.get(definition.key), now))
+            except Exception:
+                # One job whose schedule cannot be computed (an expression stored before
+                # never-firing ones were refused) must not stop the cron of every other job.
+                self._schedule_failed(definition.key)
+        if records:
+            await self._fire(records)
+        self._wake.set()
+
+    def _plan(
+        self, definition: JobDefinition, last: datetime | None, now: datetime
+    ) -> list[NewInstance]:
+        """Catch up a job's missed ticks and plan its timer; returns the records to write."""
+        since = definition.schedule_since
+        if last is not None and since is not None and since > last:
+            # The schedule was edited after its last occurrence: ticks of the new schedule
+            # before the edit never existed, so the catch-up starts at the edit.
+            last = since
+        caught = catch_up(definition, last, now)
+        made = caught.records
+        if not caught.complete:
+            # A long outage: this pass records a batch of its oldest missed ticks; the cron
+            # loop runs the next pass (after any due tick of other jobs), and only the last
+            # one plans the job's timer.
+            self.timers.drop_job(definition.key)
+            self._backfill.add(definition.key)
+            return made
+        self._backfill.discard(definition.key)
+        latest = max(
+            [last] + [m.scheduled_at for m in made],
+            key=lambda t: t or datetime.min.replace(tzinfo=now.tzinfo),
+        )
+        self.timers.set_job(definition, latest, now)
+        return made
+
+    def _schedule_failed(self, key: str) -> None:
+        """Log a job whose schedule cannot be computed and leave it unplanned until its
+        definition changes (the API shows the same error on the job)."""
+        self.timers.drop_job(key)
+        self._backfill.discard(key)
+        logger.exception(
+            "job %s: its next fire time cannot be computed; it does not fire until edited",
+            key,
+            extra={"action": "scheduler.schedule_error", "job_key": key},
+        )
+
+    async def _cron_loop(self) -> None:
+        while True:
+            now = await self.clock.now()
+            async with self._planning:
+                due = self.timers.pop_due(now)
+                if due:
+                    await self._fire_due(due)
+                    continue
+                if self._backfill:
+                    await self._replan(set(self._backfill))
+                    continue
+            await self._sleep_until(self.timers.next_time(), now)
+
+    async def _fire_due(self, due: list[tuple[str, datetime]]) -> None:
+        """Fire the due ticks, after applying the pending updates of their jobs: an edit whose
+        event is still in flight (or lost) is not fired on stale options. Holds ``_planning``."""
+        changed = await self.cache.refresh({key for key, _ in due})
+        now = await self.clock.now()
+        # A tick later than its job's misfire grace (the leader fell behind: a pause shorter
+        # than the lease, overload) follows the misfire policy, as after a failover: the job
+        # is re-planned through the catch-up from its last recorded occurrence.
+        late = {key for key, at in due if self._late(key, at, now)}
+        if changed or late:
+            # Changed jobs are re-planned from their last occurrence under the new options; a
+            # tick still valid under them fires through the catch-up or on the next turn.
+            await self._replan(changed | late)
+            due = [(key, at) for key, at in due if key not in changed | late]
+        if due:
+            await self._fire([occurrence(key, at) for key, at in due])
+        for key, at in due:
+            try:
+                self.timers.advance(key, at)
+            except Exception:
+                self._schedule_failed(key)
+
+    def _late(self, key: str, at: datetime, now: datetime) -> bool:
+        definition = self.cache.definitions.get(key)
+        if definition is None:
+            return False
+        return (now - at).total_seconds() > definition.options.misfire_grace_s
+
+    async def _sleep_until(self, at: datetime | None, now: datetime) -> None:
+        """Sleep on the clock until ``at`` (or a wake-up): the loop then reads the clock again
+        and fires only what is due by it, so waking early never fires early."""
+        delay = self.settings.sweep_interval_s if at is None else (at - now).total_seconds()
+        self._wake.clear()
+        await self.clock.sleep(min(delay, 60.0), self._wake)
+
+    async def _fire(self, records: list[Any]) -> None:
+        # A stop (SIGTERM, lost term) cancels the duties, possibly between the insert and the
+        # publish. Finish the fire first, so a stored tick is published now rather than when
+        # the next leader's sweep finds it unpublished.
+        firing = asyncio.ensure_future(self._fire_and_publish(records))
+        try:
+            await asyncio.shield(firing)
+        except asyncio.CancelledError:
+            await asyncio.gather(firing, return_exceptions=True)
+            raise
+
+    async def _fire_and_publish(self, records: list[Any]) -> None:
+        with telemetry.span("jobplane.trigger", source="cron", instances=len(records)):
+            try:
+                instances = await self.store.fire(self.lease, records)
+            except DBAPIError as exc:
+                instances = await self._fire_each_job(records, exc)
+            self.metrics.fired(instances, self.cache.definitions)
+            await self.dispatcher.publish(instances)
+        fired = [i for i in instances if not i.state.is_terminal]
+        if fired:
+            logger.debug("fired %d tick(s)", len(fired), extra={"action": "scheduler.fired"})
+
+    async def _fire_each_job(self, records: list[Any], exc: DBAPIError) -> list[Instance]:
+        """The database refused a batch of ticks (a poison job: data or a constraint it
+        rejects; outages and conflicts are not ``DBAPIError`` here). Fire each job's ticks on
+        their own: a job still refused is logged with its key and its ticks skipped, and every
+        other job fires."""
+        by_job: dict[str, list[Any]] = {}
+        for record in records:
+            by_job.setdefault(record.job_key, []).append(record)
+        fired: list[Instance] = []
+        for key, ticks in by_job.items():
+            try:
+                if len(by_job) == 1:
+                    raise exc  # that job alone was refused
+                fired += await self.store.fire(self.lease, ticks)
+            except DBAPIError as refused:
+                logger.error(
+                    "the database refused %d tick(s) of job %s: %s; skipped",
+                    len(ticks),
+                    key,
+                    first_line(refused),
+                    extra={"action": "scheduler.fire_refused", "job_key": key},
+                )
+        return fired
+
+    @contextlib.contextmanager
+    def _refused(self, step: str) -> Iterator[None]:
+        """One sweep step the database refuses (a poison row in its batch) is logged; the
+        other steps, the next sweeps and the cron loop go on."""
+        try:
+            yield
+        except DBAPIError as exc:
+            logger.error(
+                "sweep step %s refused by the database: %s",
+                step,
+                first_line(exc),
+                extra={"action": "scheduler.sweep_refused", "step": step},
+            )
+
+    # -- sweeps ----------------------------------------------------------------------------
+
+    async def _sweep_loop(self) -> None:
+        last_retention = datetime.min
+        while True:
+            with self.metrics.sweep_duration.time():
+                await self._sweep_once()
+            if self.settings.retention_days and datetime.now() - last_retention > timedelta(
+                minutes=1
+            ):
+                last_retention = datetime.now()
+                await self._retention()
+            await self._sleep_for_delayed()
+
+    async def _sweep_once(self) -> None:
+        """Find what no event announced: definitions edited, due instances, expired leases,
+        lost messages, a bus that restarted empty, dead workers."""
+        with self._refused("definitions"):
+            await self._load_definitions()
+        with self._refused("promote"):
+            await self._promote()
+        if time.monotonic() >= self._reap_from:
+            with self._refused("expired leases"):
+                released = await self.store.release_expired(self.lease)
+                self.metrics.count(SweepStep.EXPIRED_LEASES, released)
+                await self._publish(released)
+        with self._refused("bus epoch"):
+            # Its marker is written only after the republish: a refused one is tried again.
+            await self._check_bus_epoch()
+        with self._refused("republish"):
+            stale = await self.store.unpublished(self.settings.republish_after_s)
+            await self._republish(await self._lost(stale))
+        with self._refused("unknown jobs"):
+            terminated = await self.store.terminate_unknown_jobs(
+                self.lease, self.settings.unknown_job_timeout_s
+            )
+            self.metrics.count(SweepStep.UNKNOWN_JOBS, terminated)
+        with self._refused("dead workers"):
+            dead = await self.store.mark_dead_workers(
+                self.settings.dead_worker_after_s, fence=self.lease
+            )
+            self.metrics.count(SweepStep.DEAD_WORKERS, dead)
+        with self._refused("orphaned pins"):
+            unpinned = await self.store.resolve_orphaned_pins(self.lease)
+            self.metrics.count(SweepStep.ORPHANED_PINS, [i for i, _ in unpinned])
+            await self._publish([i for i, _ in unpinned])
+            await self._drop_old_pins(unpinned)
+        self._delayed = await self.store.scheduled_due_within(self.settings.sweep_interval_s)
+
+    async def _promote(self) -> None:
+        """Promote due instances; a batch the database refuses goes one by one, so a poison
+        instance is skipped (logged with its id) and the others are promoted."""
+        try:
+            promoted = await self.store.promote_due(self.lease)
+        except DBAPIError:
+            promoted = await self.store.promote_due_each(self.lease)
+        self.metrics.count(SweepStep.PROMOTED, promoted)
+        await self._publish(promoted)
+
+    async def _lost(self, stale: list[Instance]) -> list[Instance]:
+        """Those of ``stale`` (unclaimed long after publication) whose message is really gone.
+        One still in its stream (unread, or delivered less than ``republish_after_s`` ago and
+        not yet acknowledged) is not published again — a backlog must not grow the stream —
+        but marked published now, so it is looked for again only after ``republish_after_s``.
+        An entry delivered longer ago and still unacknowledged counts as lost (its consumer
+        may be gone): the copy goes out now rather than at the next reclaim."""
+        if not stale:
+            return []
+        try:
+            present = await self.bus.queued(
+                [(i.queue, envelope_for(i)) for i in stale],
+                stuck_after_ms=int(self.settings.republish_after_s * 1000),
+            )
+        except UnavailableError:
+            return stale  # the publish fails too, and the next sweep looks again
+        if present:
+            await self.store.mark_published(present, fence=self.lease)
+        return [i for i in stale if i.id not in present]
+
+    async def _check_bus_epoch(self) -> None:
+        """Redis restarted (new run_id) or was flushed (its marker is gone; a flush keeps the
+        run_id): its streams and pending-update marks may be gone. Republish every Enqueued
+        instance at once and reload every definition (unless this leader has just loaded them
+        all, at its first look), then write the marker. The marker is
+        written only after the republish, so a leader that dies in between leaves it missing
+        and the next leader republishes again (at its first sweep)."""
+        try:
+            epoch = await self.bus.epoch()
+        except UnavailableError:
+            return
+        if epoch.marker is not None and epoch == self._epoch:
+            return
+        if epoch.marker is None or self._epoch is not None:
+            # Seen changing under this leader: a restart or flush. Missing at this leader's
+            # first look: a new bus (first start, or the in-process bus of `jobplane dev`) or
+            # one flushed while no leader ran; the two look alike, and both are republished.
+            level = logging.WARNING if self._epoch is not None else logging.INFO
+            logger.log(
+                level,
+                "the bus restarted or was flushed (or is new); republishing every Enqueued "
+                "instance",
+                extra={"action": "scheduler.bus_restarted"},
+            )
+            await self._republish_all()
+            if self._epoch is not None:
+                # Its pending-update marks are gone too: reload every definition. (At the
+                # first look they were all just loaded from Postgres as the duties started.)
+                async with self._planning:
+                    await self._replan(await self.cache.reload_all())
+        try:
+            self._epoch = await self.bus.mark_epoch()
+        except UnavailableError:
+            return
+
+    async def _sleep_for_delayed(self) -> None:
+        """Sleep until the next sweep, waking at each delayed instance's run_at on the way so
+        delayed instances start to the millisecond, not to the sweep interval."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.settings.sweep_interval_s
+        for run_at in sorted(self._delayed):
+            # The store's clock, not ``self.clock``: promotion is decided against it in SQL.
+            delay = (run_at - await self.store.now()).total_seconds()
+            if loop.time() + max(delay, 0) >= end:
+                break
+            await asyncio.sleep(max(delay, 0))
+            with self._refused("promote"):
+                await self._promote()
+        await asyncio.sleep(max(0.0, end - loop.time()))
+
+    async def _republish_all(self) -> None:
+        after: UUID | None = None
+        while True:
+            page = await self.store.all_enqueued(after)
+            if not page:
+                return
+            # After a restart or flush the streams are empty and everything goes out; a bus
+            # merely new to this leader may still hold the messages, which are not doubled.
+            await self._republish(await self._lost(page))
+            after = page[-1].id
+
+    async def _retention(self) -> None:
+        before = await self.store.now() - timedelta(days=self.settings.retention_days)
+        while await self.store.delete_finished_before(before, fence=self.lease):
+            pass
+
+    async def _drop_old_pins(self, unpinned: list[tuple[Instance, str]]) -> None:
+        """Delete the entries of instances just given away from their gone worker's stream,
+        which nobody reads any more: left there, each would stay for good (the streams would
+        outgrow what is Enqueued). After the publish, so a stop in between leaves a harmless
+        duplicate, never no entry. Should the worker come back meanwhile and read one first,
+        it finds the instance unpinned: a claim is a compare-and-set either way."""
+        by_worker: dict[str, list[UUID]] = defaultdict(list)
+        for instance, worker_id in unpinned:
+            by_worker[worker_id].append(instance.id)
+        for worker_id, ids in sorted(by_worker.items()):
+            try:
+                await self.bus.drop_pinned(worker_id, ids)
+            except BusUnavailableError as exc:
+                # Harmless leftovers: a worker that reads one finds the instance unpinned.
+                logger.warning(
+                    "could not delete %d old entries from the stream of gone worker %s: %s",
+                    len(ids),
+                    worker_id,
+                    exc,
+                    extra={"action": "scheduler.old_pins_kept", "worker_id": worker_id},
+                )
+
+    async def _publish(self, instances: list[Instance], *, force: bool = False) -> None:
+        await self.dispatcher.publish(instances, force=force)
+
+    async def _republish(self, lost: list[Instance]) -> None:
+        """Publish again instances whose message is gone (a copy still in a stream is not)."""
+        self.metrics.count(SweepStep.REPUBLISHED, lost)
+        await self._publish(lost, force=True)
+
+    async def _enqueued_loop(self) -> None:
+        """Publish what applications enqueued in their own transactions as soon as they
+        commit (Postgres NOTIFY). Only a fast path: the sweep publishes never-published
+        instances anyway, so a notification lost with its connection is no loss."""
+        while True:
+            try:
+                async for ids in self.store.notifications(ENQUEUED_CHANNEL):
+                    parsed = [UUID(i) for i in ids if _is_uuid(i)]
+                    await self._publish(await self.store.unpublished_among(parsed))
+                return  # this store has no notifications
+            except UnavailableError:
+                await asyncio.sleep(1)
+
+    async def _event_loop(self) -> None:
+        """Definition edits reach the leader at once (the sweep's version check is the
+        backstop if the event is lost). A lost term ends the duties (``NotLeaderError``)."""
+        await listen(
+            self.bus,
+            self._on_definitions_changed,
+            role="scheduler",
+            what="definition edits",
+            kinds={EventKind.DEFINITIONS_CHANGED},
+            propagate=(NotLeaderError,),
+        )
+
+    async def _on_definitions_changed(self, event: Event) -> None:
+        async with self._planning:
+            await self._replan(await self.cache.apply_event(event))
+
+
+def _is_uuid(text: str) -> bool:
+    try:
+        UUID(text)
+    except ValueError:
+        return False
+    return True
