@@ -103,40 +103,32 @@ class RedisBus:
         found: set[uuid.UUID] = set()
         for key in {self.keys.stream_of(queue, envelope) for queue, envelope in envelopes}:
             stuck = set() if stuck_after_ms is None else await self._stuck(key, stuck_after_ms)
-            start = "-"
-            while True:
-                async with _translated("xrange"):
-                    page: Any = await self.client.xrange(key, min=start, count=XRANGE_PAGE)
-                for entry_id, fields in page or []:
-                    if _text(entry_id) in stuck:
-                        continue
-                    try:
-                        instance_id = Envelope.decode(fields.get(b"d", b"")).instance_id
-                    except EnvelopeError:
-                        continue  # the reader dead-letters it
-                    if instance_id in wanted:
-                        found.add(instance_id)
-                if len(page or []) < XRANGE_PAGE:
-                    break
-                start = "(" + _text(page[-1][0])
+            async for entry_id, instance_id in self._entries(key):
+                if instance_id in wanted and _text(entry_id) not in stuck:
+                    found.add(instance_id)
         return found
 
-    async def drop_pinned(self, worker_id: str, instance_ids: Collection[uuid.UUID]) -> int:
-        key, wanted, doomed = self.keys.worker_stream(worker_id), set(instance_ids), []
+    async def _entries(self, key: str) -> AsyncIterator[tuple[Any, uuid.UUID]]:
+        """(entry id, instance id) of every decodable entry of the stream ``key``, oldest
+        first, read a page at a time (an undecodable one is the reader's to dead-letter)."""
         start = "-"
-        while wanted:
+        while True:
             async with _translated("xrange"):
                 page: Any = await self.client.xrange(key, min=start, count=XRANGE_PAGE)
             for entry_id, fields in page or []:
                 try:
-                    instance_id = Envelope.decode(fields.get(b"d", b"")).instance_id
+                    yield entry_id, Envelope.decode(fields.get(b"d", b"")).instance_id
                 except EnvelopeError:
-                    continue  # the reader dead-letters it
-                if instance_id in wanted:
-                    doomed.append(entry_id)
+                    continue
             if len(page or []) < XRANGE_PAGE:
-                break
+                return
             start = "(" + _text(page[-1][0])
+
+    async def drop_pinned(self, worker_id: str, instance_ids: Collection[uuid.UUID]) -> int:
+        key, wanted = self.keys.worker_stream(worker_id), set(instance_ids)
+        if not wanted:
+            return 0
+        doomed = [e async for e, instance_id in self._entries(key) if instance_id in wanted]
         if not doomed:
             return 0
         pipe = self.client.pipeline(transaction=False)
