@@ -3,7 +3,7 @@
 Every path that creates instances goes through here: the store's batch creation (triggers,
 cron fires, retries, on both backends) and the in-transaction :func:`jobplane.enqueue`, which
 runs these statements on the application's own connection. The Postgres statements that create
-instances in one round trip (``store/postgres.py``) state the same rule in SQL;
+instances in one round trip (``store/postgres_sql.py``) state the same rule in SQL;
 ``tests/test_creation.py`` runs every path over the same requests and compares the rows.
 
 The rule (:func:`initial_state`): ``skip_reason`` → Skipped (a misfire recorded, finished at
