@@ -19,7 +19,7 @@ from jobplane.domain.states import TERMINAL_STATES, TRANSITIONS, InstanceState
 from jobplane.domain.transitions import EFFECTS, Effects, SlotChange, effects_of
 from jobplane.errors import IllegalTransitionError
 from jobplane.store.moves import NewAttempt, move_instances
-from jobplane.store.postgres import COMPLETE
+from jobplane.store.postgres_sql import COMPLETE
 from jobplane.store.sql import SqlStore
 from jobplane.store.tables import instance_transitions, job_instances, runaway_slots
 from tests.store_helpers import define, enqueue, slots_used

@@ -1,4 +1,5 @@
-"""Bulk operations on the instances a filter selects: cancel many at once.
+"""An operator's moves: cancel one instance or all a filter selects, run a held or delayed one
+now.
 
 One transaction per call. The selected rows are locked in id order (the order claimers lock
 in, so the two cannot deadlock); each change is still a compare-and-set on the state just
@@ -15,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from jobplane.domain.models import BulkCancel, Instance, InstanceFilter
 from jobplane.domain.reasons import EndReason
 from jobplane.domain.states import InstanceState
+from jobplane.errors import IllegalTransitionError, InstanceNotFoundError
 from jobplane.store import rows
 from jobplane.store.base import SqlBase, retry_conflicts
 from jobplane.store.instances import filtered
@@ -25,12 +27,77 @@ CANCEL_REASON = EndReason.CANCELLED_BEFORE_RUN
 
 #: A cancel ends these at once ...
 QUEUED = (InstanceState.SCHEDULED, InstanceState.ENQUEUED)
-#: ... and asks the worker to stop these (as :meth:`Store.request_cancel` does).
+#: ... and asks the worker to stop these (as :meth:`request_cancel` does).
 RUNNING = (InstanceState.PROCESSING, InstanceState.FAILED)
 
 
-class BulkStore(SqlBase):
-    """Bulk changes selected by an :class:`InstanceFilter`."""
+class OperatorStore(SqlBase):
+    """Cancels and runs asked for by an operator (API, CLI, client, dashboard)."""
+
+    @retry_conflicts
+    async def request_cancel(self, instance_id: UUID, actor: str) -> Instance:
+        async with self._write() as conn:
+            row = (
+                await conn.execute(
+                    select(job_instances.c.state)
+                    .where(job_instances.c.id == instance_id)
+                    .with_for_update()
+                )
+            ).first()
+            if row is None:
+                raise InstanceNotFoundError(instance_id)
+            state = InstanceState(row.state)
+            if state in QUEUED:
+                [moved] = await move_instances(  # the row is locked in this transaction
+                    conn,
+                    self._clock(),
+                    [instance_id],
+                    state,
+                    InstanceState.CANCELLED,
+                    actor=actor,
+                    reason=CANCEL_REASON,
+                )
+                return moved
+            if state in RUNNING:
+                # The worker sees it on its next heartbeat (the bus only makes it faster).
+                updated = (
+                    await conn.execute(
+                        update(job_instances)
+                        .where(
+                            job_instances.c.id == instance_id, job_instances.c.state == state.value
+                        )
+                        .values(cancel_requested=True)
+                        .returning(*job_instances.c)
+                    )
+                ).one()
+                return rows.instance_from_row(updated._mapping)
+            raise IllegalTransitionError(state, InstanceState.CANCELLED)
+
+    @retry_conflicts
+    async def run_now(self, instance_id: UUID, actor: str) -> Instance:
+        async with self._write() as conn:
+            # Compare-and-set on Scheduled: a run racing the due-time sweep (or a cancel, or a
+            # second run) moves the instance once; the loser sees the state it found.
+            moved = await move_instances(
+                conn,
+                self._clock(),
+                [instance_id],
+                InstanceState.SCHEDULED,
+                InstanceState.ENQUEUED,
+                actor=actor,
+                reason="run by hand",
+                values={"run_at": self._clock()},
+            )
+            if moved:
+                return moved[0]
+            row = (
+                await conn.execute(
+                    select(job_instances.c.state).where(job_instances.c.id == instance_id)
+                )
+            ).first()
+        if row is None:
+            raise InstanceNotFoundError(instance_id)
+        raise IllegalTransitionError(InstanceState(row.state), "run now (only Scheduled instances)")
 
     @retry_conflicts
     async def cancel_many(self, filter: InstanceFilter, *, limit: int, actor: str) -> BulkCancel:

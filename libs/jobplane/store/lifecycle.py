@@ -31,11 +31,9 @@ from jobplane.domain.models import (
     Outcome,
 )
 from jobplane.domain.options import JobOptions, OnLimit
-from jobplane.domain.reasons import EndReason
 from jobplane.domain.states import InstanceState, check_transition
 from jobplane.errors import (
     IllegalTransitionError,
-    InstanceNotFoundError,
 )
 from jobplane.store import rows
 from jobplane.store.base import SqlBase, locked_in_id_order, logger, retry_conflicts
@@ -380,71 +378,6 @@ class LifecycleStore(SqlBase):
                 ),
             )
         return bool(released)
-
-    @retry_conflicts
-    async def request_cancel(self, instance_id: UUID, actor: str) -> Instance:
-        async with self._write() as conn:
-            row = (
-                await conn.execute(
-                    select(job_instances.c.state)
-                    .where(job_instances.c.id == instance_id)
-                    .with_for_update()
-                )
-            ).first()
-            if row is None:
-                raise InstanceNotFoundError(instance_id)
-            state = InstanceState(row.state)
-            if state in (InstanceState.SCHEDULED, InstanceState.ENQUEUED):
-                [moved] = await move_instances(  # the row is locked in this transaction
-                    conn,
-                    self._clock(),
-                    [instance_id],
-                    state,
-                    InstanceState.CANCELLED,
-                    actor=actor,
-                    reason=EndReason.CANCELLED_BEFORE_RUN,
-                )
-                return moved
-            if state in (InstanceState.PROCESSING, InstanceState.FAILED):
-                # The worker sees it on its next heartbeat (the bus only makes it faster).
-                updated = (
-                    await conn.execute(
-                        update(job_instances)
-                        .where(
-                            job_instances.c.id == instance_id, job_instances.c.state == state.value
-                        )
-                        .values(cancel_requested=True)
-                        .returning(*job_instances.c)
-                    )
-                ).one()
-                return rows.instance_from_row(updated._mapping)
-            raise IllegalTransitionError(state, InstanceState.CANCELLED)
-
-    @retry_conflicts
-    async def run_now(self, instance_id: UUID, actor: str) -> Instance:
-        async with self._write() as conn:
-            # Compare-and-set on Scheduled: a run racing the due-time sweep (or a cancel, or a
-            # second run) moves the instance once; the loser sees the state it found.
-            moved = await move_instances(
-                conn,
-                self._clock(),
-                [instance_id],
-                InstanceState.SCHEDULED,
-                InstanceState.ENQUEUED,
-                actor=actor,
-                reason="run by hand",
-                values={"run_at": self._clock()},
-            )
-            if moved:
-                return moved[0]
-            row = (
-                await conn.execute(
-                    select(job_instances.c.state).where(job_instances.c.id == instance_id)
-                )
-            ).first()
-        if row is None:
-            raise InstanceNotFoundError(instance_id)
-        raise IllegalTransitionError(InstanceState(row.state), "run now (only Scheduled instances)")
 
     @retry_conflicts
     async def republish_waiting(self, job_keys: Collection[str], limit: int) -> list[Instance]:

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from jobplane.store.abc import Store
 from jobplane.store.base import logger
-from jobplane.store.bulk import BulkStore
+from jobplane.store.bulk import OperatorStore
 from jobplane.store.cluster import ClusterStore
 from jobplane.store.definitions import DefinitionStore
 from jobplane.store.instances import InstanceStore
@@ -25,7 +25,7 @@ class SqlStore(
     SweepStore,
     TokenStore,
     StatsStore,
-    BulkStore,
+    OperatorStore,
     WorkloadStore,
 ):
     """Generic implementation of :class:`jobplane.store.abc.Store` (every role's interface);
