@@ -221,7 +221,7 @@ async def test_redis_restarting_empty_loses_no_instance(
     pg_store: SqlStore,
     spawn: Spawn,
     own_redis: tuple[str, Callable[[], None]],
-    tmp_path: Path,
+    redis_prefix: str,
 ) -> None:
     url, restart_empty = own_redis
     await wait_for(lambda: _redis_up(url), timeout_s=10, what="redis")
@@ -230,7 +230,8 @@ async def test_redis_restarting_empty_loses_no_instance(
     worker = spawn("worker", "--app", "tests.apps.basic:app", "--worker-id", "w-a", **env)
     await wait_for(lambda: _has_leader(pg_store), timeout_s=15, what="a leader")
     await wait_for(lambda: _defined(pg_store), timeout_s=15, what="job registration")
-    bus = open_bus(url, "jobplane")
+    # The roles' key prefix: triggers go to the streams the worker reads.
+    bus = open_bus(url, redis_prefix)
     dispatcher = Dispatcher(pg_store, bus)
     try:
         warm = [await dispatcher.trigger("echo", {"value": i}) for i in range(5)]
@@ -266,11 +267,11 @@ async def _defined(store: SqlStore) -> bool:
     return bool(await store.list_workers())
 
 
-@pytest.mark.slow
 async def test_redis_flushed_live_loses_no_instance(
     pg_store: SqlStore,
     spawn: Spawn,
     own_redis: tuple[str, Callable[[], None]],
+    redis_prefix: str,
 ) -> None:
     url, _ = own_redis
     await wait_for(lambda: _redis_up(url), timeout_s=10, what="redis")
@@ -280,14 +281,14 @@ async def test_redis_flushed_live_loses_no_instance(
     worker = spawn("worker", "--app", "tests.apps.basic:app", "--worker-id", "w-a", **env)
     await wait_for(lambda: _has_leader(pg_store), timeout_s=15, what="a leader")
     await wait_for(lambda: _defined(pg_store), timeout_s=15, what="job registration")
-    bus = open_bus(url, "jobplane")
+    # The roles' key prefix: triggers go to the streams the worker reads (under another
+    # prefix every batch waited for the 30 s republish by age, the flush's included).
+    bus = open_bus(url, redis_prefix)
     dispatcher = Dispatcher(pg_store, bus)
     assert isinstance(bus, RedisBus)
     try:
         warm = [await dispatcher.trigger("echo", {"value": i}) for i in range(5)]
-        # The first entries on a fresh Redis sometimes wait for the 30 s reclaim/republish
-        # (seen before this change too); the flush below is what this test times.
-        await settled(pg_store, [i.id for i in warm], timeout_s=45)
+        await settled(pg_store, [i.id for i in warm], timeout_s=20)
         await asyncio.sleep(1)  # the leader has written its marker by now (sweep: 0.2 s)
         worker.send_signal(signal.SIGSTOP)  # the worker cannot consume the next batch...
         first = [await dispatcher.trigger("echo", {"value": i}) for i in range(20)]
@@ -304,6 +305,7 @@ async def test_redis_flushed_live_loses_no_instance(
         second = [await dispatcher.trigger("echo", {"value": i}) for i in range(20)]
     finally:
         await bus.close()
-    # The worker recreates its consumer groups (NOGROUP) and runs everything.
-    done = await settled(pg_store, [i.id for i in first + second], timeout_s=60)
+    # The worker recreates its consumer groups (NOGROUP) and runs everything, well before the
+    # republish by age (30 s) could have hidden a worker that did not.
+    done = await settled(pg_store, [i.id for i in first + second], timeout_s=25)
     assert {i.state for i in done} == {S.SUCCEEDED}
