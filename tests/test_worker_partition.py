@@ -138,7 +138,7 @@ async def test_a_claim_answered_after_its_lease_could_end_never_starts_the_job(
             "JOBPLANE_REDIS_URL": redis_url,
             "JOBPLANE_KEY_PREFIX": redis_prefix,
             "JOBPLANE_HEARTBEAT_S": "0.5",
-            "JOBPLANE_LEASE_S": "2",
+            "JOBPLANE_LEASE_S": "1",
             "JOBPLANE_POLL_MS": "100",
             "JOBPLANE_LEASE_TTL_S": "1.5",
             "JOBPLANE_SWEEP_INTERVAL_S": "0.2",
@@ -154,9 +154,11 @@ async def test_a_claim_answered_after_its_lease_could_end_never_starts_the_job(
             return " ready: queues " in output_of(worker)
 
         await wait_for(ready, timeout_s=60, what="the worker to be ready")
-        # Each chunk now waits 1 s each way: a claim's answer arrives 2 s or more after it
-        # was sent, when the 2 s lease it starts may have ended.
-        slow.delay_s = 1.0
+        # Each chunk now waits 0.5 s each way: a claim's answer arrives 1 s or more after it
+        # was sent, when the 1 s lease it starts may have ended. (Every round trip of the
+        # worker takes that second, its two claims included: 1 s each way made this test last
+        # forty seconds.)
+        slow.delay_s = 0.5
         notes = tmp_path / "notes.txt"
         bus = open_bus(redis_url, redis_prefix)
         try:
