@@ -27,6 +27,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     slow = [item for item in items if item.get_closest_marker("slow") is not None]
     for item in slow:
         item.add_marker(pytest.mark.xdist_group("slow"))
+    # Then the other long ones (marked ``long``), so that the run does not end with one worker
+    # still in a long test while the other has nothing left.
     if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects the same order
         first = set(slow)
-        items[:] = slow + [item for item in items if item not in first]
+        long = [i for i in items if i not in first and i.get_closest_marker("long") is not None]
+        first.update(long)
+        items[:] = slow + long + [item for item in items if item not in first]

@@ -18,7 +18,7 @@ from jobplane.client import ApiError, AsyncClient, Client
 from jobplane.store.factory import open_store
 from tests.cli_helpers import free_port, run_cli, spawn_cli, stop_all, wait_http_ok
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.long, pytest.mark.timeout(180)]
 
 
 @pytest.fixture

@@ -62,6 +62,7 @@ async def _leader_pid(store: SqlStore) -> int | None:
 CAMPAIGNING = "campaigning for shard 0"
 
 
+@pytest.mark.long
 async def test_every_tick_fires_exactly_once_through_leader_kills(
     pg_store: SqlStore, spawn: Spawn
 ) -> None:

@@ -159,6 +159,7 @@ async def test_process_isolation_runs_and_reports_errors(store: SqlStore, bus: B
 # back) happens in the worker and its store; the bus only delivers the two instances, as in every
 # other test here over both buses (and the same runaway over Redis is killed in
 # test_worker_isolation.py). Each run waits out the job's timeout twice (10 s).
+@pytest.mark.long
 @pytest.mark.parametrize("bus", ["memory"], indirect=True)
 async def test_process_isolation_kills_a_runaway_and_frees_its_slot(
     store: SqlStore, bus: Bus, tmp_path: Path

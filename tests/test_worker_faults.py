@@ -106,6 +106,7 @@ async def test_sigkill_mid_job_the_lease_expires_and_another_worker_runs_it(
     assert len(await pg_store.transitions(done.id)) == before
 
 
+@pytest.mark.long
 async def test_a_frozen_worker_resumed_after_its_lease_expired_overwrites_nothing(
     pg_store: SqlStore, pg_bus: Bus, spawn: Spawn, tmp_path: Path
 ) -> None:

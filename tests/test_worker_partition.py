@@ -19,7 +19,7 @@ from tests.cli_helpers import output_of, spawn_cli, stop_all
 from tests.fixtures.proxy import TcpProxy
 from tests.worker_helpers import wait_for
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.long, pytest.mark.timeout(120)]
 
 LEASE_S = 3.0
 

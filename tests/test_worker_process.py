@@ -24,7 +24,7 @@ from tests.cli_helpers import free_port, spawn_cli, stop_all, wait_http_ok
 from tests.store_helpers import slots_used
 from tests.worker_helpers import settled, wait_for
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.long, pytest.mark.timeout(180)]
 
 
 class SpawnWorker(Protocol):
