@@ -38,7 +38,7 @@ async def _stream_length(bus: Bus) -> int:
 async def test_a_backlog_of_an_unknown_job_never_grows_the_stream(
     store: SqlStore, bus: Bus, caplog: pytest.LogCaptureFixture, with_worker: bool
 ) -> None:
-    """The sweep republishes unclaimed instances every ``republish_after_s`` (1 s here); one
+    """The sweep republishes unclaimed instances every ``republish_after_s`` (0.5 s here); one
     whose message is still in its stream (unread, or put back by a worker that does not know
     its job) is not published again."""
     caplog.set_level(logging.INFO, logger="jobplane_worker.worker")
@@ -47,15 +47,15 @@ async def test_a_backlog_of_an_unknown_job_never_grows_the_stream(
     made = [await dispatcher.trigger("orphan") for _ in range(BACKLOG)]
     assert await _stream_length(bus) == BACKLOG
     lengths = []
-    async with running_scheduler(store, bus):
+    async with running_scheduler(store, bus, republish_after_s=0.5):
         if with_worker:
             async with running_worker(other, store, bus):
-                for _ in range(16):  # four republish intervals, ~80 sweeps
-                    await asyncio.sleep(0.25)
+                for _ in range(16):  # four republish intervals, ten sweeps
+                    await asyncio.sleep(0.125)
                     lengths.append(await _stream_length(bus))
         else:
             for _ in range(16):
-                await asyncio.sleep(0.25)
+                await asyncio.sleep(0.125)
                 lengths.append(await _stream_length(bus))
     assert max(lengths) <= BACKLOG, lengths
     assert {(await store.get_instance(i.id)).state for i in made} == {S.ENQUEUED}
