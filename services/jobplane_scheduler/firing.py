@@ -159,17 +159,22 @@ class CronFiring:
 
     async def _fire_and_publish(self, records: list[Any]) -> None:
         with telemetry.span("jobplane.trigger", source="cron", instances=len(records)):
+            # The publication is recorded by the fire itself (one write less before the
+            # messages go out), unless the bus is out of reach (see Dispatcher.publish).
+            marks = self.dispatcher.marks_first
             try:
-                instances = await self.store.fire(self.lease, records)
+                instances = await self.store.fire(self.lease, records, published=marks)
             except DBAPIError as exc:
-                instances = await self._fire_each_job(records, exc)
+                instances = await self._fire_each_job(records, exc, marks)
             self.metrics.fired(instances, self.cache.definitions)
-            await self.dispatcher.publish(instances)
+            await self.dispatcher.publish_created(instances, {r.id for r in records})
         fired = [i for i in instances if not i.state.is_terminal]
         if fired:
             logger.debug("fired %d tick(s)", len(fired), extra={"action": "scheduler.fired"})
 
-    async def _fire_each_job(self, records: list[Any], exc: DBAPIError) -> list[Instance]:
+    async def _fire_each_job(
+        self, records: list[Any], exc: DBAPIError, marks: bool
+    ) -> list[Instance]:
         """The database refused a batch of ticks (a poison job: data or a constraint it
         rejects; outages and conflicts are not ``DBAPIError`` here). Fire each job's ticks on
         their own: a job still refused is logged with its key and its ticks skipped, and every
@@ -182,7 +187,7 @@ class CronFiring:
             try:
                 if len(by_job) == 1:
                     raise exc  # that job alone was refused
-                fired += await self.store.fire(self.lease, ticks)
+                fired += await self.store.fire(self.lease, ticks, published=marks)
             except DBAPIError as refused:
                 logger.error(
                     "the database refused %d tick(s) of job %s: %s; skipped",

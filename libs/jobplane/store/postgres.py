@@ -111,13 +111,17 @@ class PostgresStore(PostgresStatsStore, SqlStore):
             return await self._resolve_created(conn, new, by_id)
 
     @retry_conflicts
-    async def fire(self, lease: LeaderLease, new: Sequence[NewInstance]) -> list[Instance]:
+    async def fire(
+        self, lease: LeaderLease, new: Sequence[NewInstance], *, published: bool = False
+    ) -> list[Instance]:
         """As :meth:`create_instances` with the lease as fence, in one statement (``FIRE``:
-        the fence, the key check and the creation), so a tick costs one round trip."""
+        the fence, the key check and the creation, and with ``published`` the publication
+        mark), so a tick costs one round trip."""
         if not new:
             return []
         params = creation_params(new)
         params.update(shard=lease.shard, holder=lease.holder, term=lease.term)
+        params["published"] = published
         async with self._statement() as conn:
             result = (await conn.execute(FIRE, params)).all()
             if not result[0].live:

@@ -197,16 +197,20 @@ input AS (
            pinned_worker, retry_of, idempotency_key, idempotency_fingerprint, skip_reason, actor)
 )"""
 
+
 # ``resolved`` (the input joined to its definitions, with its state) comes before these.
-_CREATE_INSERT = f"""
+def _create_insert(published: str) -> str:
+    """The ``ins`` and ``history`` CTEs; ``published`` is the ``published_at`` written."""
+    return f"""
 ins AS (
     INSERT INTO job_instances (
         id, job_key, state, source, queue, priority, args, created_at, scheduled_at, run_at,
-        finished_at, pinned_worker, retry_of, idempotency_key, idempotency_fingerprint, reason
+        published_at, finished_at, pinned_worker, retry_of, idempotency_key,
+        idempotency_fingerprint, reason
     )
     SELECT id, job_key, state, source, COALESCE(queue, options ->> 'queue'),
            COALESCE(priority, CAST(options ->> 'priority' AS integer)), CAST(args AS jsonb),
-           now(), scheduled_at, CASE WHEN held THEN NULL ELSE run_at END,
+           now(), scheduled_at, CASE WHEN held THEN NULL ELSE run_at END, {published},
            CASE WHEN state = 'skipped' THEN now() END, pinned_worker, retry_of,
            idempotency_key, idempotency_fingerprint, skip_reason
     FROM resolved
@@ -220,6 +224,7 @@ history AS (
     RETURNING 1
 )"""
 
+
 _STATE = """CASE WHEN t.skip_reason IS NOT NULL THEN 'skipped'
                 WHEN t.held OR t.run_at > now() THEN 'scheduled'
                 ELSE 'enqueued' END AS state"""
@@ -231,7 +236,7 @@ resolved AS (
            {_STATE}
     FROM input t JOIN job_definitions d ON d.key = t.job_key
 ),
-{_CREATE_INSERT}
+{_create_insert("NULL")}
 SELECT * FROM ins
 """
 
@@ -249,6 +254,8 @@ SELECT * FROM ins
 #   transaction of separate statements did;
 # - two leaders firing one tick (overlap at a failover): the unique index on (job, occurrence)
 #   inserts it once; the caller reads the existing one.
+# With ``published``, an Enqueued instance is recorded as published in its row, as
+# ``CREATE_ONE`` does: the caller sends it at once, and clears the mark if the send fails.
 # The single row always comes back with the flags: the instance columns are NULL when nothing
 # was inserted.
 FIRE_SQL = f"""
@@ -268,7 +275,7 @@ resolved AS (
     FROM input t JOIN job_definitions d ON d.key = t.job_key
     WHERE EXISTS (SELECT 1 FROM fence) AND (SELECT job_key FROM missing) IS NULL
 ),
-{_CREATE_INSERT}
+{_create_insert("CASE WHEN state = 'enqueued' AND CAST(:published AS boolean) THEN now() END")}
 SELECT ins.*, EXISTS (SELECT 1 FROM fence) AS live, (SELECT job_key FROM missing) AS missing_key
 FROM (SELECT 1) AS one LEFT JOIN ins ON true
 """
