@@ -21,7 +21,7 @@ from jobplane import telemetry
 from jobplane.clock import Clock
 from jobplane.definitions import DefinitionCache
 from jobplane.dispatch import Dispatcher
-from jobplane.domain.models import Instance, LeaderLease, NewInstance
+from jobplane.domain.models import Instance, JobDefinition, LeaderLease, NewInstance
 from jobplane.errors import first_line
 from jobplane.store.abc import LeaderStore
 from jobplane_scheduler.cron_timers import CronTimers, occurrence
@@ -96,7 +96,8 @@ class CronFiring:
         # A tick later than its job's misfire grace (the leader fell behind: a pause shorter
         # than the lease, overload) follows the misfire policy, as after a failover: the job
         # is re-planned through the catch-up from its last recorded occurrence.
-        late = {key for key, at in due if self._late(key, at, now)}
+        definitions = self.cache.definitions  # (a copy: taken once, not once per tick)
+        late = {key for key, at in due if _late(definitions.get(key), at, now)}
         if changed or late:
             # Changed jobs are re-planned from their last occurrence under the new options; a
             # tick still valid under them fires through the catch-up or on the next turn.
@@ -113,12 +114,6 @@ class CronFiring:
                 self.timers.advance(key, at)
             except Exception:
                 self._schedule_failed(key)
-
-    def _late(self, key: str, at: datetime, now: datetime) -> bool:
-        definition = self.cache.definitions.get(key)
-        if definition is None:
-            return False
-        return (now - at).total_seconds() > definition.options.misfire_grace_s
 
     async def _sleep_until(self, at: datetime | None, now: datetime) -> datetime | None:
         """Sleep on the clock until ``at`` (or a wake-up): the loop then fires only what is
@@ -197,3 +192,10 @@ class CronFiring:
                     extra={"action": "scheduler.fire_refused", "job_key": key},
                 )
         return fired
+
+
+def _late(definition: JobDefinition | None, at: datetime, now: datetime) -> bool:
+    """Whether the tick at ``at`` is past its job's misfire grace at ``now``."""
+    if definition is None:
+        return False
+    return (now - at).total_seconds() > definition.options.misfire_grace_s
