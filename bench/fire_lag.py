@@ -2,6 +2,12 @@
 recorded Enqueued (the creation record's clock_timestamp() minus the scheduled time).
 
     .venv/bin/python -m bench.fire_lag [--jobs 1000] [--seconds 10]
+
+Also shows where the lag is, per tick (all from the database's and Redis's clocks, one
+machine): "begin" is the fire's transaction start (``created_at``, the database's ``now()``)
+minus the tick: the wake-up and what the leader did before its write; "insert" is the
+creation record minus that start (the write itself); "bus" is the message's Redis stream
+entry time (millisecond precision) minus the tick: the publish, as a worker could first read it.
 """
 
 from __future__ import annotations
@@ -11,11 +17,43 @@ import asyncio
 import os
 import subprocess
 import sys
+from datetime import datetime
+from typing import Any
+from uuid import UUID
 
+import redis.asyncio as aioredis
 from sqlalchemy import text
 
 from bench.common import REDIS_URL, ROOT, environment, percentile
+from jobplane.bus.envelope import Envelope
 from jobplane.domain.options import JobOptions
+
+
+async def _bus_times(prefix: str) -> dict[UUID, float]:
+    """Each published instance's stream entry time (epoch seconds, from the entry id)."""
+    client: Any = aioredis.from_url(REDIS_URL)
+    times: dict[UUID, float] = {}
+    try:
+        async for key in client.scan_iter(match=f"{prefix}:q:*", count=1000):
+            start = b"-"
+            while True:
+                page = await client.xrange(key, min=start, max=b"+", count=5000)
+                for entry_id, fields in page:
+                    envelope = Envelope.decode(fields[b"d"])
+                    times.setdefault(envelope.instance_id, int(entry_id.split(b"-")[0]) / 1000)
+                if len(page) < 5000:
+                    break
+                start = b"(" + page[-1][0]
+    finally:
+        await client.aclose()
+    return times
+
+
+def _summary(name: str, values: list[float]) -> str:
+    return (
+        f"{name} p50 {percentile(values, 0.5):.1f} ms, p99 {percentile(values, 0.99):.1f} ms, "
+        f"max {max(values):.1f} ms"
+    )
 
 
 async def main(jobs: int, seconds: float) -> None:
@@ -42,27 +80,34 @@ async def main(jobs: int, seconds: float) -> None:
             scheduler.wait(timeout=30)
         async with store.engine.connect() as conn:
             rows = (
-                (
-                    await conn.execute(
-                        text(
-                            "SELECT extract(epoch FROM t.at - i.scheduled_at) FROM job_instances i"
-                            " JOIN instance_transitions t ON t.instance_id = i.id"
-                            " AND t.from_state IS NULL WHERE i.source = 'cron'"
-                            " AND i.state = 'enqueued' ORDER BY i.scheduled_at"
-                        )
+                await conn.execute(
+                    text(
+                        "SELECT i.id, i.scheduled_at, extract(epoch FROM t.at - i.scheduled_at),"
+                        " extract(epoch FROM i.created_at - i.scheduled_at),"
+                        " extract(epoch FROM t.at - i.created_at)"
+                        " FROM job_instances i"
+                        " JOIN instance_transitions t ON t.instance_id = i.id"
+                        " AND t.from_state IS NULL WHERE i.source = 'cron'"
+                        " AND i.state = 'enqueued' ORDER BY i.scheduled_at, t.at"
                     )
                 )
-                .scalars()
-                .all()
-            )
-        lags = [float(v) * 1000 for v in rows]
+            ).all()
+        bus = await _bus_times(prefix)
         # The first second includes start-up (loading 1,000 definitions): leave it out.
-        steady = lags[jobs:]
-        print(
-            f"fire lag, {jobs} one-second schedules, {len(steady)} fires: "
-            f"p50 {percentile(steady, 0.5):.1f} ms, p99 {percentile(steady, 0.99):.1f} ms, "
-            f"max {max(steady):.1f} ms"
-        )
+        steady = rows[jobs:]
+        lags = [float(r[2]) * 1000 for r in steady]
+        ticks: dict[datetime, list[float]] = {}
+        inserts: dict[datetime, float] = {}
+        for r in steady:
+            ticks.setdefault(r[1], []).append(float(r[3]) * 1000)
+            inserts[r[1]] = max(inserts.get(r[1], 0.0), float(r[4]) * 1000)
+        begins = [min(v) for v in ticks.values()]
+        published = [(bus[r[0]] - r[1].timestamp()) * 1000 for r in steady if r[0] in bus]
+        print(f"fire lag, {jobs} one-second schedules, {len(steady)} fires: {_summary('', lags)}")
+        print(f"  per tick ({len(ticks)}): {_summary('begin', begins)};")
+        print(f"    {_summary('insert', list(inserts.values()))}")
+        if published:
+            print(f"  {_summary('bus', published)} ({len(published)} published)")
 
 
 if __name__ == "__main__":

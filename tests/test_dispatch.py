@@ -5,6 +5,7 @@ out of reach."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from uuid import UUID
 
 import pytest
@@ -13,7 +14,7 @@ from jobplane.bus.abc import Bus
 from jobplane.bus.envelope import Envelope
 from jobplane.bus.factory import open_bus
 from jobplane.dispatch import Dispatcher, InvalidArgumentsError, JobDisabledError
-from jobplane.domain.models import InstanceFilter, NewInstance
+from jobplane.domain.models import Instance, InstanceFilter, InstanceSource, NewInstance
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState as S
 from jobplane.errors import BusUnavailableError, JobNotFoundError
@@ -147,3 +148,63 @@ async def test_publishing_resumes_with_its_mark_once_the_bus_is_back(
     consumer = bus.consumer("w1", ["default"])
     delivered = await consumer.read(10, 500)
     assert {d.envelope.instance_id for d in delivered} == {first.id, second.id}
+
+
+async def _fired(store: SqlStore, *, published: bool) -> tuple[list[NewInstance], list[Instance]]:
+    """A leader's fire of one on-time tick and one missed tick (recorded Skipped)."""
+    await define(store, "tick", cron="* * * * * *")
+    lease = await store.acquire_leadership(0, "s1", 30)
+    assert lease is not None
+    tick = (await store.now()).replace(microsecond=0)
+    records = [
+        NewInstance(
+            job_key="tick",
+            source=InstanceSource.CRON,
+            scheduled_at=tick - timedelta(seconds=1),
+            skip_reason="misfire",
+        ),
+        NewInstance(job_key="tick", source=InstanceSource.CRON, scheduled_at=tick),
+    ]
+    return records, await store.fire(lease, records, published=published)
+
+
+async def test_a_fired_tick_goes_out_once_with_its_publication_recorded(
+    store: SqlStore, bus: Bus
+) -> None:
+    """A fire asked to record the publication (Postgres does it in the insert) is sent as it
+    is; the missed tick is neither marked nor sent."""
+    records, instances = await _fired(store, published=True)
+    skipped, enqueued = instances
+    assert (skipped.state, enqueued.state) == (S.SKIPPED, S.ENQUEUED)
+    assert skipped.published_at is None
+    if store.engine.dialect.name == "postgresql":
+        assert enqueued.published_at is not None  # recorded by the insert itself
+    await Dispatcher(store, bus).publish_created(instances, {r.id for r in records})
+    assert (await store.get_instance(enqueued.id)).published_at is not None
+    assert (await store.get_instance(skipped.id)).published_at is None
+    delivered = await bus.consumer("w1", ["default"]).read(10, 500)
+    assert [d.envelope.instance_id for d in delivered] == [enqueued.id]
+
+
+async def test_a_fired_tick_the_bus_cannot_take_is_left_unmarked_for_the_sweep(
+    store: SqlStore, bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    records, instances = await _fired(store, published=True)
+    dispatcher = Dispatcher(store, bus)
+
+    async def away(envelopes: Sequence[tuple[str, Envelope]]) -> None:
+        raise BusUnavailableError("redis is away")
+
+    monkeypatch.setattr(bus, "publish", away)
+    await dispatcher.publish_created(instances, {r.id for r in records})
+    assert (await store.get_instance(instances[1].id)).published_at is None
+    assert not dispatcher.marks_first  # the next fire leaves the mark to the send
+
+
+async def test_a_fire_not_asked_to_record_the_publication_does_not(
+    store: SqlStore, bus: Bus
+) -> None:
+    records, instances = await _fired(store, published=False)
+    assert [i.published_at for i in instances] == [None, None]
+    await Dispatcher(store, bus).publish_created(instances, {r.id for r in records})
+    assert (await store.get_instance(instances[1].id)).published_at is not None

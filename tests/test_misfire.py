@@ -114,6 +114,30 @@ def test_timers_continue_from_the_last_occurrence() -> None:
     assert timers.next_time() is None
 
 
+def test_the_ticks_due_at_a_time_are_known_before_it_without_popping_them() -> None:
+    """What the leader builds ahead of a tick is exactly what it pops at the tick: the same
+    (job, tick) pairs in the same order, re-planned jobs as re-planned."""
+    timers = CronTimers()
+    for i in range(50):
+        options = JobOptions.parse(
+            key=f"j{i:02d}", kind="recurring", cron=f"* * * * * */{1 + i % 3}"
+        )
+        timers.set_job(JobDefinition(options=options, version=1), T0, T0)
+    replanned = JobOptions.parse(key="j07", kind="recurring", cron="* * * * * */5")
+    timers.set_job(JobDefinition(options=replanned, version=2), T0, T0)  # its old entry is stale
+    timers.drop_job("j08")
+    for seconds in (1, 2, 3, 4, 5, 6):
+        at = T0 + timedelta(seconds=seconds)
+        ahead = timers.due_at(at)
+        assert ahead == timers.due_at(at)  # left in place
+        due = timers.pop_due(at)
+        assert ahead == due and due
+        assert all(key != "j08" for key, _ in due)
+        assert ("j07", at) in due if seconds == 5 else all(key != "j07" for key, _ in due)
+        for key, tick in due:
+            timers.advance(key, tick)
+
+
 def test_end_at_stops_the_timer() -> None:
     timers = CronTimers()
     timers.set_job(job(end_at=T0 + timedelta(seconds=1, milliseconds=500)), T0, T0)

@@ -15,6 +15,7 @@ from jobplane.domain.models import (
     WorkerInfo,
 )
 from jobplane.domain.states import InstanceState as S
+from jobplane.errors import JobNotFoundError
 from jobplane.store.base import NotLeaderError
 from jobplane.store.sql import SqlStore
 from tests.store_helpers import define, enqueue
@@ -189,3 +190,17 @@ async def test_retry_on_the_same_worker_pins_the_retry(store: SqlStore) -> None:
     assert retry.state is S.ENQUEUED and retry.pinned_worker == "w7"
     assert (await store.claim([inst.id], "w8", 10, ["job"])).claimed == []
     assert (await store.claim([inst.id], "w7", 10, ["job"])).claimed
+
+
+async def test_a_fire_naming_a_deleted_job_writes_nothing(store: SqlStore) -> None:
+    """A job deleted since the leader read it: the whole fire is refused, none of it written."""
+    await define(store, "tick", cron="* * * * * *")
+    lease = await _lead(store)
+    tick = (await store.now()).replace(microsecond=0)
+    records = [
+        NewInstance(job_key=key, source=InstanceSource.CRON, scheduled_at=tick)
+        for key in ("tick", "gone")
+    ]
+    with pytest.raises(JobNotFoundError):
+        await store.fire(lease, records)
+    assert await store.count_by_state() == {}

@@ -187,6 +187,28 @@ class Dispatcher:
         if not await self._send([instance]):
             await self._unmark([instance.id])
 
+    @property
+    def marks_first(self) -> bool:
+        """Whether a publication is recorded before its send: not while the bus is out of
+        reach (see :meth:`publish`). A creator that marks in its own write asks this."""
+        return not self._bus_failed
+
+    async def publish_created(self, instances: Sequence[Instance], created: set[UUID]) -> None:
+        """Publish what a write that may mark its instances published created (a cron fire,
+        see :meth:`~jobplane.store.abc.LeaderStore.fire`): those of ``created`` (the ids
+        requested) that came back Enqueued and marked are sent as they are, their marks
+        cleared if the send fails (as :meth:`_publish_created`); any other (an occurrence
+        recorded before, unmarked ones) goes through :meth:`publish`."""
+        marked = [
+            i
+            for i in instances
+            if i.id in created and i.state is InstanceState.ENQUEUED and i.published_at
+        ]
+        if marked and not await self._send(marked):
+            await self._unmark([i.id for i in marked])
+        sent = {i.id for i in marked}
+        await self.publish([i for i in instances if i.id not in sent])
+
     async def run_now(self, instance_id: UUID, actor: str = "client") -> Instance:
         """Run a Scheduled instance (held or delayed) now: Enqueued and published. Raises
         IllegalTransitionError when it is not Scheduled, InstanceNotFoundError if unknown."""

@@ -78,6 +78,21 @@ class CronTimers:
             entry = heapq.heappop(self._heap)
             due.append((entry.key, entry.at))
 
+    def due_at(self, at: datetime) -> list[tuple[str, datetime]]:
+        """What :meth:`pop_due` would return at ``at``, in the same order, left in place."""
+        found: list[_Entry] = []
+        stack = [0] if self._heap else []
+        while stack:
+            i = stack.pop()
+            entry = self._heap[i]
+            if entry.at > at:
+                continue  # (its children are later still)
+            current = self._schedules.get(entry.key)
+            if current is not None and current[0] == entry.plan:
+                found.append(entry)
+            stack.extend(c for c in (2 * i + 1, 2 * i + 2) if c < len(self._heap))
+        return [(e.key, e.at) for e in sorted(found)]
+
     def advance(self, key: str, fired_at: datetime) -> None:
         found = self._schedules.get(key)
         if found is None:

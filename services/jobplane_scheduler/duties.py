@@ -11,12 +11,10 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from datetime import datetime, timedelta
-from typing import Any
 from uuid import UUID
 
 from sqlalchemy.exc import DBAPIError
 
-from jobplane import telemetry
 from jobplane.bus.abc import Bus, BusEpoch
 from jobplane.bus.envelope import Event, EventKind
 from jobplane.clock import Clock, StoreClock
@@ -29,7 +27,8 @@ from jobplane.store.abc import LeaderStore
 from jobplane.store.base import NotLeaderError
 from jobplane.store.creation import ENQUEUED_CHANNEL
 from jobplane.tasks import run_together
-from jobplane_scheduler.cron_timers import CronTimers, catch_up, is_active, occurrence
+from jobplane_scheduler.cron_timers import CronTimers, catch_up, is_active
+from jobplane_scheduler.firing import CronFiring
 from jobplane_scheduler.metrics import SchedulerMetrics, SweepStep
 from jobplane_scheduler.settings import SchedulerSettings
 
@@ -37,7 +36,7 @@ from jobplane_scheduler.settings import SchedulerSettings
 logger = logging.getLogger("jobplane_scheduler.scheduler")
 
 
-class LeaderDuties:
+class LeaderDuties(CronFiring):
     """What the leader does while its term lasts. Cancelled when the term ends."""
 
     def __init__(
@@ -68,6 +67,8 @@ class LeaderDuties:
         self._delayed: list[datetime] = []
         #: Jobs whose missed ticks are still being recorded in batches (see catch_up).
         self._backfill: set[str] = set()
+        self._prepared = {}
+        self._prepared_at = None
         #: Expired leases are released from this (monotonic) time on (see ``reap_grace_s``).
         self._reap_from = 0.0
 
@@ -79,6 +80,7 @@ class LeaderDuties:
             self.timers = CronTimers()
             self.cache = DefinitionCache(self.store, self.bus)
             self._backfill.clear()
+            self._prepared, self._prepared_at = {}, None
             # After an outage every lease may look expired: give the workers a heartbeat (and
             # their outcomes a retry) before reaping, so finished or running work is not re-run.
             self._reap_from = time.monotonic() + self.settings.reap_grace_s
@@ -177,101 +179,6 @@ class LeaderDuties:
             key,
             extra={"action": "scheduler.schedule_error", "job_key": key},
         )
-
-    async def _cron_loop(self) -> None:
-        while True:
-            now = await self.clock.now()
-            async with self._planning:
-                due = self.timers.pop_due(now)
-                if due:
-                    await self._fire_due(due)
-                    continue
-                if self._backfill:
-                    await self._replan(set(self._backfill))
-                    continue
-            await self._sleep_until(self.timers.next_time(), now)
-
-    async def _fire_due(self, due: list[tuple[str, datetime]]) -> None:
-        """Fire the due ticks, after applying the pending updates of their jobs: an edit whose
-        event is still in flight (or lost) is not fired on stale options. Holds ``_planning``."""
-        changed = await self.cache.refresh({key for key, _ in due})
-        now = await self.clock.now()
-        # A tick later than its job's misfire grace (the leader fell behind: a pause shorter
-        # than the lease, overload) follows the misfire policy, as after a failover: the job
-        # is re-planned through the catch-up from its last recorded occurrence.
-        late = {key for key, at in due if self._late(key, at, now)}
-        if changed or late:
-            # Changed jobs are re-planned from their last occurrence under the new options; a
-            # tick still valid under them fires through the catch-up or on the next turn.
-            await self._replan(changed | late)
-            due = [(key, at) for key, at in due if key not in changed | late]
-        if due:
-            await self._fire([occurrence(key, at) for key, at in due])
-        for key, at in due:
-            try:
-                self.timers.advance(key, at)
-            except Exception:
-                self._schedule_failed(key)
-
-    def _late(self, key: str, at: datetime, now: datetime) -> bool:
-        definition = self.cache.definitions.get(key)
-        if definition is None:
-            return False
-        return (now - at).total_seconds() > definition.options.misfire_grace_s
-
-    async def _sleep_until(self, at: datetime | None, now: datetime) -> None:
-        """Sleep on the clock until ``at`` (or a wake-up): the loop then reads the clock again
-        and fires only what is due by it, so waking early never fires early."""
-        delay = self.settings.sweep_interval_s if at is None else (at - now).total_seconds()
-        self._wake.clear()
-        await self.clock.sleep(min(delay, 60.0), self._wake)
-
-    async def _fire(self, records: list[Any]) -> None:
-        # A stop (SIGTERM, lost term) cancels the duties, possibly between the insert and the
-        # publish. Finish the fire first, so a stored tick is published now rather than when
-        # the next leader's sweep finds it unpublished.
-        firing = asyncio.ensure_future(self._fire_and_publish(records))
-        try:
-            await asyncio.shield(firing)
-        except asyncio.CancelledError:
-            await asyncio.gather(firing, return_exceptions=True)
-            raise
-
-    async def _fire_and_publish(self, records: list[Any]) -> None:
-        with telemetry.span("jobplane.trigger", source="cron", instances=len(records)):
-            try:
-                instances = await self.store.fire(self.lease, records)
-            except DBAPIError as exc:
-                instances = await self._fire_each_job(records, exc)
-            self.metrics.fired(instances, self.cache.definitions)
-            await self.dispatcher.publish(instances)
-        fired = [i for i in instances if not i.state.is_terminal]
-        if fired:
-            logger.debug("fired %d tick(s)", len(fired), extra={"action": "scheduler.fired"})
-
-    async def _fire_each_job(self, records: list[Any], exc: DBAPIError) -> list[Instance]:
-        """The database refused a batch of ticks (a poison job: data or a constraint it
-        rejects; outages and conflicts are not ``DBAPIError`` here). Fire each job's ticks on
-        their own: a job still refused is logged with its key and its ticks skipped, and every
-        other job fires."""
-        by_job: dict[str, list[Any]] = {}
-        for record in records:
-            by_job.setdefault(record.job_key, []).append(record)
-        fired: list[Instance] = []
-        for key, ticks in by_job.items():
-            try:
-                if len(by_job) == 1:
-                    raise exc  # that job alone was refused
-                fired += await self.store.fire(self.lease, ticks)
-            except DBAPIError as refused:
-                logger.error(
-                    "the database refused %d tick(s) of job %s: %s; skipped",
-                    len(ticks),
-                    key,
-                    first_line(refused),
-                    extra={"action": "scheduler.fire_refused", "job_key": key},
-                )
-        return fired
 
     @contextlib.contextmanager
     def _refused(self, step: str) -> Iterator[None]:

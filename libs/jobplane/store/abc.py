@@ -294,9 +294,14 @@ class LeaderStore(DispatchStore, Protocol):
     async def scheduler_gone(self, shard: int, holder: str) -> None:
         """Forget replica ``holder`` (it stops cleanly)."""
 
-    async def fire(self, lease: LeaderLease, new: Sequence[NewInstance]) -> list[Instance]:
+    async def fire(
+        self, lease: LeaderLease, new: Sequence[NewInstance], *, published: bool = False
+    ) -> list[Instance]:
         """Create cron occurrences (and misfire records) as leader; a tick already recorded
-        is not created again (unique job key + scheduled time)."""
+        is not created again (unique job key + scheduled time). With ``published``, a store
+        may record the Enqueued instances it creates as published (``published_at``) in the
+        same write, as :meth:`DispatchStore.create_published` does; the caller then sends
+        them (:meth:`~jobplane.dispatch.Dispatcher.publish_created`)."""
 
     async def last_occurrences(self, keys: Collection[str]) -> dict[str, datetime]:
         """The latest recorded cron tick of each job: where the next fire is computed from."""

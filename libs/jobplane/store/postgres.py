@@ -25,7 +25,12 @@ from jobplane.domain.models import (
 )
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState, check_transition
-from jobplane.errors import StaleDefinitionError, StoreUnavailableError
+from jobplane.errors import (
+    JobNotFoundError,
+    NotLeaderError,
+    StaleDefinitionError,
+    StoreUnavailableError,
+)
 from jobplane.idempotency import fingerprint_of
 from jobplane.store import rows
 from jobplane.store.base import retry_conflicts
@@ -34,7 +39,7 @@ from jobplane.store.lifecycle import (
     CANCEL_WINS_REASON,
     log_fenced,
 )
-from jobplane.store.postgres_sql import CLAIM, COMPLETE, CREATE, CREATE_ONE
+from jobplane.store.postgres_sql import CLAIM, COMPLETE, CREATE, CREATE_ONE, FIRE
 from jobplane.store.postgres_stats import PostgresStatsStore
 from jobplane.store.sql import LIMIT_REASON, SqlStore
 
@@ -98,28 +103,35 @@ class PostgresStore(PostgresStatsStore, SqlStore):
     ) -> list[Instance]:
         if not new:
             return []
-        params: dict[str, Any] = {
-            "ids": [n.id for n in new],
-            "job_keys": [n.job_key for n in new],
-            "sources": [n.source.value for n in new],
-            "queues": [n.queue for n in new],
-            "priorities": [n.priority for n in new],
-            "args": [None if n.args is None else json.dumps(n.args) for n in new],
-            "scheduled_at": [n.scheduled_at for n in new],
-            "run_at": [n.run_at for n in new],
-            "held": [n.held for n in new],
-            "pinned": [n.pinned_worker for n in new],
-            "retry_of": [n.retry_of for n in new],
-            "idempotency": [n.idempotency_key for n in new],
-            "fingerprints": [fingerprint_of(n) for n in new],
-            "skip_reasons": [n.skip_reason for n in new],
-            "actors": [n.actor for n in new],
-        }
         async with self._write() as conn:
             await self._fence(conn, fence)
             await self._check_keys(conn, {n.job_key for n in new})
-            result = await conn.execute(CREATE, params)
+            result = await conn.execute(CREATE, creation_params(new))
             by_id = {row.id: rows.instance_from_row(row._mapping) for row in result}
+            return await self._resolve_created(conn, new, by_id)
+
+    @retry_conflicts
+    async def fire(
+        self, lease: LeaderLease, new: Sequence[NewInstance], *, published: bool = False
+    ) -> list[Instance]:
+        """As :meth:`create_instances` with the lease as fence, in one statement (``FIRE``:
+        the fence, the key check and the creation, and with ``published`` the publication
+        mark), so a tick costs one round trip."""
+        if not new:
+            return []
+        params = creation_params(new)
+        params.update(shard=lease.shard, holder=lease.holder, term=lease.term)
+        params["published"] = published
+        async with self._statement() as conn:
+            result = (await conn.execute(FIRE, params)).all()
+            if not result[0].live:
+                raise NotLeaderError(f"term {lease.term} of shard {lease.shard} is over")
+            if result[0].missing_key is not None:
+                raise JobNotFoundError(result[0].missing_key)
+            by_id = {
+                row.id: rows.instance_from_row(row._mapping) for row in result if row.id is not None
+            }
+            # A tick recorded before (two leaders overlapping) is read, committed, from here.
             return await self._resolve_created(conn, new, by_id)
 
     @retry_conflicts
@@ -233,3 +245,24 @@ class PostgresStore(PostgresStatsStore, SqlStore):
             failed = [o for o in outcomes if ended.get(o.instance_id) is InstanceState.FAILED]
             ended.update(await self._after_failure(conn, failed))
         return ended
+
+
+def creation_params(new: Sequence[NewInstance]) -> dict[str, Any]:
+    """The array parameters of ``CREATE`` and ``FIRE`` for ``new``, one array per column."""
+    return {
+        "ids": [n.id for n in new],
+        "job_keys": [n.job_key for n in new],
+        "sources": [n.source.value for n in new],
+        "queues": [n.queue for n in new],
+        "priorities": [n.priority for n in new],
+        "args": [None if n.args is None else json.dumps(n.args) for n in new],
+        "scheduled_at": [n.scheduled_at for n in new],
+        "run_at": [n.run_at for n in new],
+        "held": [n.held for n in new],
+        "pinned": [n.pinned_worker for n in new],
+        "retry_of": [n.retry_of for n in new],
+        "idempotency": [n.idempotency_key for n in new],
+        "fingerprints": [fingerprint_of(n) for n in new],
+        "skip_reasons": [n.skip_reason for n in new],
+        "actors": [n.actor for n in new],
+    }

@@ -184,8 +184,8 @@ SELECT id, state FROM done
 # decided against the database's clock (a ``run_at`` in the future means Scheduled), and a
 # duplicate cron occurrence or idempotency key is not inserted (the unique indexes), so two
 # schedulers firing one tick, or a replayed trigger, create nothing twice.
-CREATE_SQL = f"""
-WITH input AS (
+_CREATE_INPUT = """
+input AS (
     SELECT * FROM unnest(
         CAST(:ids AS uuid[]), CAST(:job_keys AS text[]), CAST(:sources AS text[]),
         CAST(:queues AS text[]), CAST(:priorities AS integer[]), CAST(:args AS text[]),
@@ -195,22 +195,22 @@ WITH input AS (
         CAST(:skip_reasons AS text[]), CAST(:actors AS text[])
     ) AS t(id, job_key, source, queue, priority, args, scheduled_at, run_at, held,
            pinned_worker, retry_of, idempotency_key, idempotency_fingerprint, skip_reason, actor)
-),
-resolved AS (
-    SELECT t.*, d.options,
-           CASE WHEN t.skip_reason IS NOT NULL THEN 'skipped'
-                WHEN t.held OR t.run_at > now() THEN 'scheduled'
-                ELSE 'enqueued' END AS state
-    FROM input t JOIN job_definitions d ON d.key = t.job_key
-),
+)"""
+
+
+# ``resolved`` (the input joined to its definitions, with its state) comes before these.
+def _create_insert(published: str) -> str:
+    """The ``ins`` and ``history`` CTEs; ``published`` is the ``published_at`` written."""
+    return f"""
 ins AS (
     INSERT INTO job_instances (
         id, job_key, state, source, queue, priority, args, created_at, scheduled_at, run_at,
-        finished_at, pinned_worker, retry_of, idempotency_key, idempotency_fingerprint, reason
+        published_at, finished_at, pinned_worker, retry_of, idempotency_key,
+        idempotency_fingerprint, reason
     )
     SELECT id, job_key, state, source, COALESCE(queue, options ->> 'queue'),
            COALESCE(priority, CAST(options ->> 'priority' AS integer)), CAST(args AS jsonb),
-           now(), scheduled_at, CASE WHEN held THEN NULL ELSE run_at END,
+           now(), scheduled_at, CASE WHEN held THEN NULL ELSE run_at END, {published},
            CASE WHEN state = 'skipped' THEN now() END, pinned_worker, retry_of,
            idempotency_key, idempotency_fingerprint, skip_reason
     FROM resolved
@@ -222,8 +222,62 @@ history AS (
     SELECT ins.id, NULL, ins.state, r.actor, r.skip_reason
     FROM ins JOIN resolved r ON r.id = ins.id
     RETURNING 1
-)
+)"""
+
+
+_STATE = """CASE WHEN t.skip_reason IS NOT NULL THEN 'skipped'
+                WHEN t.held OR t.run_at > now() THEN 'scheduled'
+                ELSE 'enqueued' END AS state"""
+
+CREATE_SQL = f"""
+WITH {_CREATE_INPUT},
+resolved AS (
+    SELECT t.*, d.options,
+           {_STATE}
+    FROM input t JOIN job_definitions d ON d.key = t.job_key
+),
+{_create_insert("NULL")}
 SELECT * FROM ins
+"""
+
+
+# The leader's cron fire: the batch creation above, fenced and checked in the same statement,
+# run in autocommit (one round trip: no BEGIN, no separate fence and key reads, no COMMIT).
+# The races it closes, besides those of the creation:
+# - a deposed leader (lease expired or taken over, e.g. after a SIGSTOP): ``fence`` share-locks
+#   the live lease row of its term before any row is inserted (``resolved`` is gated on it, a
+#   one-time filter evaluated first). A takeover must update that row, so it waits until this
+#   statement has committed; one that committed first leaves no live row, and nothing is
+#   written (``live`` false: the caller raises NotLeaderError);
+# - a job deleted since the leader read it: nothing of the batch is written and the first
+#   missing key comes back (``missing_key``: the caller raises JobNotFoundError), as the
+#   transaction of separate statements did;
+# - two leaders firing one tick (overlap at a failover): the unique index on (job, occurrence)
+#   inserts it once; the caller reads the existing one.
+# With ``published``, an Enqueued instance is recorded as published in its row, as
+# ``CREATE_ONE`` does: the caller sends it at once, and clears the mark if the send fails.
+# The single row always comes back with the flags: the instance columns are NULL when nothing
+# was inserted.
+FIRE_SQL = f"""
+WITH fence AS MATERIALIZED (
+    SELECT term FROM scheduler_leases
+    WHERE shard = :shard AND holder = :holder AND term = :term AND expires_at > now()
+    FOR SHARE
+),
+{_CREATE_INPUT},
+missing AS MATERIALIZED (
+    SELECT min(t.job_key) AS job_key FROM input t
+    WHERE NOT EXISTS (SELECT 1 FROM job_definitions d WHERE d.key = t.job_key)
+),
+resolved AS (
+    SELECT t.*, d.options,
+           {_STATE}
+    FROM input t JOIN job_definitions d ON d.key = t.job_key
+    WHERE EXISTS (SELECT 1 FROM fence) AND (SELECT job_key FROM missing) IS NULL
+),
+{_create_insert("CASE WHEN state = 'enqueued' AND CAST(:published AS boolean) THEN now() END")}
+SELECT ins.*, EXISTS (SELECT 1 FROM fence) AS live, (SELECT job_key FROM missing) AS missing_key
+FROM (SELECT 1) AS one LEFT JOIN ins ON true
 """
 
 
@@ -285,6 +339,11 @@ FROM (SELECT 1) AS one LEFT JOIN ins ON true
 
 # Built once: SQLAlchemy then compiles each of them once per process, not once per call.
 CREATE = text(CREATE_SQL).columns(*job_instances.c)
+FIRE = text(FIRE_SQL).columns(
+    *job_instances.c,
+    live=job_instances.c.cancel_requested.type,
+    missing_key=job_instances.c.job_key.type,
+)
 CLAIM = text(CLAIM_SQL).columns(*job_instances.c, job_options=job_instances.c.args.type)
 COMPLETE = text(COMPLETE_SQL)
 CREATE_ONE = text(CREATE_ONE_SQL).columns(

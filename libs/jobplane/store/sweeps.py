@@ -45,9 +45,13 @@ NEVER_PUBLISHED_GRACE_S = 0.5
 class SweepStore(SqlBase):
     """Leader-only operations. Each takes the leader's ``lease`` (its fencing token)."""
 
-    async def fire(self, lease: LeaderLease, new: Sequence[NewInstance]) -> list[Instance]:
+    async def fire(
+        self, lease: LeaderLease, new: Sequence[NewInstance], *, published: bool = False
+    ) -> list[Instance]:
         """Create cron occurrences (and misfire records) as leader. A tick already recorded is
-        not created again (unique job key + scheduled time): the existing one is returned."""
+        not created again (unique job key + scheduled time): the existing one is returned.
+        Here ``published`` is not used: the instances come back unmarked, and the caller
+        publishes them as any others."""
         return await self.create_instances(new, fence=lease)  # type: ignore[attr-defined,no-any-return]
 
     async def last_occurrences(self, keys: Collection[str]) -> dict[str, datetime]:

@@ -1,0 +1,201 @@
+"""The leader's cron loop: wait for the next tick, fire what is due, publish it.
+
+A tick's lag (its instances recorded Enqueued after the scheduled time) is what happens between
+the wake-up and the insert, so that path is kept short: the records of the next tick are built
+while the loop waits for it (:meth:`CronFiring._prepare`), a sleep that ran its full course to
+the tick counts as having reached it (no clock read in between), the pending-update check and
+the clock read for the misfire grace run concurrently, and the store writes the whole tick in
+one statement, fenced by the lease's term (:meth:`~jobplane.store.abc.LeaderStore.fire`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy.exc import DBAPIError
+
+from jobplane import telemetry
+from jobplane.clock import Clock
+from jobplane.definitions import DefinitionCache
+from jobplane.dispatch import Dispatcher
+from jobplane.domain.models import Instance, JobDefinition, LeaderLease, NewInstance
+from jobplane.errors import first_line
+from jobplane.store.abc import LeaderStore
+from jobplane_scheduler.cron_timers import CronTimers, occurrence
+from jobplane_scheduler.metrics import SchedulerMetrics
+from jobplane_scheduler.settings import SchedulerSettings
+
+#: The records of a tick are built at most this long before it (while the loop waits).
+PREPARE_AHEAD_S = 1.0
+
+# The role's one logger name, as before the split (operators filter on it).
+logger = logging.getLogger("jobplane_scheduler.scheduler")
+
+
+class CronFiring:
+    """The cron half of :class:`~jobplane_scheduler.duties.LeaderDuties`."""
+
+    store: LeaderStore
+    settings: SchedulerSettings
+    lease: LeaderLease
+    clock: Clock
+    metrics: SchedulerMetrics
+    dispatcher: Dispatcher
+    timers: CronTimers
+    cache: DefinitionCache
+    _planning: asyncio.Lock
+    _wake: asyncio.Event
+    _backfill: set[str]
+    #: The records of the next tick, built ahead of it: (job key, tick) → record.
+    _prepared: dict[tuple[str, datetime], NewInstance]
+    _prepared_at: datetime | None
+
+    async def _replan(self, keys: set[str]) -> None:
+        raise NotImplementedError
+
+    def _schedule_failed(self, key: str) -> None:
+        raise NotImplementedError
+
+    async def _cron_loop(self) -> None:
+        reached: datetime | None = None
+        while True:
+            # A sleep that ran its full course to the next tick has reached it on the clock
+            # (see Clock.sleep): that tick is due without reading the clock again.
+            now = reached or await self.clock.now()
+            async with self._planning:
+                due = self.timers.pop_due(now)
+                if due:
+                    await self._fire_due(due)
+                    reached = None
+                    continue
+                if self._backfill:
+                    await self._replan(set(self._backfill))
+                    reached = None
+                    continue
+            reached = await self._sleep_until(self.timers.next_time(), now)
+
+    def _prepare(self, at: datetime) -> None:
+        """Build the records of the tick at ``at`` now, while there is time, rather than after
+        waking for it. Only a record for the very (job, tick) popped is used: a re-plan in
+        between (an edit, a catch-up) leaves the others unused."""
+        self._prepared = {due: occurrence(*due) for due in self.timers.due_at(at)}
+        self._prepared_at = at
+
+    async def _fire_due(self, due: list[tuple[str, datetime]]) -> None:
+        """Fire the due ticks, after applying the pending updates of their jobs: an edit whose
+        event is still in flight (or lost) is not fired on stale options. Holds ``_planning``."""
+        # (Two servers, one round trip: the clock read for the grace below does not have to
+        # wait for the pending-update check, nor the check for the read.)
+        popped = due[-1][1] if due else None
+        changed, now = await asyncio.gather(
+            self.cache.refresh({key for key, _ in due}), self.clock.now()
+        )
+        # A tick later than its job's misfire grace (the leader fell behind: a pause shorter
+        # than the lease, overload) follows the misfire policy, as after a failover: the job
+        # is re-planned through the catch-up from its last recorded occurrence.
+        definitions = self.cache.definitions  # (a copy: taken once, not once per tick)
+        late = {key for key, at in due if _late(definitions.get(key), at, now)}
+        if changed or late:
+            # Changed jobs are re-planned from their last occurrence under the new options; a
+            # tick still valid under them fires through the catch-up or on the next turn.
+            await self._replan(changed | late)
+            due = [(key, at) for key, at in due if key not in changed | late]
+        prepared = self._prepared
+        records = [prepared.pop(t) if t in prepared else occurrence(*t) for t in due]
+        if self._prepared_at is not None and popped is not None and self._prepared_at <= popped:
+            self._prepared.clear()  # their tick has come: what is left will not be used
+        if records:
+            await self._fire(records)
+        for key, at in due:
+            try:
+                self.timers.advance(key, at)
+            except Exception:
+                self._schedule_failed(key)
+
+    async def _sleep_until(self, at: datetime | None, now: datetime) -> datetime | None:
+        """Sleep on the clock until ``at`` (or a wake-up): the loop then fires only what is
+        due. Returns ``at`` when the sleep ran its full course to it (the clock has reached
+        it), else None (woken early, or stopped short of it: the loop reads the clock), so
+        waking early never fires early.
+
+        The tick's records are built first, at most ``PREPARE_AHEAD_S`` before it (an
+        instance's id carries the time it was made): a farther tick is slept towards until
+        then, and once built the loop reads the clock again, so the sleep to the tick does
+        not count the building as waiting."""
+        if at is None:
+            delay = self.settings.sweep_interval_s
+        else:
+            delay = (at - now).total_seconds()
+            if delay <= PREPARE_AHEAD_S and self._prepared_at != at:
+                self._prepare(at)
+                return None
+        self._wake.clear()
+        if at is not None and self._prepared_at != at:
+            await self.clock.sleep(min(delay - PREPARE_AHEAD_S, 60.0), self._wake)
+            return None
+        await self.clock.sleep(min(delay, 60.0), self._wake)
+        if at is None or delay > 60.0 or self._wake.is_set():
+            return None
+        return at
+
+    async def _fire(self, records: list[Any]) -> None:
+        # A stop (SIGTERM, lost term) cancels the duties, possibly between the insert and the
+        # publish. Finish the fire first, so a stored tick is published now rather than when
+        # the next leader's sweep finds it unpublished.
+        firing = asyncio.ensure_future(self._fire_and_publish(records))
+        try:
+            await asyncio.shield(firing)
+        except asyncio.CancelledError:
+            await asyncio.gather(firing, return_exceptions=True)
+            raise
+
+    async def _fire_and_publish(self, records: list[Any]) -> None:
+        with telemetry.span("jobplane.trigger", source="cron", instances=len(records)):
+            # The publication is recorded by the fire itself (one write less before the
+            # messages go out), unless the bus is out of reach (see Dispatcher.publish).
+            marks = self.dispatcher.marks_first
+            try:
+                instances = await self.store.fire(self.lease, records, published=marks)
+            except DBAPIError as exc:
+                instances = await self._fire_each_job(records, exc, marks)
+            self.metrics.fired(instances, self.cache.definitions)
+            await self.dispatcher.publish_created(instances, {r.id for r in records})
+        fired = [i for i in instances if not i.state.is_terminal]
+        if fired:
+            logger.debug("fired %d tick(s)", len(fired), extra={"action": "scheduler.fired"})
+
+    async def _fire_each_job(
+        self, records: list[Any], exc: DBAPIError, marks: bool
+    ) -> list[Instance]:
+        """The database refused a batch of ticks (a poison job: data or a constraint it
+        rejects; outages and conflicts are not ``DBAPIError`` here). Fire each job's ticks on
+        their own: a job still refused is logged with its key and its ticks skipped, and every
+        other job fires."""
+        by_job: dict[str, list[Any]] = {}
+        for record in records:
+            by_job.setdefault(record.job_key, []).append(record)
+        fired: list[Instance] = []
+        for key, ticks in by_job.items():
+            try:
+                if len(by_job) == 1:
+                    raise exc  # that job alone was refused
+                fired += await self.store.fire(self.lease, ticks, published=marks)
+            except DBAPIError as refused:
+                logger.error(
+                    "the database refused %d tick(s) of job %s: %s; skipped",
+                    len(ticks),
+                    key,
+                    first_line(refused),
+                    extra={"action": "scheduler.fire_refused", "job_key": key},
+                )
+        return fired
+
+
+def _late(definition: JobDefinition | None, at: datetime, now: datetime) -> bool:
+    """Whether the tick at ``at`` is past its job's misfire grace at ``now``."""
+    if definition is None:
+        return False
+    return (now - at).total_seconds() > definition.options.misfire_grace_s
