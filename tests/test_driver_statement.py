@@ -5,16 +5,18 @@ handling (a refused value, a lost connection) is unchanged. Real Postgres."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import make_url, text
 from sqlalchemy.exc import DBAPIError
 
 from jobplane.domain.models import NewInstance
 from jobplane.domain.states import InstanceState
 from jobplane.errors import StoreUnavailableError
 from jobplane.idempotency import fingerprint
+from jobplane.store.factory import open_store
 from jobplane.store.sql import SqlStore
 from tests.store_helpers import define
 
@@ -101,3 +103,33 @@ async def _waiting_backend(store: SqlStore) -> int | None:
         )
         pid = found.scalar()
     return None if pid is None else int(pid)
+
+
+async def test_an_unreachable_database_is_unavailable(pg_store: SqlStore) -> None:
+    await define(pg_store, "job")
+    definition = await pg_store.get_definition("job")
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    unreachable = open_store(f"postgresql://postgres@127.0.0.1:{port}/nowhere")
+    try:
+        with pytest.raises(StoreUnavailableError):
+            await unreachable.create_published(NewInstance(job_key="job"), definition)
+    finally:
+        await unreachable.close()
+
+
+async def test_a_refused_connection_is_reported_as_by_sqlalchemy(
+    pg_store: SqlStore, pg_database_url: str
+) -> None:
+    # The server refuses the session (no such database): the same DBAPIError as a checkout
+    # through engine.connect() gives, not the driver's own exception.
+    await define(pg_store, "job")
+    definition = await pg_store.get_definition("job")
+    missing = make_url(pg_database_url).set(database="jobplane_no_such_database")
+    refused = open_store(missing.render_as_string(hide_password=False))
+    try:
+        with pytest.raises(DBAPIError):
+            await refused.create_published(NewInstance(job_key="job"), definition)
+    finally:
+        await refused.close()
