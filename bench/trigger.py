@@ -1,13 +1,16 @@
 """The trigger path on Postgres + Redis: one trigger at a time, over REST, and enqueue → start.
 
     .venv/bin/python -m bench.trigger [--seconds 5] [--api-workers 1 2] [--rate 100]
+        [--raw-client]
 
 1. ``Dispatcher.trigger`` called one at a time, awaited (the Python API in the caller's
    process): triggers/s, p50 and p99 of one call.
 2. The Python :class:`~jobplane.client.AsyncClient` against a real ``jobplane api`` process
    (``JOBPLANE_API_WORKERS`` = each ``--api-workers`` value in turn), with 1 and with 16
    requests in flight: triggers/s, p50 and p99 of one request. Client and server share the
-   machine.
+   machine. With ``--raw-client``, the same again over plain keep-alive HTTP/1.1 connections
+   (:class:`RawTrigger`): a client of a few microseconds per request, so the figure is the
+   API's rather than httpx's (which costs more CPU per request than the API).
 3. Latency from the trigger call to the job's start, with two worker processes running, at a
    steady ``--rate`` triggers/s for ``--seconds``: p50 and p99 of ``started_at`` (the claim,
    the database's clock) minus the moment the trigger call began (read on the database's clock
@@ -21,7 +24,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from datetime import datetime
 
 from sqlalchemy import text
@@ -81,7 +85,7 @@ async def bench_dispatcher(seconds: float) -> tuple[str, ...]:
             await bus.close()
 
 
-async def bench_rest(seconds: float, workers: int) -> list[tuple[str, ...]]:
+async def bench_rest(seconds: float, workers: int, raw: bool) -> list[tuple[str, ...]]:
     out: list[tuple[str, ...]] = []
     async with environment() as (url, prefix, store):
         await _define(store)
@@ -90,7 +94,56 @@ async def bench_rest(seconds: float, workers: int) -> list[tuple[str, ...]]:
             for flying in IN_FLIGHT:
                 rates = await _loops(lambda: client.trigger(KEY), seconds, flying)
                 out.append((f"REST, api workers {workers}, {flying} in flight", *rates))
+            if raw:
+                for flying in IN_FLIGHT:
+                    async with RawTrigger.open(base, flying) as posts:
+                        rates = await _loops(posts.trigger, seconds, flying)
+                    name = f"REST, raw HTTP client, api workers {workers}, {flying} in flight"
+                    out.append((name, *rates))
     return out
+
+
+class RawTrigger:
+    """The trigger request over plain keep-alive HTTP/1.1 connections, one per request in
+    flight: a client that costs a few microseconds per request, where ``AsyncClient`` (httpx)
+    costs more CPU than the API's handling of it. It measures what the API serves when the
+    client is not what shares its cores."""
+
+    REQUEST = (
+        f"POST /api/v1/jobs/{KEY}/instances HTTP/1.1\r\nHost: bench\r\n"
+        "Content-Type: application/json\r\nContent-Length: 13\r\n\r\n"
+        '{"args":null}'
+    ).encode()
+
+    def __init__(self, connections: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]):
+        self._idle = connections
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, base: str, count: int) -> AsyncIterator[RawTrigger]:
+        host, port = base.removeprefix("http://").split(":")
+        connections = [await asyncio.open_connection(host, int(port)) for _ in range(count)]
+        try:
+            yield cls(list(connections))
+        finally:
+            for _, writer in connections:
+                writer.close()
+
+    async def trigger(self) -> None:
+        reader, writer = self._idle.pop()
+        try:
+            writer.write(self.REQUEST)
+            head = await reader.readuntil(b"\r\n\r\n")
+            if not head.startswith(b"HTTP/1.1 201"):
+                raise RuntimeError(f"trigger refused: {head[:80]!r}")
+            length = next(
+                int(line.split(b":", 1)[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            )
+            await reader.readexactly(length)
+        finally:
+            self._idle.append((reader, writer))
 
 
 async def bench_latency(seconds: float, rate: float) -> tuple[str, ...]:
@@ -176,7 +229,7 @@ async def _starts(store: SqlStore) -> dict[object, datetime]:
 async def main(ns: argparse.Namespace) -> None:
     rows = [await bench_dispatcher(ns.seconds)]
     for workers in ns.api_workers:
-        rows += await bench_rest(ns.seconds, workers)
+        rows += await bench_rest(ns.seconds, workers, ns.raw_client)
     print_table("Trigger", ("path", "triggers/s", "p50 ms", "p99 ms"), rows)
     if ns.rate > 0:
         latency = await bench_latency(ns.seconds * 2, ns.rate)
@@ -190,4 +243,9 @@ if __name__ == "__main__":
     parser.add_argument("--seconds", type=float, default=5.0, help="per measurement")
     parser.add_argument("--api-workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rate", type=float, default=100.0, help="triggers/s (0: skip)")
+    parser.add_argument(
+        "--raw-client",
+        action="store_true",
+        help="also trigger over plain keep-alive HTTP/1.1 (a client that costs little CPU)",
+    )
     asyncio.run(main(parser.parse_args()))

@@ -430,16 +430,19 @@ def trigger_request(
     """The :class:`NewInstance` for a trigger: ``delay`` counts from ``now`` (the store's
     clock; required with ``delay``). With an ``idempotency_key`` the request's fingerprint
     keeps ``delay`` as given, so a replay of the same delayed trigger matches."""
+    # The fingerprint (a canonical JSON dump and a SHA-256) only when a key needs it.
+    request_print: str | None = None
     if delay is not None:
         if now is None:
             raise ValueError("a delay needs the store's current time")
         if run_at is not None:
             raise InvalidOptionsError("delay_s", "give run_at or delay_s, not both")
         run_at = now + delay
-        request_print = fingerprint(
-            key, args, delay=delay, priority=priority, pinned_worker=pinned_worker
-        )
-    else:
+        if idempotency_key is not None:
+            request_print = fingerprint(
+                key, args, delay=delay, priority=priority, pinned_worker=pinned_worker
+            )
+    elif idempotency_key is not None:
         request_print = fingerprint(
             key, args, run_at=run_at, priority=priority, pinned_worker=pinned_worker
         )
@@ -450,7 +453,7 @@ def trigger_request(
         priority=priority,
         pinned_worker=pinned_worker,
         idempotency_key=idempotency_key,
-        fingerprint=request_print if idempotency_key is not None else None,
+        fingerprint=request_print,
         actor=actor,
     )
 

@@ -90,6 +90,14 @@ class RedisBus:
         if not envelopes:
             return
         async with _translated("publish"):
+            if len(envelopes) == 1:
+                # A single trigger's message: the command alone, without a pipeline's
+                # bookkeeping (a quarter of the publish's CPU; the same one round trip).
+                [(queue, envelope)] = envelopes
+                await self.client.xadd(
+                    self.keys.stream_of(queue, envelope), {"d": envelope.encode()}
+                )
+                return
             pipe = self.client.pipeline(transaction=False)
             for queue, envelope in envelopes:
                 # never MAXLEN: unread stays

@@ -12,7 +12,7 @@ from typing import Any
 from uuid import UUID
 
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.domain.models import (
     Claim,
@@ -34,6 +34,7 @@ from jobplane.errors import (
 from jobplane.idempotency import fingerprint_of
 from jobplane.store import rows
 from jobplane.store.base import retry_conflicts
+from jobplane.store.driver import DriverStatement
 from jobplane.store.lifecycle import (
     CANCEL_BEFORE_CLAIM_REASON,
     CANCEL_WINS_REASON,
@@ -66,6 +67,11 @@ async def _stop_listening(
 
 class PostgresStore(PostgresStatsStore, SqlStore):
     concurrent_reads = True  # each read takes a pooled connection of its own
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        super().__init__(engine)
+        #: The single trigger's statement, run on the driver (see :class:`DriverStatement`).
+        self._create_one = DriverStatement(CREATE_ONE, engine.dialect)
 
     async def notifications(self, channel: str) -> AsyncIterator[list[str]]:
         """Batches of payloads ``NOTIFY``-ed on ``channel`` (delivered on commit only), over
@@ -156,11 +162,11 @@ class PostgresStore(PostgresStatsStore, SqlStore):
             "skip_reason": new.skip_reason,
             "actor": new.actor,
         }
-        async with self._statement() as conn:
-            row = (await conn.execute(CREATE_ONE, params)).one()
-            if row.id is not None:
-                return rows.instance_from_row(row._mapping)
-            if not row.checked:
+        async with self._reachable(), self.engine.connect() as conn:
+            row = await self._create_one.fetch_row(conn, params)
+            if row["id"] is not None:
+                return rows.instance_from_row(row)
+            if not row["checked"]:
                 raise StaleDefinitionError(new.job_key, definition.version)
             # Not inserted at the checked version: its idempotency key was used before. The
             # first instance is committed (the insert waited for it), so this read finds it.
