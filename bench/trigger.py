@@ -1,6 +1,6 @@
 """The trigger path on Postgres + Redis: one trigger at a time, over REST, and enqueue → start.
 
-    .venv/bin/python -m bench.trigger [--seconds 5] [--api-workers 1 2] [--rate 100]
+    .venv/bin/python -m bench.trigger [--seconds 5] [--api-workers 1 2] [--rate 100] [--parts 1 2 3]
 
 1. ``Dispatcher.trigger`` called one at a time, awaited (the Python API in the caller's
    process): triggers/s, p50 and p99 of one call.
@@ -174,11 +174,15 @@ async def _starts(store: SqlStore) -> dict[object, datetime]:
 
 
 async def main(ns: argparse.Namespace) -> None:
-    rows = [await bench_dispatcher(ns.seconds)]
-    for workers in ns.api_workers:
-        rows += await bench_rest(ns.seconds, workers)
-    print_table("Trigger", ("path", "triggers/s", "p50 ms", "p99 ms"), rows)
-    if ns.rate > 0:
+    rows: list[tuple[str, ...]] = []
+    if 1 in ns.parts:
+        rows.append(await bench_dispatcher(ns.seconds))
+    if 2 in ns.parts:
+        for workers in ns.api_workers:
+            rows += await bench_rest(ns.seconds, workers)
+    if rows:
+        print_table("Trigger", ("path", "triggers/s", "p50 ms", "p99 ms"), rows)
+    if 3 in ns.parts and ns.rate > 0:
         latency = await bench_latency(ns.seconds * 2, ns.rate)
         print_table("Latency", ("path", "measured", "p50 ms", "p99 ms"), [latency])
 
@@ -190,4 +194,7 @@ if __name__ == "__main__":
     parser.add_argument("--seconds", type=float, default=5.0, help="per measurement")
     parser.add_argument("--api-workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rate", type=float, default=100.0, help="triggers/s (0: skip)")
+    parser.add_argument(
+        "--parts", type=int, nargs="+", choices=(1, 2, 3), default=[1, 2, 3], help="which parts"
+    )
     asyncio.run(main(parser.parse_args()))
