@@ -302,30 +302,25 @@ class RedisConsumer:
                 return await op()
 
     async def read(self, count: int, block_ms: int) -> list[Delivery]:
-        found = await self._read_each(self.streams, count)
+        found = await self._read_each(count)
         if found:
             return found
         # Nothing anywhere: block on all streams at once, for one entry (one per stream would
-        # overshoot ``count`` when several fill at once), then fill the batch from the stream
-        # that woke the read: one round trip, where a pass over every stream took one per
-        # stream between the wake-up and the claim. Entries published together (a bulk
-        # trigger, a worker putting back what it cannot run) stay one batch; entries of other
-        # streams that arrived meanwhile are found by the next read's first pass.
+        # overshoot ``count`` when several fill at once). What woke the read is returned as it
+        # is, not topped up: a fill took a round trip between the wake-up and the claim of
+        # every job that finds a worker idle, and entries that arrived meanwhile are found by
+        # the next read's first pass.
         streams: dict[Any, Any] = dict.fromkeys(self.streams, ">")
         reply = await self._call(
             "xreadgroup",
             lambda: self.client.xreadgroup(GROUP, self.name, streams, count=1, block=block_ms),
         )
-        found = await self._deliveries(reply)
-        if found and count > len(found):
-            found += await self._read_each([found[0].stream], count - len(found))
-        return found
+        return await self._deliveries(reply)
 
-    async def _read_each(self, keys: Sequence[str], count: int) -> list[Delivery]:
-        """Non-blocking reads of ``keys``, one by one in the order given (the streams' priority
-        order), never more than ``count``."""
+    async def _read_each(self, count: int) -> list[Delivery]:
+        """Non-blocking reads, stream by stream in priority order, never more than ``count``."""
         out: list[Delivery] = []
-        for key in keys:
+        for key in self.streams:
             remaining = count - len(out)
             if remaining <= 0:
                 break
