@@ -1,7 +1,7 @@
 """The trigger path on Postgres + Redis: one trigger at a time, over REST, and enqueue → start.
 
     .venv/bin/python -m bench.trigger [--seconds 5] [--api-workers 1 2] [--rate 100]
-        [--raw-client]
+        [--raw-client] [--parts 1 2 3]
 
 1. ``Dispatcher.trigger`` called one at a time, awaited (the Python API in the caller's
    process): triggers/s, p50 and p99 of one call.
@@ -227,11 +227,15 @@ async def _starts(store: SqlStore) -> dict[object, datetime]:
 
 
 async def main(ns: argparse.Namespace) -> None:
-    rows = [await bench_dispatcher(ns.seconds)]
-    for workers in ns.api_workers:
-        rows += await bench_rest(ns.seconds, workers, ns.raw_client)
-    print_table("Trigger", ("path", "triggers/s", "p50 ms", "p99 ms"), rows)
-    if ns.rate > 0:
+    rows: list[tuple[str, ...]] = []
+    if 1 in ns.parts:
+        rows.append(await bench_dispatcher(ns.seconds))
+    if 2 in ns.parts:
+        for workers in ns.api_workers:
+            rows += await bench_rest(ns.seconds, workers, ns.raw_client)
+    if rows:
+        print_table("Trigger", ("path", "triggers/s", "p50 ms", "p99 ms"), rows)
+    if 3 in ns.parts and ns.rate > 0:
         latency = await bench_latency(ns.seconds * 2, ns.rate)
         print_table("Latency", ("path", "measured", "p50 ms", "p99 ms"), [latency])
 
@@ -247,5 +251,8 @@ if __name__ == "__main__":
         "--raw-client",
         action="store_true",
         help="also trigger over plain keep-alive HTTP/1.1 (a client that costs little CPU)",
+    )
+    parser.add_argument(
+        "--parts", type=int, nargs="+", choices=(1, 2, 3), default=[1, 2, 3], help="which parts"
     )
     asyncio.run(main(parser.parse_args()))

@@ -12,6 +12,7 @@ the claim (its instance is no longer Enqueued).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -79,6 +80,10 @@ class Intake:
         self.failure: Exception | None = None
         #: Per unknown job key: when its put-backs were last logged, and how many since.
         self._unknown_logged: dict[str, tuple[float, int]] = {}
+        #: Entries of jobs this worker does not know, waiting for the put-back task (at most
+        #: one runs: see :meth:`_put_back`).
+        self._unknown: list[Delivery] = []
+        self._putting_back = False
 
     async def consume(
         self, consumer: Consumer, stop: asyncio.Event, check: Callable[[], None]
@@ -182,7 +187,7 @@ class Intake:
         known = [d for d in deliveries if d.envelope.job_key in self.app.jobs]
         unknown = [d for d in deliveries if d.envelope.job_key not in self.app.jobs]
         if unknown:
-            self._spawn(self._requeue_later(consumer, unknown))
+            self._put_back(consumer, unknown)
         if not known:
             return
         ids = list(dict.fromkeys(d.envelope.instance_id for d in known))
@@ -250,6 +255,27 @@ class Intake:
             except BusUnavailableError as exc:
                 self.metrics.backend_error(exc)
                 error, delay = exc, min(delay * 2, 5.0)
+
+    def _put_back(self, consumer: Consumer, deliveries: list[Delivery]) -> None:
+        """Hand entries of unknown jobs to the one put-back task, starting it if none runs.
+        Entries read while it waits go in its next round: however the reads split them (a
+        read woken by one entry returns that entry alone), they are put back in few batches,
+        each within two put-back delays of being read."""
+        self._unknown.extend(deliveries)
+        if not self._putting_back:
+            self._putting_back = True
+            self._spawn(self._put_back_rounds(consumer))
+
+    async def _put_back_rounds(self, consumer: Consumer) -> None:
+        try:
+            while self._unknown:
+                group, self._unknown = self._unknown, []
+                # A round that fails (the store or the bus away) leaves its entries pending
+                # on this consumer: they are reclaimed after ``reclaim_idle_s``, as before.
+                with contextlib.suppress(UnavailableError):
+                    await self._requeue_later(consumer, group)
+        finally:
+            self._putting_back = False
 
     async def _requeue_later(self, consumer: Consumer, deliveries: list[Delivery]) -> None:
         """Leave a job this worker does not know for a worker that does: forward it to a live

@@ -313,16 +313,17 @@ class RedisConsumer:
         found = await self._read_each(count)
         if found:
             return found
-        # Nothing anywhere: block on all streams at once, one entry, then fill the batch.
+        # Nothing anywhere: block on all streams at once, for one entry (one per stream would
+        # overshoot ``count`` when several fill at once). What woke the read is returned as it
+        # is, not topped up: a fill took a round trip between the wake-up and the claim of
+        # every job that finds a worker idle, and entries that arrived meanwhile are found by
+        # the next read's first pass.
         streams: dict[Any, Any] = dict.fromkeys(self.streams, ">")
         reply = await self._call(
             "xreadgroup",
             lambda: self.client.xreadgroup(GROUP, self.name, streams, count=1, block=block_ms),
         )
-        found = await self._deliveries(reply)
-        if found and count > len(found):
-            found += await self._read_each(count - len(found))
-        return found
+        return await self._deliveries(reply)
 
     async def _read_each(self, count: int) -> list[Delivery]:
         """Non-blocking reads, stream by stream in priority order, never more than ``count``."""

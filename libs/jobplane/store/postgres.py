@@ -242,14 +242,29 @@ class PostgresStore(PostgresStatsStore, SqlStore):
             "cancel_reason": CANCEL_WINS_REASON,
             "holds": [o.holds_slot for o in outcomes],
         }
-        async with self._write() as conn:
-            result = await conn.execute(COMPLETE, params)
-            ended = {row.id: InstanceState(row.state) for row in result}
-            for outcome in outcomes:
-                if outcome.instance_id not in ended:
-                    log_fenced(outcome)
-            failed = [o for o in outcomes if ended.get(o.instance_id) is InstanceState.FAILED]
-            ended.update(await self._after_failure(conn, failed))
+        if any(o.state is InstanceState.FAILED for o in outcomes):
+            # A Failed outcome moves on (a retry, or Terminated) in the same transaction as
+            # its recording: never left Failed by a crash in between.
+            async with self._write() as conn:
+                ended = await self._complete(conn, outcomes, params)
+                failed = [o for o in outcomes if ended.get(o.instance_id) is InstanceState.FAILED]
+                ended.update(await self._after_failure(conn, failed))
+            return ended
+        # Nothing follows the statement: in autocommit it is its own transaction. The slot rows
+        # it locks are then held until its commit only, not over two more round trips (BEGIN,
+        # COMMIT) and this process's turn to send the COMMIT, while claims of the same job key
+        # wait on them.
+        async with self._statement() as conn:
+            return await self._complete(conn, outcomes, params)
+
+    async def _complete(
+        self, conn: AsyncConnection, outcomes: Sequence[Outcome], params: dict[str, Any]
+    ) -> dict[UUID, InstanceState]:
+        result = await conn.execute(COMPLETE, params)
+        ended = {row.id: InstanceState(row.state) for row in result}
+        for outcome in outcomes:
+            if outcome.instance_id not in ended:
+                log_fenced(outcome)
         return ended
 
 

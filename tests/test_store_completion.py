@@ -1,0 +1,56 @@
+"""Recording a batch of outcomes: a batch without a Failed outcome is one statement on its own,
+one with a Failed outcome is one transaction with the retries that follow. Both kinds of batch
+end every attempt, give the slots back and write the history."""
+
+from __future__ import annotations
+
+from jobplane.domain.models import ErrorInfo, Outcome
+from jobplane.domain.states import InstanceState as S
+from jobplane.store.sql import SqlStore
+from tests.store_helpers import define, enqueue, slots_used
+
+
+async def test_a_batch_without_failures_ends_each_attempt_and_frees_the_slots(
+    store: SqlStore,
+) -> None:
+    await define(store, "job", max_concurrency=3)
+    instances = await enqueue(store, n=3)
+    claims = (await store.claim([i.id for i in instances], "w1", 10, ["job"])).claimed
+    assert await slots_used(store) == 3
+    ok, cancelled, stale = claims
+    ended = await store.complete(
+        [
+            Outcome(ok.instance.id, ok.token, S.SUCCEEDED, result={"n": 1}),
+            Outcome(cancelled.instance.id, cancelled.token, S.CANCELLED),
+            Outcome(stale.instance.id, stale.token + 1_000, S.SUCCEEDED),  # fenced off
+        ]
+    )
+    assert ended == {ok.instance.id: S.SUCCEEDED, cancelled.instance.id: S.CANCELLED}
+    assert await slots_used(store) == 1  # the fenced attempt's slot is still taken
+    assert (await store.get_instance(ok.instance.id)).result == {"n": 1}
+    history = [t.to_state for t in await store.transitions(stale.instance.id)]
+    assert history == [S.ENQUEUED, S.PROCESSING]
+
+
+async def test_a_batch_with_failures_moves_them_on_with_the_others(store: SqlStore) -> None:
+    await define(store, "job", max_concurrency=3, retries=1)
+    instances = await enqueue(store, n=3)
+    claims = (await store.claim([i.id for i in instances], "w1", 10, ["job"])).claimed
+    ok, retried, delayed = claims
+    error = ErrorInfo("ValueError", "boom", "Traceback ...")
+    ended = await store.complete(
+        [
+            Outcome(ok.instance.id, ok.token, S.SUCCEEDED),
+            Outcome(retried.instance.id, retried.token, S.FAILED, error=error),
+            Outcome(delayed.instance.id, delayed.token, S.FAILED, error=error, retry_delay_s=60),
+        ]
+    )
+    assert ended == {
+        ok.instance.id: S.SUCCEEDED,
+        retried.instance.id: S.ENQUEUED,
+        delayed.instance.id: S.SCHEDULED,
+    }
+    assert await slots_used(store) == 0
+    history = [t.to_state for t in await store.transitions(retried.instance.id)]
+    assert history == [S.ENQUEUED, S.PROCESSING, S.FAILED, S.ENQUEUED]
+    assert (await store.get_instance(delayed.instance.id)).retries_used == 1
