@@ -100,6 +100,34 @@ def test_nothing_missed_and_never_fired() -> None:
     assert records(job(), None, T0 + timedelta(days=1)) == []  # a new job starts from now
 
 
+def test_a_job_that_never_fired_catches_up_from_when_its_schedule_began() -> None:
+    # A re-plan of a never-fired job (no occurrence to read) just after its first tick was
+    # due, before the tick was written: the tick is on time (within the grace) and fires.
+    start = T0 + timedelta(seconds=10)
+    made = job(start_at=start, misfire_grace_s=5).options
+    created = JobDefinition(options=made, version=1, created_at=T0)
+    fired = records(created, None, start + timedelta(milliseconds=500))
+    assert [(m.scheduled_at, m.skip_reason) for m in fired] == [(start, None)]
+    # Without start_at: from its creation; after an edit of its schedule: from the edit.
+    plain = JobDefinition(options=job(misfire_grace_s=5).options, version=1, created_at=T0)
+    assert [m.scheduled_at for m in records(plain, None, T0 + timedelta(seconds=2))] == [
+        T0 + timedelta(seconds=1),
+        T0 + timedelta(seconds=2),
+    ]
+    edited = JobDefinition(
+        options=plain.options,
+        version=2,
+        created_at=T0 - timedelta(days=1),
+        schedule_since=T0 + timedelta(milliseconds=500),
+    )
+    assert [m.scheduled_at for m in records(edited, None, T0 + timedelta(seconds=1))] == [
+        T0 + timedelta(seconds=1)
+    ]
+    # The ticks missed beyond the grace follow the policy, as after any outage.
+    late = JobDefinition(options=job(misfire="skip").options, version=1, created_at=T0)
+    assert {m.skip_reason for m in records(late, None, T0 + timedelta(seconds=3))} == {"misfire"}
+
+
 def test_timers_continue_from_the_last_occurrence() -> None:
     timers = CronTimers()
     timers.set_job(job(), T0, T0 + timedelta(hours=1))

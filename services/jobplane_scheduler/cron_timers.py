@@ -153,6 +153,12 @@ def catch_up(definition: JobDefinition, last: datetime | None, now: datetime) ->
     outage of a one-second job is 86,400 Skipped rows written in ~170 passes.
     """
     options = definition.options
+    if last is None:
+        # Never fired: its ticks exist from when its schedule did (the job made, or its
+        # schedule last edited), not from "now". A re-plan that reads no occurrence while the
+        # first tick is due but not yet written (the tick at start_at, with an edit event and
+        # the sweep both re-planning) would otherwise plan past that tick and lose it silently.
+        last = definition.schedule_since or definition.created_at
     if last is None or not is_active(definition) or options.cron is None:
         return CatchUp([])
     schedule = CronSchedule(options.cron, options.timezone)
