@@ -102,6 +102,29 @@ async def test_read_never_returns_more_than_asked(bus: Bus) -> None:
     assert len(rest) == 7
 
 
+async def test_a_blocking_read_woken_by_several_streams_returns_no_more_than_asked(
+    redis_bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The race: the read's first pass finds every stream empty, then entries land in three
+    # of them before it blocks. Redis answers the blocking read with one entry per stream.
+    consumer = redis_bus.consumer("w1", ["default"])
+    sent = [envelope(8), envelope(4), envelope(1)]
+    first_pass = consumer._read_each  # type: ignore[attr-defined]
+
+    async def empty_then_filled(count: int) -> list[object]:
+        await redis_bus.publish([("default", e) for e in sent])
+        return []
+
+    monkeypatch.setattr(consumer, "_read_each", empty_then_filled)
+    got = await consumer.read(1, 1000)
+    assert [d.envelope for d in got] == [sent[0]]
+    monkeypatch.setattr(consumer, "_read_each", first_pass)
+    # The other two are not lost: back in their streams, unread, for the next read.
+    rest = await consumer.read(10, 100)
+    assert sorted(d.envelope.priority for d in rest) == [1, 4]
+    assert await consumer.read(10, 100) == []
+
+
 async def test_higher_bands_are_read_first_under_a_backlog(bus: Bus) -> None:
     low, mid, high = envelope(1), envelope(4), envelope(8)
     await bus.publish([("default", low), ("default", mid), ("default", high)])

@@ -323,7 +323,15 @@ class RedisConsumer:
             "xreadgroup",
             lambda: self.client.xreadgroup(GROUP, self.name, streams, count=1, block=block_ms),
         )
-        return await self._deliveries(reply)
+        found = await self._deliveries(reply)
+        if len(found) > count:
+            # Several streams filled between the first pass and the block, and Redis hands one
+            # entry per stream: beyond ``count`` (the reader's free capacity) the entries go
+            # back to the end of their streams rather than overrun it. (Should that fail, the
+            # error stops this read and every entry it took stays pending, to be reclaimed.)
+            found, surplus = found[:count], found[count:]
+            await self.requeue(surplus)
+        return found
 
     async def _read_each(self, count: int) -> list[Delivery]:
         """Non-blocking reads, stream by stream in priority order, never more than ``count``."""
