@@ -75,12 +75,12 @@ async def bench_dispatcher(seconds: float) -> tuple[str, ...]:
         await _define(store)
         bus = bus_for(prefix)
         try:
-            dispatcher = Dispatcher(store, bus)
-            await _loops(lambda: dispatcher.trigger(KEY), 0.5, 1)  # warm-up
-            return (
-                "Dispatcher.trigger, 1 in flight",
-                *await _loops(lambda: dispatcher.trigger(KEY), seconds, 1),
-            )
+            async with Dispatcher(store, bus) as dispatcher:
+                await _loops(lambda: dispatcher.trigger(KEY), 0.5, 1)  # warm-up
+                return (
+                    "Dispatcher.trigger, 1 in flight",
+                    *await _loops(lambda: dispatcher.trigger(KEY), seconds, 1),
+                )
         finally:
             await bus.close()
 

@@ -4,6 +4,8 @@ out of reach."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Sequence
 from datetime import timedelta
 from uuid import UUID
@@ -84,11 +86,63 @@ async def test_a_trigger_the_bus_did_not_take_is_left_for_the_sweep(store: SqlSt
     await define(store, "job")
     unreachable = open_bus("redis://127.0.0.1:1/0", "nowhere")
     try:
-        made = await Dispatcher(store, unreachable).trigger("job")
+        async with Dispatcher(store, unreachable) as dispatcher:
+            made = await dispatcher.trigger("job")
     finally:
         await unreachable.close()
     stored = await store.get_instance(made.id)
     assert stored.state is S.ENQUEUED and stored.published_at is None
+
+
+async def test_a_single_trigger_returns_at_its_commit_and_later_ones_share_the_next_send(
+    store: SqlStore, bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trigger is acknowledged by its commit (marked published in the same statement); its
+    message follows from a task of the dispatcher's, so the caller never waits on the bus, and
+    the triggers committed while a send is under way go out together in the next one."""
+    await define(store, "job")
+    batches: list[list[UUID]] = []
+    let_go = asyncio.Event()
+    send = bus.publish
+
+    async def held_send(envelopes: Sequence[tuple[str, Envelope]]) -> None:
+        batches.append([e.instance_id for _, e in envelopes])
+        await let_go.wait()
+        await send(envelopes)
+
+    monkeypatch.setattr(bus, "publish", held_send)
+    async with Dispatcher(store, bus) as dispatcher:
+        first = await dispatcher.trigger("job")
+        await asyncio.sleep(0)  # the send task starts, and waits on the bus
+        async with asyncio.timeout(10):  # none waits on the send
+            more = [await dispatcher.trigger("job") for _ in range(3)]
+        assert batches == [[first.id]]
+        for made in (first, *more):
+            stored = await store.get_instance(made.id)
+            assert stored.state is S.ENQUEUED and stored.published_at is not None
+        let_go.set()
+        await dispatcher.flush()
+        assert batches == [[first.id], [m.id for m in more]]
+    delivered = await bus.consumer("w1", ["default"]).read(10, 500)
+    assert [d.envelope.instance_id for d in delivered] == [first.id, *(m.id for m in more)]
+
+
+async def test_a_send_that_fails_unexpectedly_is_logged_and_left_for_the_sweep(
+    store: SqlStore, bus: Bus, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    await define(store, "job")
+
+    async def broken(envelopes: Sequence[tuple[str, Envelope]]) -> None:
+        raise RuntimeError("a bug in the bus")
+
+    monkeypatch.setattr(bus, "publish", broken)
+    with caplog.at_level(logging.ERROR, logger="jobplane.dispatch"):
+        async with Dispatcher(store, bus) as dispatcher:
+            made = await dispatcher.trigger("job")
+    stored = await store.get_instance(made.id)
+    assert stored.state is S.ENQUEUED and stored.published_at is None  # the sweep's to send
+    [record] = [r for r in caplog.records if r.action == "dispatch.publish_failed"]  # type: ignore[attr-defined]
+    assert record.exc_info is not None and "a bug in the bus" in str(record.exc_info[1])
 
 
 async def test_a_claim_that_parks_right_after_the_publish_keeps_its_park(

@@ -8,6 +8,7 @@ empty ``published_at`` and is republished by the scheduler's sweep.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
@@ -57,7 +58,11 @@ STALE_TRIES = 5
 
 
 class Dispatcher:
-    """Creates and publishes instances. Does not own the store or the bus."""
+    """Creates and publishes instances. Does not own the store or the bus.
+
+    A single trigger returns once its instance is committed; its message is sent by a task
+    of its own right after (see :meth:`_post`). :meth:`flush` waits for those sends, and
+    ``async with Dispatcher(...)`` does on exit: close it before the bus."""
 
     def __init__(
         self,
@@ -80,6 +85,24 @@ class Dispatcher:
         self._definitions: dict[str, JobDefinition] = {}
         #: The last send failed (the bus is out of reach): see :meth:`publish`.
         self._bus_failed = False
+        #: Single triggers' instances, committed and marked, whose messages are still to be
+        #: sent (see :meth:`_post`), and the task sending them, while one runs.
+        self._outbox: list[Instance] = []
+        self._sender: asyncio.Task[None] | None = None
+        #: Every send task still running, for :meth:`flush`.
+        self._sending: set[asyncio.Task[None]] = set()
+
+    async def __aenter__(self) -> Dispatcher:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.flush()
+
+    async def flush(self) -> None:
+        """Wait until the message of every single trigger made so far has been sent (or, if
+        the bus could not take it, its publication mark cleared for the sweep)."""
+        while self._sending:
+            await asyncio.wait(set(self._sending))
 
     async def trigger(
         self,
@@ -162,7 +185,7 @@ class Dispatcher:
                     self._definitions.pop(request.job_key, None)
                     continue
                 if instance.id == request.id and instance.state is InstanceState.ENQUEUED:
-                    await self._publish_created(instance)
+                    self._post(instance)
                 else:
                     await self.publish([instance])  # held, delayed, or an earlier one replayed
             return instance
@@ -180,12 +203,61 @@ class Dispatcher:
             found = self._definitions[key] = stored[0]
         return found
 
-    async def _publish_created(self, instance: Instance) -> None:
-        """Publish an instance that :meth:`DispatchStore.create_published` recorded as
-        published; if the bus is out of reach, clear that record so the sweep publishes it
-        shortly."""
-        if not await self._send([instance]):
-            await self._unmark([instance.id])
+    def _post(self, instance: Instance) -> None:
+        """Send the message of an instance that :meth:`DispatchStore.create_published`
+        committed and recorded as published, in the background: the trigger is acknowledged
+        by its commit, and its caller need not wait for the bus too. The send then overlaps
+        the caller's next database round trip, and the messages of triggers made while a send
+        is under way (requests in flight in the API) go out together, in one pipeline, next.
+
+        Nothing is lost if this process dies before the send: the instance is committed and
+        marked, and the sweep republishes a marked, unclaimed instance once its mark is older
+        than the republish threshold (as when the process dies between a commit and its send).
+        With tracing on, each message is sent by a task of its own, which inherits the
+        trigger's span: the publish span is its child, one trace per instance."""
+        loop = asyncio.get_running_loop()
+        if telemetry.tracer() is not None:
+            self._track(loop.create_task(self._publish_created([instance])))
+            return
+        self._outbox.append(instance)
+        if self._sender is None:
+            self._sender = self._track(loop.create_task(self._send_outbox()))
+
+    def _track(self, task: asyncio.Task[None]) -> asyncio.Task[None]:
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+        return task
+
+    async def _send_outbox(self) -> None:
+        try:
+            while self._outbox:
+                batch, self._outbox = self._outbox, []
+                await self._publish_created(batch)
+        finally:
+            self._sender = None
+            if self._outbox:  # cancelled (the event loop is closing): marked, so swept
+                logger.warning(
+                    "%d triggered instance(s) not sent before the dispatcher stopped; the "
+                    "sweep republishes them after its threshold",
+                    len(self._outbox),
+                    extra={"action": "dispatch.publish_abandoned"},
+                )
+                self._outbox = []
+
+    async def _publish_created(self, instances: list[Instance]) -> None:
+        """Send instances that :meth:`DispatchStore.create_published` recorded as published;
+        if the bus cannot take them, clear that record so the sweep publishes them shortly."""
+        try:
+            sent = await self._send(instances)
+        except Exception:  # a send task has no caller to tell: log, and leave it to the sweep
+            logger.exception(
+                "could not send %d triggered instance(s)",
+                len(instances),
+                extra={"action": "dispatch.publish_failed"},
+            )
+            sent = False
+        if not sent:
+            await self._unmark([i.id for i in instances])
 
     @property
     def marks_first(self) -> bool:

@@ -59,8 +59,12 @@ def create_app(
                 opened_store, opened_bus = await stack.enter_async_context(backends(settings))
             app.state.store = store or opened_store
             app.state.bus = bus or opened_bus
-            app.state.dispatcher = Dispatcher(
-                app.state.store, app.state.bus, hold_triggered=settings.debug_hold_triggered
+            # Closed before the store and bus (the stack's earlier entries): triggers' sends
+            # still under way finish first.
+            app.state.dispatcher = await stack.enter_async_context(
+                Dispatcher(
+                    app.state.store, app.state.bus, hold_triggered=settings.debug_hold_triggered
+                )
             )
             app.state.settings = settings
             yield

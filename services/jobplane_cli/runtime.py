@@ -87,9 +87,9 @@ async def run_dev(
             scheduling = asyncio.create_task(scheduler.run(stop))
             if api_port:
                 serving = asyncio.create_task(_serve_dev_api(settings, store, bus, api_port, stop))
-            dispatcher = Dispatcher(store, bus)
-            for key, args in requests:
-                triggered.append(await dispatcher.trigger(key, args, actor="dev"))
+            async with Dispatcher(store, bus) as dispatcher:
+                for key, args in requests:
+                    triggered.append(await dispatcher.trigger(key, args, actor="dev"))
             if exit_when_done:
                 await _until_ended(store, [i.id for i in triggered], running)
                 stop.set()

@@ -86,7 +86,8 @@ class System:
         limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
         http = httpx.AsyncClient(base_url=base, limits=limits, timeout=60)
         await self._stack.enter_async_context(http)
-        return [PythonClient(Dispatcher(store, bus)), RestClient(http)]
+        dispatcher = await self._stack.enter_async_context(Dispatcher(store, bus))
+        return [PythonClient(dispatcher), RestClient(http)]
 
     def worker_commands(self, config: harness.Config) -> list[list[str]]:
         common = [harness.installed("jobplane"), "worker"]
