@@ -346,7 +346,8 @@ async def test_a_gone_workers_stream_keeps_no_entry_of_what_was_given_away(
     await define(store, "job")
     gone = WorkerInfo(id="gone", host="h", pid=1, queues=("default",), capacity=1, version="x")
     await store.register_worker(gone)
-    made = await Dispatcher(store, bus).trigger("job", pinned_worker="gone")
+    async with Dispatcher(store, bus) as dispatcher:  # (sent on leaving)
+        made = await dispatcher.trigger("job", pinned_worker="gone")
     old = Envelope(instance_id=made.id, job_key="job", priority=made.priority, pinned_worker="gone")
     assert await bus.queued([("default", old)]) == {made.id}
     await store.worker_stopped("gone")

@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from datetime import datetime
 from typing import Any
 from uuid import UUID
 
@@ -40,7 +41,7 @@ from jobplane.store.lifecycle import (
     CANCEL_WINS_REASON,
     log_fenced,
 )
-from jobplane.store.postgres_sql import CLAIM, COMPLETE, CREATE, CREATE_ONE, FIRE
+from jobplane.store.postgres_sql import CLAIM, COMPLETE, CREATE, CREATE_ONE, FIRE, NOW
 from jobplane.store.postgres_stats import PostgresStatsStore
 from jobplane.store.sql import LIMIT_REASON, SqlStore
 
@@ -72,6 +73,15 @@ class PostgresStore(PostgresStatsStore, SqlStore):
         super().__init__(engine)
         #: The single trigger's statement, run on the driver (see :class:`DriverStatement`).
         self._create_one = DriverStatement(CREATE_ONE, engine.dialect)
+        self._read_clock = DriverStatement(NOW, engine.dialect)
+
+    async def now(self) -> datetime:
+        # One round trip, not three (BEGIN, the read, COMMIT): the leader's cron loop reads
+        # the clock before each fire, and its misfire check waits on it.
+        async with self._reachable(), self.engine.connect() as conn:
+            row = await self._read_clock.fetch_row(conn, {})
+        now: datetime = row["now"]
+        return now
 
     async def notifications(self, channel: str) -> AsyncIterator[list[str]]:
         """Batches of payloads ``NOTIFY``-ed on ``channel`` (delivered on commit only), over

@@ -349,3 +349,5 @@ COMPLETE = text(COMPLETE_SQL)
 CREATE_ONE = text(CREATE_ONE_SQL).columns(
     *job_instances.c, checked=job_instances.c.cancel_requested.type
 )
+# The database's clock, read on its own (no transaction around it: one round trip).
+NOW = text("SELECT now() AS now").columns(now=job_instances.c.created_at.type)
