@@ -127,6 +127,17 @@ async def test_a_single_trigger_returns_at_its_commit_and_later_ones_share_the_n
     assert [d.envelope.instance_id for d in delivered] == [first.id, *(m.id for m in more)]
 
 
+async def test_outside_async_with_a_trigger_returns_once_its_message_is_sent(
+    store: SqlStore, bus: Bus
+) -> None:
+    """Without ``async with`` nobody would wait for a send in the background (a caller that
+    closes the bus right after would lose it to the sweep): the trigger sends first."""
+    await define(store, "job")
+    made = await Dispatcher(store, bus).trigger("job")
+    envelope = Envelope(instance_id=made.id, job_key="job", priority=made.priority)
+    assert await bus.queued([("default", envelope)]) == {made.id}
+
+
 async def test_a_send_that_fails_unexpectedly_is_logged_and_left_for_the_sweep(
     store: SqlStore, bus: Bus, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -43,8 +43,8 @@ async def test_a_backlog_of_an_unknown_job_never_grows_the_stream(
     its job) is not published again."""
     caplog.set_level(logging.INFO, logger="jobplane_worker.worker")
     await define(store, "orphan", max_concurrency=1000)
-    dispatcher = Dispatcher(store, bus)
-    made = [await dispatcher.trigger("orphan") for _ in range(BACKLOG)]
+    async with Dispatcher(store, bus) as dispatcher:  # (the messages are sent on leaving)
+        made = [await dispatcher.trigger("orphan") for _ in range(BACKLOG)]
     assert await _stream_length(bus) == BACKLOG
     lengths = []
     async with running_scheduler(store, bus, republish_after_s=0.5):

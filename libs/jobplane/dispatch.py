@@ -55,14 +55,17 @@ logger = logging.getLogger(__name__)
 RETRY_BATCH = 500
 #: Tries of a single trigger whose job's definition is edited while it is being triggered.
 STALE_TRIES = 5
+#: The name of the tasks that send single triggers' messages (see :meth:`Dispatcher._post`).
+SEND_TASK = "jobplane.dispatch.send"
 
 
 class Dispatcher:
     """Creates and publishes instances. Does not own the store or the bus.
 
-    A single trigger returns once its instance is committed; its message is sent by a task
-    of its own right after (see :meth:`_post`). :meth:`flush` waits for those sends, and
-    ``async with Dispatcher(...)`` does on exit: close it before the bus."""
+    Used as ``async with Dispatcher(...) as dispatcher``, a single trigger returns once its
+    instance is committed and its message is sent by a task right after (see :meth:`_post`);
+    leaving the block waits for those sends (:meth:`flush`), so leave it before closing the
+    bus. Otherwise a trigger returns once its message is sent too."""
 
     def __init__(
         self,
@@ -91,11 +94,15 @@ class Dispatcher:
         self._sender: asyncio.Task[None] | None = None
         #: Every send task still running, for :meth:`flush`.
         self._sending: set[asyncio.Task[None]] = set()
+        #: Inside ``async with``: single triggers' messages are sent in the background.
+        self._background = False
 
     async def __aenter__(self) -> Dispatcher:
+        self._background = True
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
+        self._background = False
         await self.flush()
 
     async def flush(self) -> None:
@@ -184,10 +191,12 @@ class Dispatcher:
                     # Edited or deleted since it was remembered: nothing was created.
                     self._definitions.pop(request.job_key, None)
                     continue
-                if instance.id == request.id and instance.state is InstanceState.ENQUEUED:
+                if instance.id != request.id or instance.state is not InstanceState.ENQUEUED:
+                    await self.publish([instance])  # held, delayed, or an earlier one replayed
+                elif self._background:
                     self._post(instance)
                 else:
-                    await self.publish([instance])  # held, delayed, or an earlier one replayed
+                    await self._publish_created([instance])
             return instance
         raise StoreConflictError(f"job {request.job_key!r} kept changing while triggered")
 
@@ -205,10 +214,11 @@ class Dispatcher:
 
     def _post(self, instance: Instance) -> None:
         """Send the message of an instance that :meth:`DispatchStore.create_published`
-        committed and recorded as published, in the background: the trigger is acknowledged
-        by its commit, and its caller need not wait for the bus too. The send then overlaps
-        the caller's next database round trip, and the messages of triggers made while a send
-        is under way (requests in flight in the API) go out together, in one pipeline, next.
+        committed and recorded as published, in the background (inside ``async with``): the
+        trigger is acknowledged by its commit, and its caller need not wait for the bus too.
+        The send then overlaps the caller's next database round trip, and the messages of
+        triggers made while a send is under way (requests in flight in the API) go out
+        together, in one pipeline, next.
 
         Nothing is lost if this process dies before the send: the instance is committed and
         marked, and the sweep republishes a marked, unclaimed instance once its mark is older
@@ -217,11 +227,11 @@ class Dispatcher:
         trigger's span: the publish span is its child, one trace per instance."""
         loop = asyncio.get_running_loop()
         if telemetry.tracer() is not None:
-            self._track(loop.create_task(self._publish_created([instance])))
+            self._track(loop.create_task(self._publish_created([instance]), name=SEND_TASK))
             return
         self._outbox.append(instance)
         if self._sender is None:
-            self._sender = self._track(loop.create_task(self._send_outbox()))
+            self._sender = self._track(loop.create_task(self._send_outbox(), name=SEND_TASK))
 
     def _track(self, task: asyncio.Task[None]) -> asyncio.Task[None]:
         self._sending.add(task)
