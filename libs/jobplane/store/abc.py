@@ -171,9 +171,6 @@ class DispatchStore(StoreConnection, DefinitionReads, Protocol):
         nothing is written once that term is over (:class:`~jobplane.errors.NotLeaderError`).
         """
 
-    async def still_enqueued(self, ids: Collection[UUID]) -> set[UUID]:
-        """Those of ``ids`` that are Enqueued (a message for any other is obsolete)."""
-
     async def get_instance(self, instance_id: UUID) -> Instance:
         """Raises :class:`~jobplane.errors.InstanceNotFoundError`."""
 
@@ -196,6 +193,9 @@ class DispatchStore(StoreConnection, DefinitionReads, Protocol):
 
 class WorkerStore(DispatchStore, Registration, WorkerReads, Protocol):
     """The worker role: claims, heartbeats, checkpoints, outcomes, its own registration."""
+
+    async def still_enqueued(self, ids: Collection[UUID]) -> set[UUID]:
+        """Those of ``ids`` that are Enqueued (a message for any other is obsolete)."""
 
     async def claim(
         self, ids: Sequence[UUID], worker_id: str, lease_s: float, jobs: Collection[str]
