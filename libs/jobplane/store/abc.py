@@ -450,9 +450,10 @@ class ApiStore(DispatchStore, DefinitionEdits, WorkerReads, Protocol):
 
     async def list_tokens(self) -> list[TokenInfo]: ...
 
-    async def revoke_token(self, token_id: UUID) -> bool:
-        """Revoke at once; ``False`` if unknown or already revoked. Raises LastAdminError
-        instead of revoking the last live admin token."""
+    async def revoke_token(self, token_id: UUID, actor: str) -> bool:
+        """Revoke at once, recording ``actor`` (who revoked it); ``False`` if unknown or
+        already revoked. Raises LastAdminError instead of revoking the last live admin
+        token."""
 
 
 class Store(WorkerStore, LeaderStore, ApiStore, Protocol):

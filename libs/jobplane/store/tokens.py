@@ -31,6 +31,7 @@ def _info(row: Mapping[Any, Any]) -> TokenInfo:
         created_at=row["created_at"],
         created_by=row["created_by"],
         revoked_at=row["revoked_at"],
+        revoked_by=row["revoked_by"],
         expires_at=row["expires_at"],
         last_used_at=row["last_used_at"],
     )
@@ -129,7 +130,7 @@ class TokenStore(SqlBase):
             result = await conn.execute(select(api_tokens).order_by(token_cols.created_at))
             return [_info(r._mapping) for r in result]
 
-    async def revoke_token(self, token_id: UUID) -> bool:
+    async def revoke_token(self, token_id: UUID, actor: str) -> bool:
         """Revoke a live token; False if there is none with this id. Raises LastAdminError
         rather than revoke the last live admin token."""
         async with self._write() as conn:
@@ -152,7 +153,7 @@ class TokenStore(SqlBase):
             result = await conn.execute(
                 update(api_tokens)
                 .where(token_cols.id == token_id, token_cols.revoked_at.is_(None))
-                .values(revoked_at=self._clock())
+                .values(revoked_at=self._clock(), revoked_by=actor)
                 .returning(token_cols.id)
             )
             return result.first() is not None
