@@ -19,7 +19,7 @@ from jobplane.bus.abc import Bus, BusEpoch
 from jobplane.bus.envelope import Event, EventKind
 from jobplane.clock import Clock, StoreClock
 from jobplane.definitions import DefinitionCache
-from jobplane.dispatch import Dispatcher, envelope_for
+from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import Instance, JobDefinition, LeaderLease, NewInstance
 from jobplane.errors import BusUnavailableError, UnavailableError, first_line
 from jobplane.events import Outage, listen
@@ -27,6 +27,7 @@ from jobplane.store.abc import LeaderStore
 from jobplane.store.base import NotLeaderError
 from jobplane.store.creation import ENQUEUED_CHANNEL
 from jobplane.tasks import run_together
+from jobplane.triggering import envelope_for
 from jobplane_scheduler.cron_timers import CronTimers, catch_up, is_active
 from jobplane_scheduler.firing import CronFiring
 from jobplane_scheduler.metrics import SchedulerMetrics, SweepStep
