@@ -142,6 +142,9 @@ async def test_tokens_are_hashed_shown_once_revocable_and_never_logged(
             "/api/v1/jobs/echo/instances", json={"args": {"value": 1}}, headers=ops
         )
         assert again.status_code == 401
+        tokens = {t["name"]: t for t in (await client.get("/api/v1/tokens", headers=auth)).json()}
+        assert tokens["ci"]["revoked_by"] == tokens["ci"]["created_by"] == "token:root"
+        assert tokens["root"]["revoked_by"] is None
     assert secret not in caplog.text and admin not in caplog.text
     async with pg_store.engine.connect() as conn:
         from sqlalchemy import text

@@ -49,7 +49,7 @@ async def matrix(postgres_url: str, pg_template: str, redis_url: str) -> AsyncIt
             _, secret = await store.create_token(role.value, role, "test")
             headers[role.value] = {"Authorization": f"Bearer {secret}"}
         revoked, secret = await store.create_token("revoked", Role.ADMIN, "test")
-        await store.revoke_token(revoked.id)
+        await store.revoke_token(revoked.id, "test")
         headers["revoked"] = {"Authorization": f"Bearer {secret}"}
         expired, secret = await store.create_token("expired", Role.ADMIN, "test")
         async with store.engine.begin() as conn:

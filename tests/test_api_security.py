@@ -146,7 +146,7 @@ async def test_the_last_admin_token_cannot_be_revoked(
     done = await client.delete(f"/api/v1/tokens/{first.id}", headers=bearer(second_secret))
     assert done.status_code == 204
     with pytest.raises(LastAdminError):
-        await pg_store.revoke_token(second.id)
+        await pg_store.revoke_token(second.id, "test")
     unknown = await client.delete(f"/api/v1/tokens/{uuid4()}", headers=bearer(second_secret))
     assert unknown.status_code == 404
 

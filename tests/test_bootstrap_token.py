@@ -67,7 +67,7 @@ async def test_a_revoked_bootstrap_token_stays_revoked(store: SqlStore) -> None:
     info, created = await store.ensure_token(secret, "bootstrap-admin", Role.ADMIN, "migrate")
     assert created and await store.authenticate(secret) == info
     await store.create_token("second-admin", Role.ADMIN, "test")  # the last admin stays
-    assert await store.revoke_token(info.id)
+    assert await store.revoke_token(info.id, "test")
     again, created = await store.ensure_token(secret, "bootstrap-admin", Role.ADMIN, "migrate")
     assert not created and again.id == info.id and again.revoked_at is not None
     assert await store.authenticate(secret) is None

@@ -125,7 +125,7 @@ async def test_session_cookie_roles_and_revocation(
     refused = await dash.post("/jobs/greet/edit", data=data)
     assert refused.status_code == 403 and "admin role" in refused.text
     assert (await pg_store.get_definition("greet")).options.retries == 0
-    assert await pg_store.revoke_token(info.id)
+    assert await pg_store.revoke_token(info.id, "test")
     after = await dash.get("/", follow_redirects=False)
     assert after.status_code == 303 and after.headers["location"].startswith("/login")
 

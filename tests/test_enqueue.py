@@ -4,6 +4,7 @@ and the scheduler publishes it shortly after."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from datetime import timedelta
 from uuid import UUID
 
@@ -101,6 +102,56 @@ async def test_commit_notifies_the_leader_which_publishes_at_once(
     finally:
         await engine.dispose()
     assert await _count(store) == 1
+
+
+@pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
+async def test_the_leader_says_when_its_notifications_are_cut_and_listens_again(
+    store: SqlStore, redis_bus: Bus, database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The listening connection dies (a restart, a proxy): one warning names the outage, the
+    leader listens again on a new connection, and the next commit's NOTIFY still gets its
+    instance published at once (the sweep is a minute away); an info line says it is back."""
+    caplog.set_level(logging.INFO, logger="jobplane.events")
+    async with running_worker(app, store, redis_bus):
+        pass
+    engine = create_async_engine(make_url(database_url).set(drivername="postgresql+asyncpg"))
+    try:
+        async with running_scheduler(store, redis_bus, sweep_interval_s=60) as scheduler:
+            await wait_for(lambda: _leading(scheduler), what="leadership")
+            first = await _wait_listening(store, set())
+            await _run(store, f"SELECT pg_terminate_backend({first})")
+            await _wait_listening(store, {first})
+            async with AsyncSession(engine) as session, session.begin():
+                made = await enqueue_async(session, "echo", {"value": 5})
+            await wait_for(lambda: _published(store, made), timeout_s=10, what="the publication")
+    finally:
+        await engine.dispose()
+    lines = [(r.action, r.getMessage()) for r in caplog.records if hasattr(r, "action")]
+    cut = [m for a, m in lines if a == "scheduler.events"]
+    assert len(cut) == 1 and "enqueued notifications: the database is unavailable" in cut[0]
+    assert any(a == "scheduler.events_restored" for a, _ in lines)
+
+
+async def _wait_listening(store: SqlStore, not_these: set[int]) -> int:
+    """The pid of the backend the leader listens on, once it is none of ``not_these``."""
+    found: list[int] = []
+
+    async def listening() -> bool:
+        pids = await _run(
+            store,
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+            "AND query LIKE 'LISTEN%'",
+        )
+        found[:] = [p for p in pids if p not in not_these]
+        return bool(found)
+
+    await wait_for(listening, timeout_s=10, what="a listening connection")
+    return found[0]
+
+
+async def _run(store: SqlStore, sql: str) -> list[int]:
+    async with store.engine.begin() as conn:
+        return [int(v) for v in (await conn.execute(text(sql))).scalars()]
 
 
 async def _enqueue_rolled_back(engine: AsyncEngine, value: int) -> None:

@@ -113,3 +113,18 @@ def _name_of(base: ast.expr) -> str:
     if isinstance(base, ast.Attribute):
         return base.attr
     return ""
+
+
+def test_every_error_a_role_defines_derives_from_jobplane_error() -> None:
+    """A role's own exceptions (refusals, a failed child) are Jobplane's too: a caller
+    catching ``JobplaneError`` catches them."""
+    outside = []
+    for path in sorted((ROOT / "services").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and any(
+                _name_of(base) in {"Exception", "BaseException", "RuntimeError", "ValueError"}
+                for base in node.bases
+            ):
+                outside.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert outside == []

@@ -19,6 +19,7 @@ from jobplane.domain.models import (
     WorkerInfo,
 )
 from jobplane.domain.options import JobOptions
+from jobplane.domain.reasons import EndReason
 from jobplane.domain.states import InstanceState as S
 from jobplane.errors import (
     DefinitionVersionNotFoundError,
@@ -29,7 +30,6 @@ from jobplane.errors import (
     StaleDefinitionError,
 )
 from jobplane.ids import new_id
-from jobplane.store.lifecycle import CANCEL_BEFORE_CLAIM_REASON, CANCEL_WINS_REASON
 from jobplane.store.sql import SqlStore
 from jobplane.store.sweeps import NEVER_PUBLISHED_GRACE_S
 from jobplane.store.tables import job_instances
@@ -252,7 +252,7 @@ async def test_run_now_moves_a_waiting_instance_once(store: SqlStore) -> None:
     assert ran.state is S.ENQUEUED and ran.run_at is not None and ran.published_at is None
     moved = (await store.transitions(held.id))[-1]
     assert (moved.from_state, moved.to_state, moved.actor) == (S.SCHEDULED, S.ENQUEUED, "ops")
-    assert moved.reason == "run by hand"
+    assert moved.reason == EndReason.RUN_BY_HAND
     started = await store.run_now(delayed.id, "ops")
     assert started.run_at is not None and started.run_at < now + timedelta(minutes=1)
     # Compare-and-set on Scheduled: a second run (or a run of a queued instance) changes nothing.
@@ -537,9 +537,9 @@ async def test_a_failed_attempt_of_a_cancel_requested_instance_ends_cancelled(
     assert await store.complete([outcome]) == {inst.id: S.CANCELLED}
     done = await store.get_instance(inst.id)
     assert done.state is S.CANCELLED and done.retries_used == 0 and done.error == error
-    assert done.finished_at is not None and done.reason == CANCEL_WINS_REASON
+    assert done.finished_at is not None and done.reason == EndReason.CANCEL_WINS
     history = [(t.from_state, t.to_state, t.reason) for t in await store.transitions(inst.id)]
-    assert history[-1] == (S.PROCESSING, S.CANCELLED, CANCEL_WINS_REASON)
+    assert history[-1] == (S.PROCESSING, S.CANCELLED, EndReason.CANCEL_WINS)
     assert S.FAILED not in [to for _, to, _ in history]
     # The slot went back with it.
     assert [x.instance.id for x in (await store.claim([other.id], "w1", 10, ["job"])).claimed] == [
@@ -576,7 +576,7 @@ async def test_claim_never_runs_an_enqueued_instance_whose_cancel_was_requested(
     assert (last.from_state, last.to_state, last.reason, last.actor) == (
         S.ENQUEUED,
         S.CANCELLED,
-        CANCEL_BEFORE_CLAIM_REASON,
+        EndReason.CANCEL_BEFORE_CLAIM,
         "w2",
     )
     # A duplicate message for it later is simply ignored.

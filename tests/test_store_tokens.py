@@ -41,13 +41,13 @@ async def test_the_last_live_admin_is_kept(store: SqlStore) -> None:
     first, _ = await store.create_token("a1", Role.ADMIN, "test")
     viewer, _ = await store.create_token("v", Role.VIEWER, "test")
     with pytest.raises(LastAdminError):
-        await store.revoke_token(first.id)
-    assert await store.revoke_token(viewer.id)
+        await store.revoke_token(first.id, "test")
+    assert await store.revoke_token(viewer.id, "test")
     second, _ = await store.create_token("a2", Role.ADMIN, "test")
-    assert await store.revoke_token(first.id)
+    assert await store.revoke_token(first.id, "test")
     # An expired admin does not count as live.
     expired, _ = await store.create_token("a3", Role.ADMIN, "test", expires_in=timedelta(0))
     with pytest.raises(LastAdminError):
-        await store.revoke_token(second.id)
-    assert not await store.revoke_token(first.id)  # already revoked
+        await store.revoke_token(second.id, "test")
+    assert not await store.revoke_token(first.id, "test")  # already revoked
     assert expired.id != second.id

@@ -12,9 +12,9 @@ from jobplane import App
 from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import WorkerInfo
+from jobplane.domain.reasons import EndReason
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.sql import SqlStore
-from jobplane.store.sweeps import NO_WORKER_KNOWS
 from tests.scheduler_helpers import running_scheduler
 from tests.store_helpers import define, enqueue
 from tests.worker_helpers import running_worker, wait_for
@@ -78,9 +78,9 @@ async def test_an_unknown_jobs_instance_ends_terminated(store: SqlStore, bus: Bu
     ):
         await wait_for(terminated, timeout_s=15, what="the orphan terminated")
     ended = await store.get_instance(lost.id)
-    assert ended.reason == NO_WORKER_KNOWS
+    assert ended.reason == EndReason.NO_WORKER_KNOWS
     steps = [(t.from_state, t.to_state, t.reason) for t in await store.transitions(lost.id)]
-    assert steps[-1] == (S.ENQUEUED, S.TERMINATED, NO_WORKER_KNOWS)
+    assert steps[-1] == (S.ENQUEUED, S.TERMINATED, EndReason.NO_WORKER_KNOWS)
     assert (await store.get_instance(kept.id)).state is S.SUCCEEDED
 
 
@@ -109,7 +109,7 @@ async def test_terminate_unknown_jobs_waits_for_the_timeout_and_for_recent_worke
     await asyncio.sleep(0.2)
     [ended] = await store.terminate_unknown_jobs(lease, 0.3)
     assert ended.id == orphan.id and ended.state is S.TERMINATED
-    assert ended.reason == NO_WORKER_KNOWS
+    assert ended.reason == EndReason.NO_WORKER_KNOWS
     await asyncio.sleep(0.3)
     [later] = await store.terminate_unknown_jobs(lease, 0.3)
     assert later.id == gone.id

@@ -11,8 +11,8 @@ import pytest
 
 from jobplane import App, Cancellation, JobContext
 from jobplane.bus.abc import Bus
-from jobplane.context import CANCEL_REQUESTED
 from jobplane.dispatch import Dispatcher
+from jobplane.domain.reasons import StopReason
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.sql import SqlStore
 from tests.worker_helpers import running_worker, settled, wait_for
@@ -24,12 +24,12 @@ def test_a_cancel_after_a_timeout_is_still_recorded() -> None:
     signal = Cancellation()
     calls: list[str | None] = []
     signal.on_set(lambda: calls.append(signal.reason))
-    signal.set("timeout")
+    signal.set(StopReason.TIMEOUT)
     # (Read into a name: an assert on the property itself would narrow it to False for the
     # type checker, which does not know that ``set`` changes it.)
     requested_by_timeout = signal.cancel_requested
     assert not requested_by_timeout
-    signal.set(CANCEL_REQUESTED)
+    signal.set(StopReason.CANCEL_REQUESTED)
     assert signal.is_set() and signal.reason == "timeout" and signal.cancel_requested
     assert calls == ["timeout"]  # the callbacks ran once, for the first reason
 

@@ -35,6 +35,7 @@ class TokenInfo:
     created_at: datetime
     created_by: str
     revoked_at: datetime | None = None
+    revoked_by: str | None = None
     expires_at: datetime | None = None
     last_used_at: datetime | None = None
 

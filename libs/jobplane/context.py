@@ -16,9 +16,6 @@ from jobplane.domain.reasons import StopReason
 from jobplane.errors import CheckpointNotSavedError as CheckpointNotSavedError  # re-exported
 from jobplane.errors import LeaseLostError as LeaseLostError  # re-exported
 
-#: The cancellation reason of a cancel requested by an operator (API, CLI, client).
-CANCEL_REQUESTED = StopReason.CANCEL_REQUESTED
-
 
 class Cancellation:
     """A cancellation signal usable from async code (``await wait()``, or a callback that
@@ -32,15 +29,15 @@ class Cancellation:
         self._async_event: asyncio.Event | None = None
         self._callbacks: list[Callable[[], object]] = []
         #: Why the signal was set first (a :class:`~jobplane.domain.reasons.StopReason`).
-        self.reason: str | None = None
+        self.reason: StopReason | None = None
         #: Whether a cancel was requested, even if another reason set the signal first (a
         #: cancel arriving during a timeout's grace still makes the attempt end Cancelled).
         self.cancel_requested = False
 
-    def set(self, reason: str) -> None:
+    def set(self, reason: StopReason) -> None:
         """Signal the attempt to stop. The first reason is kept in :attr:`reason` and the
         callbacks run once; a later cancel request is still recorded (:attr:`cancel_requested`)."""
-        if reason == CANCEL_REQUESTED:
+        if reason is StopReason.CANCEL_REQUESTED:
             self.cancel_requested = True
         if self._set:
             return

@@ -37,7 +37,6 @@ from sqlalchemy import Connection, Insert, Row, Select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
-from jobplane.dispatch import validate_args
 from jobplane.domain.limits import check_idempotency_key, check_json, to_utc
 from jobplane.domain.models import NewInstance
 from jobplane.domain.options import JobKind, JobOptions
@@ -45,6 +44,7 @@ from jobplane.domain.states import InstanceState
 from jobplane.errors import InvalidOptionsError, JobDisabledError, JobNotFoundError
 from jobplane.idempotency import fingerprint, replayed
 from jobplane.store import creation, rows
+from jobplane.triggering import validate_args
 
 
 def enqueue(

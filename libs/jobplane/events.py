@@ -46,11 +46,13 @@ MAX_HANDLER_FAILURES = 5
 Handler = Callable[[Event], Awaitable[None]]
 
 
-class _Outage:
-    """The rate limit of the bus warnings: one line per outage, repeated while it lasts."""
+class Outage:
+    """The rate limit of a listener's warnings about its source (the bus, or the database
+    for Postgres notifications): one line per outage, repeated while it lasts, and a line
+    when it ends."""
 
-    def __init__(self, role: str, what: str) -> None:
-        self.role, self.what = role, what
+    def __init__(self, role: str, what: str, source: str = "the bus") -> None:
+        self.role, self.what, self.source = role, what, source
         self.since: float | None = None
         self.failures = 0
         self.warned_at = 0.0
@@ -65,8 +67,9 @@ class _Outage:
         else:
             return
         logger.warning(
-            "%s: the bus is unavailable (%s); resubscribing every %g s (%d failed tries, %.0f s)",
+            "%s: %s is unavailable (%s); resubscribing every %g s (%d failed tries, %.0f s)",
             self.what,
+            self.source,
             exc,
             retry_s,
             self.failures,
@@ -105,7 +108,7 @@ async def listen(
     ``role`` prefixes the log lines' ``action`` (``worker.events``, ``scheduler.event_failed``);
     ``what`` names the listener in their text. ``on_bus_error`` sees every bus failure (e.g.
     to count it). Does not own the bus."""
-    outage = _Outage(role, what)
+    outage = Outage(role, what)
     failures = 0
     while True:
         subscription = bus.subscribe()

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jobplane.auth import TokenInfo, hash_secret
-from jobplane.errors import UnavailableError
+from jobplane.errors import JobplaneError, UnavailableError
 from jobplane.store.abc import ApiStore
 from jobplane_api import problems
 
@@ -38,7 +38,7 @@ CLIENTS_TRACKED = 10_000
 
 
 @dataclass(frozen=True)
-class Refusal(Exception):
+class Refusal(JobplaneError):
     status: int
     detail: str
     headers: dict[str, str]

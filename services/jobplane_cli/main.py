@@ -409,7 +409,7 @@ def token_revoke(token_id: str) -> None:
         from jobplane.backends import open_checked_store
 
         async with open_checked_store(settings) as store:
-            if not await store.revoke_token(UUID(token_id)):
+            if not await store.revoke_token(UUID(token_id), "cli"):
                 raise JobplaneError(f"no live token {token_id}")
         typer.echo(f"revoked {token_id}", err=True)
 

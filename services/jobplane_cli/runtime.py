@@ -22,7 +22,7 @@ from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import Instance
 from jobplane.settings import CommonSettings
-from jobplane.store.sql import SqlStore
+from jobplane.store.abc import Store
 from jobplane_cli.settings import DevSettings, MigrateSettings
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ async def run_dev(
 
 
 async def _serve_dev_api(
-    settings: DevSettings, store: SqlStore, bus: Bus, port: int, stop: asyncio.Event
+    settings: DevSettings, store: Store, bus: Bus, port: int, stop: asyncio.Event
 ) -> None:
     """The API of ``jobplane dev``: loopback only, and without auth, which it says."""
     from jobplane_api.main import serve
@@ -123,7 +123,7 @@ async def _serve_dev_api(
     await serve(api_settings, stop, store=store, bus=bus)
 
 
-async def _wait_registered(store: SqlStore, keys: Any, running: asyncio.Task[None]) -> None:
+async def _wait_registered(store: Store, keys: Any, running: asyncio.Task[None]) -> None:
     while not running.done():
         if {d.key for d in await store.list_definitions(list(keys))} == set(keys):
             return
@@ -131,7 +131,7 @@ async def _wait_registered(store: SqlStore, keys: Any, running: asyncio.Task[Non
     await running  # it failed: raise its error
 
 
-async def _until_ended(store: SqlStore, ids: list[UUID], running: asyncio.Task[None]) -> None:
+async def _until_ended(store: Store, ids: list[UUID], running: asyncio.Task[None]) -> None:
     while not running.done():
         instances = [await store.get_instance(i) for i in ids]
         if all(i.state.is_terminal for i in instances):
@@ -139,7 +139,7 @@ async def _until_ended(store: SqlStore, ids: list[UUID], running: asyncio.Task[N
         await asyncio.sleep(0.05)
 
 
-async def summary(store: SqlStore, ids: list[UUID]) -> Table:
+async def summary(store: Store, ids: list[UUID]) -> Table:
     """A table of instances with their history, for the terminal."""
     table = Table(title="Jobplane instances", show_lines=True)
     for column in ("instance", "job", "state", "result / error", "history"):

@@ -14,10 +14,10 @@ from datetime import datetime, timedelta
 from jobplane.cron import CronSchedule
 from jobplane.domain.models import InstanceSource, JobDefinition, NewInstance
 from jobplane.domain.options import MisfirePolicy
+from jobplane.domain.reasons import EndReason
 
 logger = logging.getLogger(__name__)
 
-MISFIRE = "misfire"
 #: Missed ticks beyond ``misfire_max`` recorded Skipped per catch-up pass (one statement).
 BACKFILL_BATCH = 500
 #: At most this many ticks within a job's misfire grace are fired by one catch-up pass.
@@ -186,7 +186,7 @@ def catch_up(definition: JobDefinition, last: datetime | None, now: datetime) ->
             extra={"action": "scheduler.misfire_backfill", "job_key": definition.key},
         )
         batch = missed[:BACKFILL_BATCH]
-        return CatchUp([_occurrence(definition.key, at, MISFIRE) for at in batch], False)
+        return CatchUp([_occurrence(definition.key, at, EndReason.MISFIRE) for at in batch], False)
     older, missed = missed[:-bound], missed[-bound:]
     if options.misfire is MisfirePolicy.FIRE_ALL:
         fire, skip = missed, []
@@ -195,7 +195,7 @@ def catch_up(definition: JobDefinition, last: datetime | None, now: datetime) ->
     else:
         fire, skip = [], missed
     return CatchUp(
-        [_occurrence(definition.key, at, MISFIRE) for at in older + skip]
+        [_occurrence(definition.key, at, EndReason.MISFIRE) for at in older + skip]
         + [_occurrence(definition.key, at, None) for at in fire]
         + on_time
     )

@@ -19,14 +19,15 @@ from jobplane.bus.abc import Bus, BusEpoch
 from jobplane.bus.envelope import Event, EventKind
 from jobplane.clock import Clock, StoreClock
 from jobplane.definitions import DefinitionCache
-from jobplane.dispatch import Dispatcher, envelope_for
+from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import Instance, JobDefinition, LeaderLease, NewInstance
 from jobplane.errors import BusUnavailableError, UnavailableError, first_line
-from jobplane.events import listen
+from jobplane.events import Outage, listen
 from jobplane.store.abc import LeaderStore
 from jobplane.store.base import NotLeaderError
 from jobplane.store.creation import ENQUEUED_CHANNEL
 from jobplane.tasks import run_together
+from jobplane.triggering import envelope_for
 from jobplane_scheduler.cron_timers import CronTimers, catch_up, is_active
 from jobplane_scheduler.firing import CronFiring
 from jobplane_scheduler.metrics import SchedulerMetrics, SweepStep
@@ -34,6 +35,9 @@ from jobplane_scheduler.settings import SchedulerSettings
 
 # The role's one logger name, as before the split (operators filter on it).
 logger = logging.getLogger("jobplane_scheduler.scheduler")
+
+#: While the database is away, the enqueued-notifications listener listens again this often.
+ENQUEUED_RELISTEN_S = 1.0
 
 
 class LeaderDuties(CronFiring):
@@ -372,15 +376,20 @@ class LeaderDuties(CronFiring):
     async def _enqueued_loop(self) -> None:
         """Publish what applications enqueued in their own transactions as soon as they
         commit (Postgres NOTIFY). Only a fast path: the sweep publishes never-published
-        instances anyway, so a notification lost with its connection is no loss."""
+        instances anyway, so a notification lost with its connection is no loss. While the
+        database is away it listens again every second, warning once an outage (as the bus
+        listeners do)."""
+        outage = Outage("scheduler", "enqueued notifications", source="the database")
         while True:
             try:
                 async for ids in self.store.notifications(ENQUEUED_CHANNEL):
+                    outage.delivered()
                     parsed = [UUID(i) for i in ids if _is_uuid(i)]
                     await self._publish(await self.store.unpublished_among(parsed))
                 return  # this store has no notifications
-            except UnavailableError:
-                await asyncio.sleep(1)
+            except UnavailableError as exc:
+                outage.failed(exc, ENQUEUED_RELISTEN_S)
+                await asyncio.sleep(ENQUEUED_RELISTEN_S)
 
     async def _event_loop(self) -> None:
         """Definition edits reach the leader at once (the sweep's version check is the

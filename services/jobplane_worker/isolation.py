@@ -54,7 +54,7 @@ KILL_GRACE_S = 1.0
 Message = dict[str, Any]
 
 
-class ChildFailedError(Exception):
+class ChildFailedError(JobplaneError):
     """The job raised in the child process; carries the child's exception type and traceback."""
 
     def __init__(self, type_name: str, message: str, child_traceback: str) -> None:

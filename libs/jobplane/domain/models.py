@@ -203,6 +203,16 @@ class Claim:
         return self.instance.claim_token
 
 
+class ClaimOutcome(StrEnum):
+    """What a claim did to one instance it was given and could act on (see
+    :class:`ClaimResult`); the Postgres claim statement names each row's with its value."""
+
+    CLAIMED = "claimed"
+    SKIPPED = "skipped"
+    WAITING = "waiting"
+    CANCELLED = "cancelled"
+
+
 @dataclass(frozen=True, slots=True)
 class ClaimResult:
     """What one batch claim did to each instance id it was given.

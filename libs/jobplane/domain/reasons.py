@@ -33,3 +33,27 @@ class EndReason(StrEnum):
     EXCEPTION = "exception"
     #: Cancelled while Scheduled or Enqueued: no attempt ever started.
     CANCELLED_BEFORE_RUN = "cancelled before it ran"
+    #: A claim found the job at its max concurrency (``on_limit="skip"``): Skipped.
+    LIMIT_REACHED = "max concurrency reached"
+    #: A Failed outcome of an attempt whose cancel was requested: Cancelled, not retried.
+    CANCEL_WINS = "cancel requested; the failed attempt is not retried"
+    #: An Enqueued instance found with ``cancel_requested`` by a claim: Cancelled.
+    CANCEL_BEFORE_CLAIM = "cancel requested; not run again"
+    #: A Failed attempt with no retry left: Terminated.
+    NO_ATTEMPTS_LEFT = "no attempts left"
+    #: A Scheduled instance (held or delayed) run now by an operator.
+    RUN_BY_HAND = "run by hand"
+    #: An attempt whose lease ran out (its worker lost or cut off): released to Enqueued.
+    LEASE_EXPIRED = "lease expired"
+    #: A lease ran out once more than ``max_unexpected_retries`` allow: Terminated.
+    EXHAUSTED = "max unexpected retries exhausted"
+    #: A cancel requested of an attempt whose worker was lost: Cancelled by the sweep.
+    CANCELLED_WORKER_LOST = "cancelled; its worker was lost"
+    #: The worker an instance is pinned to stopped for good (``pin_fallback="fail"``).
+    PIN_GONE = "pinned worker gone"
+    #: The same, with ``pin_fallback="any"``: the instance goes to its queue instead.
+    PIN_GONE_UNPINNED = "pinned worker gone; unpinned"
+    #: No live worker registered the job for ``JOBPLANE_UNKNOWN_JOB_TIMEOUT_S``: Terminated.
+    NO_WORKER_KNOWS = "no worker knows the job"
+    #: A cron tick not fired by the misfire policy: recorded Skipped.
+    MISFIRE = "misfire"

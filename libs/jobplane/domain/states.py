@@ -22,31 +22,53 @@ class InstanceState(StrEnum):
         return self in TERMINAL_STATES
 
 
-S = InstanceState
-
 TERMINAL_STATES: frozenset[InstanceState] = frozenset(
-    {S.SUCCEEDED, S.SKIPPED, S.CANCELLED, S.TERMINATED}
+    {
+        InstanceState.SUCCEEDED,
+        InstanceState.SKIPPED,
+        InstanceState.CANCELLED,
+        InstanceState.TERMINATED,
+    }
 )
 
 #: States an instance may be created in (the ``[*] →`` edges).
-INITIAL_STATES: frozenset[InstanceState] = frozenset({S.SCHEDULED, S.ENQUEUED, S.SKIPPED})
+INITIAL_STATES: frozenset[InstanceState] = frozenset(
+    {InstanceState.SCHEDULED, InstanceState.ENQUEUED, InstanceState.SKIPPED}
+)
 
 #: Every allowed edge. Terminal states have no outgoing edge: history is never rewritten.
 TRANSITIONS: dict[InstanceState, frozenset[InstanceState]] = {
-    S.SCHEDULED: frozenset({S.ENQUEUED, S.CANCELLED}),
-    S.ENQUEUED: frozenset({S.PROCESSING, S.SKIPPED, S.CANCELLED, S.TERMINATED}),
+    InstanceState.SCHEDULED: frozenset({InstanceState.ENQUEUED, InstanceState.CANCELLED}),
+    InstanceState.ENQUEUED: frozenset(
+        {
+            InstanceState.PROCESSING,
+            InstanceState.SKIPPED,
+            InstanceState.CANCELLED,
+            InstanceState.TERMINATED,
+        }
+    ),
     # Processing → Enqueued is a release (graceful stop, lost lease): it uses no retry.
-    S.PROCESSING: frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED, S.ENQUEUED, S.TERMINATED}),
+    InstanceState.PROCESSING: frozenset(
+        {
+            InstanceState.SUCCEEDED,
+            InstanceState.FAILED,
+            InstanceState.CANCELLED,
+            InstanceState.ENQUEUED,
+            InstanceState.TERMINATED,
+        }
+    ),
     # Failed → Scheduled/Enqueued is a retry; → Terminated when no attempts are left.
-    S.FAILED: frozenset({S.SCHEDULED, S.ENQUEUED, S.TERMINATED}),
-    S.SUCCEEDED: frozenset(),
-    S.SKIPPED: frozenset(),
-    S.CANCELLED: frozenset(),
-    S.TERMINATED: frozenset(),
+    InstanceState.FAILED: frozenset(
+        {InstanceState.SCHEDULED, InstanceState.ENQUEUED, InstanceState.TERMINATED}
+    ),
+    InstanceState.SUCCEEDED: frozenset(),
+    InstanceState.SKIPPED: frozenset(),
+    InstanceState.CANCELLED: frozenset(),
+    InstanceState.TERMINATED: frozenset(),
 }
 
 #: States in which an instance holds a concurrency slot of its job.
-SLOT_HOLDING_STATES: frozenset[InstanceState] = frozenset({S.PROCESSING})
+SLOT_HOLDING_STATES: frozenset[InstanceState] = frozenset({InstanceState.PROCESSING})
 
 
 def can_transition(from_state: InstanceState | None, to_state: InstanceState) -> bool:

@@ -48,37 +48,42 @@ class Effects:
     records_claim_token: bool = False
 
 
-_S = InstanceState
 _RETURN = SlotChange.RETURN
 
 #: Every legal move (an edge of :data:`~jobplane.domain.states.TRANSITIONS`) and its effects.
 EFFECTS: dict[tuple[InstanceState, InstanceState], Effects] = {
-    (_S.SCHEDULED, _S.ENQUEUED): Effects(clears_published_at=True),
-    (_S.SCHEDULED, _S.CANCELLED): Effects(sets_finished_at=True),
-    (_S.ENQUEUED, _S.PROCESSING): Effects(
+    (InstanceState.SCHEDULED, InstanceState.ENQUEUED): Effects(clears_published_at=True),
+    (InstanceState.SCHEDULED, InstanceState.CANCELLED): Effects(sets_finished_at=True),
+    (InstanceState.ENQUEUED, InstanceState.PROCESSING): Effects(
         starts_attempt=True, slot=SlotChange.TAKE, records_claim_token=True
     ),
-    (_S.ENQUEUED, _S.SKIPPED): Effects(sets_finished_at=True),
-    (_S.ENQUEUED, _S.CANCELLED): Effects(sets_finished_at=True),
-    (_S.ENQUEUED, _S.TERMINATED): Effects(sets_finished_at=True),
-    (_S.PROCESSING, _S.SUCCEEDED): Effects(
+    (InstanceState.ENQUEUED, InstanceState.SKIPPED): Effects(sets_finished_at=True),
+    (InstanceState.ENQUEUED, InstanceState.CANCELLED): Effects(sets_finished_at=True),
+    (InstanceState.ENQUEUED, InstanceState.TERMINATED): Effects(sets_finished_at=True),
+    (InstanceState.PROCESSING, InstanceState.SUCCEEDED): Effects(
         sets_finished_at=True, clears_lease=True, slot=_RETURN, records_claim_token=True
     ),
-    (_S.PROCESSING, _S.FAILED): Effects(clears_lease=True, slot=_RETURN, records_claim_token=True),
-    (_S.PROCESSING, _S.CANCELLED): Effects(
+    (InstanceState.PROCESSING, InstanceState.FAILED): Effects(
+        clears_lease=True, slot=_RETURN, records_claim_token=True
+    ),
+    (InstanceState.PROCESSING, InstanceState.CANCELLED): Effects(
         sets_finished_at=True, clears_lease=True, slot=_RETURN, records_claim_token=True
     ),
     # A release (graceful stop, lost lease): published again, no retry used.
-    (_S.PROCESSING, _S.ENQUEUED): Effects(
+    (InstanceState.PROCESSING, InstanceState.ENQUEUED): Effects(
         clears_published_at=True, clears_lease=True, slot=_RETURN, records_claim_token=True
     ),
-    (_S.PROCESSING, _S.TERMINATED): Effects(
+    (InstanceState.PROCESSING, InstanceState.TERMINATED): Effects(
         sets_finished_at=True, clears_lease=True, slot=_RETURN, records_claim_token=True
     ),
     # The failed attempt's retry (Scheduled: after a backoff) or its end.
-    (_S.FAILED, _S.SCHEDULED): Effects(records_claim_token=True),
-    (_S.FAILED, _S.ENQUEUED): Effects(clears_published_at=True, records_claim_token=True),
-    (_S.FAILED, _S.TERMINATED): Effects(sets_finished_at=True, records_claim_token=True),
+    (InstanceState.FAILED, InstanceState.SCHEDULED): Effects(records_claim_token=True),
+    (InstanceState.FAILED, InstanceState.ENQUEUED): Effects(
+        clears_published_at=True, records_claim_token=True
+    ),
+    (InstanceState.FAILED, InstanceState.TERMINATED): Effects(
+        sets_finished_at=True, records_claim_token=True
+    ),
 }
 
 

@@ -171,9 +171,6 @@ class DispatchStore(StoreConnection, DefinitionReads, Protocol):
         nothing is written once that term is over (:class:`~jobplane.errors.NotLeaderError`).
         """
 
-    async def still_enqueued(self, ids: Collection[UUID]) -> set[UUID]:
-        """Those of ``ids`` that are Enqueued (a message for any other is obsolete)."""
-
     async def get_instance(self, instance_id: UUID) -> Instance:
         """Raises :class:`~jobplane.errors.InstanceNotFoundError`."""
 
@@ -196,6 +193,9 @@ class DispatchStore(StoreConnection, DefinitionReads, Protocol):
 
 class WorkerStore(DispatchStore, Registration, WorkerReads, Protocol):
     """The worker role: claims, heartbeats, checkpoints, outcomes, its own registration."""
+
+    async def still_enqueued(self, ids: Collection[UUID]) -> set[UUID]:
+        """Those of ``ids`` that are Enqueued (a message for any other is obsolete)."""
 
     async def claim(
         self, ids: Sequence[UUID], worker_id: str, lease_s: float, jobs: Collection[str]
@@ -450,9 +450,10 @@ class ApiStore(DispatchStore, DefinitionEdits, WorkerReads, Protocol):
 
     async def list_tokens(self) -> list[TokenInfo]: ...
 
-    async def revoke_token(self, token_id: UUID) -> bool:
-        """Revoke at once; ``False`` if unknown or already revoked. Raises LastAdminError
-        instead of revoking the last live admin token."""
+    async def revoke_token(self, token_id: UUID, actor: str) -> bool:
+        """Revoke at once, recording ``actor`` (who revoked it); ``False`` if unknown or
+        already revoked. Raises LastAdminError instead of revoking the last live admin
+        token."""
 
 
 class Store(WorkerStore, LeaderStore, ApiStore, Protocol):

@@ -33,7 +33,7 @@ from jobplane.domain.models import LeaderLease
 from jobplane.errors import NotLeaderError as NotLeaderError  # re-exported
 from jobplane.errors import StoreConflictError as StoreConflictError  # re-exported
 from jobplane.errors import StoreUnavailableError, first_line
-from jobplane.store.tables import counters, instance_transitions, job_instances, scheduler_leases
+from jobplane.store.tables import counters, job_instances, scheduler_leases
 from jobplane.tasks import being_cancelled
 
 logger = logging.getLogger("jobplane.store")
@@ -169,11 +169,6 @@ class SqlBase:
             )
         ).scalar_one()
         return list(range(top - count + 1, top + 1))
-
-    async def _history(self, conn: AsyncConnection, records: list[dict[str, Any]]) -> None:
-        """Insert transition records (``at`` defaults to the database's clock)."""
-        if records:
-            await conn.execute(instance_transitions.insert(), records)
 
     async def _fence(self, conn: AsyncConnection, lease: LeaderLease | None) -> None:
         """Fence a leader write: share-lock the live lease row of its term. A takeover must

@@ -23,8 +23,6 @@ from jobplane.store.instances import filtered
 from jobplane.store.moves import move_instances
 from jobplane.store.tables import job_instances
 
-CANCEL_REASON = EndReason.CANCELLED_BEFORE_RUN
-
 #: A cancel ends these at once ...
 QUEUED = (InstanceState.SCHEDULED, InstanceState.ENQUEUED)
 #: ... and asks the worker to stop these (as :meth:`request_cancel` does).
@@ -55,7 +53,7 @@ class OperatorStore(SqlBase):
                     state,
                     InstanceState.CANCELLED,
                     actor=actor,
-                    reason=CANCEL_REASON,
+                    reason=EndReason.CANCELLED_BEFORE_RUN,
                 )
                 return moved
             if state in RUNNING:
@@ -85,7 +83,7 @@ class OperatorStore(SqlBase):
                 InstanceState.SCHEDULED,
                 InstanceState.ENQUEUED,
                 actor=actor,
-                reason="run by hand",
+                reason=EndReason.RUN_BY_HAND,
                 values={"run_at": self._clock()},
             )
             if moved:
@@ -143,7 +141,7 @@ class OperatorStore(SqlBase):
             state,
             InstanceState.CANCELLED,
             actor=actor,
-            reason=CANCEL_REASON,
+            reason=EndReason.CANCELLED_BEFORE_RUN,
         )
 
     async def _request_cancel(self, conn: AsyncConnection, ids: list[UUID]) -> list[Instance]:

@@ -34,7 +34,7 @@ from jobplane.store.tables import (
     job_slots,
 )
 
-V = job_definition_versions.c
+version_cols = job_definition_versions.c
 #: The options that make a job's schedule: a change to any of them starts a new schedule.
 SCHEDULE_OPTIONS = ("cron", "timezone", "start_at")
 
@@ -177,7 +177,9 @@ class DefinitionStore(SqlBase):
         async with self._write() as conn:
             old = (
                 await conn.execute(
-                    select(V.options).where(V.job_key == key, V.version == to_version)
+                    select(version_cols.options).where(
+                        version_cols.job_key == key, version_cols.version == to_version
+                    )
                 )
             ).first()
             if old is None:
@@ -201,8 +203,8 @@ class DefinitionStore(SqlBase):
                 rows.version_from_row(r._mapping)
                 for r in await conn.execute(
                     select(job_definition_versions)
-                    .where(V.job_key == key)
-                    .order_by(V.version.desc())
+                    .where(version_cols.job_key == key)
+                    .order_by(version_cols.version.desc())
                 )
             ]
             if not found and not await self._exists(conn, key):

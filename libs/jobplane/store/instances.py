@@ -40,6 +40,7 @@ from jobplane.store import rows
 from jobplane.store.base import SqlBase, locked_in_id_order, retry_conflicts
 from jobplane.store.creation import (
     history_values,
+    insert_history,
     insert_instances,
     instance_values,
     replay_candidates,
@@ -84,14 +85,13 @@ class InstanceStore(SqlBase):
         # the existing instance stands in for it below.
         dialect = self.engine.dialect.name
         inserted_ids = {r.id for r in await conn.execute(insert_instances(dialect, values))}
-        await self._history(
-            conn,
-            [
-                history_values(n, v)
-                for n, v in zip(new, values, strict=True)
-                if v["id"] in inserted_ids
-            ],
-        )
+        history = [
+            history_values(n, v)
+            for n, v in zip(new, values, strict=True)
+            if v["id"] in inserted_ids
+        ]
+        if history:
+            await conn.execute(insert_history(history))
         by_id = {
             r.id: rows.instance_from_row(r._mapping)
             for r in await conn.execute(
@@ -251,13 +251,13 @@ class InstanceStore(SqlBase):
     ) -> dict[InstanceState, int]:
         # The counters the triggers of migration 0017 keep: at most (jobs x states x shards)
         # rows, however many instances there are.
-        C = instance_counts.c
-        total = func.sum(C.n)
-        query = select(C.state, total).group_by(C.state).having(total != 0)
+        count_cols = instance_counts.c
+        total = func.sum(count_cols.n)
+        query = select(count_cols.state, total).group_by(count_cols.state).having(total != 0)
         if job_key is not None:
-            query = query.where(C.job_key == job_key)
+            query = query.where(count_cols.job_key == job_key)
         if job_keys is not None:
-            query = query.where(C.job_key.in_(list(job_keys)))
+            query = query.where(count_cols.job_key.in_(list(job_keys)))
         async with self._read() as conn:
             return {InstanceState(state): int(count) for state, count in await conn.execute(query)}
 

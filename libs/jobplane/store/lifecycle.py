@@ -31,6 +31,7 @@ from jobplane.domain.models import (
     Outcome,
 )
 from jobplane.domain.options import JobOptions, OnLimit
+from jobplane.domain.reasons import EndReason
 from jobplane.domain.states import InstanceState, check_transition
 from jobplane.errors import (
     IllegalTransitionError,
@@ -44,12 +45,6 @@ from jobplane.store.tables import (
     job_slots,
     runaway_slots,
 )
-
-LIMIT_REASON = "max concurrency reached"
-#: A failed attempt (exception or timeout) of an instance whose cancel was requested.
-CANCEL_WINS_REASON = "cancel requested; the failed attempt is not retried"
-#: An Enqueued instance found with ``cancel_requested`` by a claim.
-CANCEL_BEFORE_CLAIM_REASON = "cancel requested; not run again"
 
 #: (fraction done in [0, 1], message) reported by a running job.
 Progress = tuple[float, str | None]
@@ -99,7 +94,7 @@ class LifecycleStore(SqlBase):
                 InstanceState.ENQUEUED,
                 InstanceState.CANCELLED,
                 actor=worker_id,
-                reason=CANCEL_BEFORE_CLAIM_REASON,
+                reason=EndReason.CANCEL_BEFORE_CLAIM,
             )
             slots = await self._lock_slots(conn, {c.job_key for c in candidates})
             claim_ids, skip_ids, wait_ids = _allot(candidates, slots)
@@ -184,7 +179,7 @@ class LifecycleStore(SqlBase):
             InstanceState.ENQUEUED,
             InstanceState.SKIPPED,
             actor=actor,
-            reason=LIMIT_REASON,
+            reason=EndReason.LIMIT_REACHED,
         )
 
     @retry_conflicts
@@ -270,7 +265,7 @@ class LifecycleStore(SqlBase):
                     # A cancel beats a retry (see move_instances): the row locked by the
                     # UPDATE decides, so no cancel request slips in between.
                     cancel_reason=(
-                        CANCEL_WINS_REASON if outcome.state is InstanceState.FAILED else None
+                        EndReason.CANCEL_WINS if outcome.state is InstanceState.FAILED else None
                     ),
                     holds_slot=outcome.holds_slot,
                 )
@@ -314,7 +309,7 @@ class LifecycleStore(SqlBase):
                     values["pinned_worker"] = row.worker_id
                 reason = f"retry {row.retries_used + 1} of {retries}"
             else:
-                target, reason = InstanceState.TERMINATED, "no attempts left"
+                target, reason = InstanceState.TERMINATED, EndReason.NO_ATTEMPTS_LEFT
             moved = await move_instances(
                 conn,
                 self._clock(),

@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.domain.models import (
     Claim,
+    ClaimOutcome,
     ClaimResult,
     Instance,
     JobDefinition,
@@ -25,6 +26,7 @@ from jobplane.domain.models import (
     Outcome,
 )
 from jobplane.domain.options import JobOptions
+from jobplane.domain.reasons import EndReason
 from jobplane.domain.states import InstanceState, check_transition
 from jobplane.errors import (
     JobNotFoundError,
@@ -36,14 +38,10 @@ from jobplane.idempotency import fingerprint_of
 from jobplane.store import rows
 from jobplane.store.base import retry_conflicts
 from jobplane.store.driver import DriverStatement
-from jobplane.store.lifecycle import (
-    CANCEL_BEFORE_CLAIM_REASON,
-    CANCEL_WINS_REASON,
-    log_fenced,
-)
+from jobplane.store.lifecycle import log_fenced
 from jobplane.store.postgres_sql import CLAIM, COMPLETE, CREATE, CREATE_ONE, FIRE, NOW
 from jobplane.store.postgres_stats import PostgresStatsStore
-from jobplane.store.sql import LIMIT_REASON, SqlStore
+from jobplane.store.sql import SqlStore
 
 logger = logging.getLogger(__name__)
 
@@ -205,8 +203,8 @@ class PostgresStore(PostgresStatsStore, SqlStore):
                     "jobs": list(jobs),
                     "worker": worker_id,
                     "lease": lease_s,
-                    "limit_reason": LIMIT_REASON,
-                    "cancel_reason": CANCEL_BEFORE_CLAIM_REASON,
+                    "limit_reason": EndReason.LIMIT_REACHED,
+                    "cancel_reason": EndReason.CANCEL_BEFORE_CLAIM,
                 },
             )
             found = [r._mapping for r in result]
@@ -215,18 +213,20 @@ class PostgresStore(PostgresStatsStore, SqlStore):
         waiting: list[UUID] = []
         cancelled: list[UUID] = []
         options: dict[str, JobOptions] = {}  # parsed once per job key, not once per row
+        others = {
+            ClaimOutcome.SKIPPED: skipped,
+            ClaimOutcome.WAITING: waiting,
+            ClaimOutcome.CANCELLED: cancelled,
+        }
         for row in found:
-            if row["outcome"] == "claimed":
+            outcome = ClaimOutcome(row["outcome"])
+            if outcome is ClaimOutcome.CLAIMED:
                 key = row["job_key"]
                 if key not in options:
                     options[key] = JobOptions.from_stored(row["job_options"])
                 claimed.append(Claim(instance=rows.instance_from_row(row), options=options[key]))
-            elif row["outcome"] == "skipped":
-                skipped.append(row["id"])
-            elif row["outcome"] == "cancelled":
-                cancelled.append(row["id"])
             else:
-                waiting.append(row["id"])
+                others[outcome].append(row["id"])
         handled = {c.instance.id for c in claimed} | {*skipped, *waiting, *cancelled}
         return ClaimResult(
             claimed=claimed,
@@ -249,7 +249,7 @@ class PostgresStore(PostgresStatsStore, SqlStore):
             "results": [json.dumps(o.result) for o in outcomes],
             "errors": [json.dumps(o.error.to_json()) if o.error else None for o in outcomes],
             "reasons": [o.reason for o in outcomes],
-            "cancel_reason": CANCEL_WINS_REASON,
+            "cancel_reason": EndReason.CANCEL_WINS,
             "holds": [o.holds_slot for o in outcomes],
         }
         if any(o.state is InstanceState.FAILED for o in outcomes):

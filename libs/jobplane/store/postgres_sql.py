@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from sqlalchemy import text
 
+from jobplane.domain.models import ClaimOutcome
 from jobplane.store.tables import job_instances
 
 _COLUMNS = ", ".join(f"{{t}}.{c.name}" for c in job_instances.c)
@@ -97,14 +98,17 @@ history AS (
     SELECT id, 'enqueued', 'cancelled', :worker, :cancel_reason, NULL FROM cancelled
     RETURNING 1
 )
-SELECT 'claimed' AS outcome, {_cols("c")}, d.options AS job_options
+SELECT '{ClaimOutcome.CLAIMED}' AS outcome, {_cols("c")}, d.options AS job_options
 FROM claimed c JOIN job_definitions d ON d.key = c.job_key
 UNION ALL
-SELECT 'skipped', {_cols("i")}, NULL FROM job_instances i WHERE i.id IN (SELECT id FROM skipped)
+SELECT '{ClaimOutcome.SKIPPED}', {_cols("i")}, NULL
+FROM job_instances i WHERE i.id IN (SELECT id FROM skipped)
 UNION ALL
-SELECT 'waiting', {_cols("i")}, NULL FROM job_instances i WHERE i.id IN (SELECT id FROM parked)
+SELECT '{ClaimOutcome.WAITING}', {_cols("i")}, NULL
+FROM job_instances i WHERE i.id IN (SELECT id FROM parked)
 UNION ALL
-SELECT 'cancelled', {_cols("i")}, NULL FROM job_instances i WHERE i.id IN (SELECT id FROM cancelled)
+SELECT '{ClaimOutcome.CANCELLED}', {_cols("i")}, NULL
+FROM job_instances i WHERE i.id IN (SELECT id FROM cancelled)
 """
 
 # One statement records a batch of outcomes. Each row matches only while the attempt still holds

@@ -10,7 +10,7 @@ from jobplane.store.bulk import OperatorStore
 from jobplane.store.cluster import ClusterStore
 from jobplane.store.definitions import DefinitionStore
 from jobplane.store.instances import InstanceStore
-from jobplane.store.lifecycle import LIMIT_REASON, LifecycleStore
+from jobplane.store.lifecycle import LifecycleStore
 from jobplane.store.stats import StatsStore
 from jobplane.store.sweeps import SweepStore
 from jobplane.store.tokens import TokenStore
@@ -37,4 +37,4 @@ if TYPE_CHECKING:
     _IMPLEMENTS: type[Store] = SqlStore
 
 
-__all__ = ["LIMIT_REASON", "SqlStore", "logger"]
+__all__ = ["SqlStore", "logger"]

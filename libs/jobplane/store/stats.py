@@ -42,7 +42,7 @@ TERMINAL = sorted(s.value for s in TERMINAL_STATES)
 #: The ends that throughput counts (history records reaching these states).
 ENDS = (InstanceState.SUCCEEDED.value, InstanceState.FAILED.value, InstanceState.TERMINATED.value)
 
-T = instance_transitions.c
+transition_cols = instance_transitions.c
 
 #: The window of the jobs list's recent figures.
 DAY_S = 24 * 3600.0
@@ -73,11 +73,11 @@ class StatsStore(SqlBase):
         statement (what a metrics scrape reads). The instances are the counters the triggers
         of migration 0017 keep (at most jobs x states x shards rows, however many instances
         there are), the workers the live ones (a partial index, however many have stopped)."""
-        C = instance_counts.c
-        total = func.sum(C.n)
+        count_cols = instance_counts.c
+        total = func.sum(count_cols.n)
         by_job = (
-            select(C.job_key, C.state, total.label("n"))
-            .group_by(C.job_key, C.state)
+            select(count_cols.job_key, count_cols.state, total.label("n"))
+            .group_by(count_cols.job_key, count_cols.state)
             .having(total != 0)  # a (job, state) whose instances all moved or went: absent
         )
         live = select(
@@ -204,14 +204,17 @@ class StatsStore(SqlBase):
             now = await self._now(conn)
             last = int(now.timestamp()) // width_s * width_s
             first = last - width_s * (count - 1)
-            start = cast(func.strftime("%s", T.at), Integer) // width_s * width_s
+            start = cast(func.strftime("%s", transition_cols.at), Integer) // width_s * width_s
             query = (
-                select(start.label("start"), T.to_state, func.count())
-                .where(T.at >= datetime.fromtimestamp(first, UTC), T.to_state.in_(ENDS))
-                .group_by(start, T.to_state)
+                select(start.label("start"), transition_cols.to_state, func.count())
+                .where(
+                    transition_cols.at >= datetime.fromtimestamp(first, UTC),
+                    transition_cols.to_state.in_(ENDS),
+                )
+                .group_by(start, transition_cols.to_state)
             )
             if job_key is not None or job_keys is not None:
-                query = query.join(job_instances, job_instances.c.id == T.instance_id)
+                query = query.join(job_instances, job_instances.c.id == transition_cols.instance_id)
             if job_key is not None:
                 query = query.where(job_instances.c.job_key == job_key)
             if job_keys is not None:

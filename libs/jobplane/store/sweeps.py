@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobplane.domain.models import Instance, InstanceSource, LeaderLease, NewInstance
 from jobplane.domain.options import JobOptions, PinFallback
+from jobplane.domain.reasons import EndReason
 from jobplane.domain.states import InstanceState
 from jobplane.errors import NotLeaderError
 from jobplane.store import rows
@@ -35,10 +36,6 @@ from jobplane.store.tables import (
     workers,
 )
 
-EXHAUSTED = "max unexpected retries exhausted"
-LEASE_EXPIRED = "lease expired"
-PIN_GONE = "pinned worker gone"
-NO_WORKER_KNOWS = "no worker knows the job"
 NEVER_PUBLISHED_GRACE_S = 0.5
 
 
@@ -173,18 +170,23 @@ class SweepStore(SqlBase):
                 release,
                 InstanceState.PROCESSING,
                 InstanceState.ENQUEUED,
-                LEASE_EXPIRED,
+                EndReason.LEASE_EXPIRED,
                 {"unexpected_retries_used": job_instances.c.unexpected_retries_used + 1},
             )
             await self._move_many(
-                conn, exhausted, InstanceState.PROCESSING, InstanceState.TERMINATED, EXHAUSTED, {}
+                conn,
+                exhausted,
+                InstanceState.PROCESSING,
+                InstanceState.TERMINATED,
+                EndReason.EXHAUSTED,
+                {},
             )
             await self._move_many(
                 conn,
                 cancel,
                 InstanceState.PROCESSING,
                 InstanceState.CANCELLED,
-                "cancelled; its worker was lost",
+                EndReason.CANCELLED_WORKER_LOST,
                 {},
             )
             return out
@@ -244,7 +246,7 @@ class SweepStore(SqlBase):
             unpin = [r.id for r in orphans if r.id not in fail]
             pinned_to = {r.id: r.pinned_worker for r in orphans}
             await self._move_many(
-                conn, fail, InstanceState.ENQUEUED, InstanceState.TERMINATED, PIN_GONE, {}
+                conn, fail, InstanceState.ENQUEUED, InstanceState.TERMINATED, EndReason.PIN_GONE, {}
             )
             if not unpin:
                 return []
@@ -254,7 +256,7 @@ class SweepStore(SqlBase):
                     job_instances.c.id.in_(unpin),
                     job_instances.c.state == InstanceState.ENQUEUED.value,
                 )
-                .values(pinned_worker=None, published_at=None, reason=PIN_GONE + "; unpinned")
+                .values(pinned_worker=None, published_at=None, reason=EndReason.PIN_GONE_UNPINNED)
                 .returning(*job_instances.c)
             )
             return [(rows.instance_from_row(r._mapping), pinned_to[r.id]) for r in result]
@@ -292,7 +294,7 @@ class SweepStore(SqlBase):
                 list(waiting),
                 InstanceState.ENQUEUED,
                 InstanceState.TERMINATED,
-                NO_WORKER_KNOWS,
+                EndReason.NO_WORKER_KNOWS,
                 {},
             )
 
@@ -441,4 +443,4 @@ class SweepStore(SqlBase):
             return len(ids)
 
 
-__all__ = ["EXHAUSTED", "LEASE_EXPIRED", "NO_WORKER_KNOWS", "NotLeaderError", "SweepStore"]
+__all__ = ["NotLeaderError", "SweepStore"]

@@ -309,6 +309,8 @@ api_tokens = Table(
     Column("created_at", UtcDateTime, nullable=False),
     Column("created_by", String(200), nullable=False),
     Column("revoked_at", UtcDateTime, nullable=True),
+    # The revoking token's name (or "cli"); empty for tokens revoked before migration 0020.
+    Column("revoked_by", String(200), nullable=True),
     Column("expires_at", UtcDateTime, nullable=True),
     # Written at most about once a minute per token (see TokenStore.authenticate).
     Column("last_used_at", UtcDateTime, nullable=True),

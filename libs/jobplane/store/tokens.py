@@ -15,7 +15,7 @@ from jobplane.ids import new_id
 from jobplane.store.base import SqlBase, _aware
 from jobplane.store.tables import api_tokens
 
-T = api_tokens.c
+token_cols = api_tokens.c
 
 #: ``last_used_at`` is written when it is older than this: a token used all the time costs
 #: one write a minute, not one per request.
@@ -31,6 +31,7 @@ def _info(row: Mapping[Any, Any]) -> TokenInfo:
         created_at=row["created_at"],
         created_by=row["created_by"],
         revoked_at=row["revoked_at"],
+        revoked_by=row["revoked_by"],
         expires_at=row["expires_at"],
         last_used_at=row["last_used_at"],
     )
@@ -64,7 +65,9 @@ class TokenStore(SqlBase):
         return _info(row._mapping), secret
 
     def _live(self) -> ColumnElement[bool]:
-        return T.revoked_at.is_(None) & or_(T.expires_at.is_(None), T.expires_at > self._clock())
+        return token_cols.revoked_at.is_(None) & or_(
+            token_cols.expires_at.is_(None), token_cols.expires_at > self._clock()
+        )
 
     async def ensure_token(
         self, secret: str, name: str, role: Role, actor: str
@@ -93,7 +96,9 @@ class TokenStore(SqlBase):
             ).first()
             if inserted is not None:
                 return _info(inserted._mapping), True
-            row = (await conn.execute(select(api_tokens).where(T.token_hash == token_hash))).one()
+            row = (
+                await conn.execute(select(api_tokens).where(token_cols.token_hash == token_hash))
+            ).one()
         return _info(row._mapping), False
 
     async def authenticate(self, secret: str) -> TokenInfo | None:
@@ -103,7 +108,7 @@ class TokenStore(SqlBase):
             row = (
                 await conn.execute(
                     select(api_tokens, self._clock().label("now")).where(
-                        T.token_hash == hash_secret(secret), self._live()
+                        token_cols.token_hash == hash_secret(secret), self._live()
                     )
                 )
             ).first()
@@ -114,16 +119,18 @@ class TokenStore(SqlBase):
             if info.last_used_at is None or _aware(now) - info.last_used_at >= TOUCH_EVERY:
                 # Two processes may both write it in the same minute: harmless.
                 await conn.execute(
-                    update(api_tokens).where(T.id == info.id).values(last_used_at=self._clock())
+                    update(api_tokens)
+                    .where(token_cols.id == info.id)
+                    .values(last_used_at=self._clock())
                 )
         return info
 
     async def list_tokens(self) -> list[TokenInfo]:
         async with self._read() as conn:
-            result = await conn.execute(select(api_tokens).order_by(T.created_at))
+            result = await conn.execute(select(api_tokens).order_by(token_cols.created_at))
             return [_info(r._mapping) for r in result]
 
-    async def revoke_token(self, token_id: UUID) -> bool:
+    async def revoke_token(self, token_id: UUID, actor: str) -> bool:
         """Revoke a live token; False if there is none with this id. Raises LastAdminError
         rather than revoke the last live admin token."""
         async with self._write() as conn:
@@ -132,9 +139,9 @@ class TokenStore(SqlBase):
             admins = (
                 (
                     await conn.execute(
-                        select(T.id)
-                        .where(T.role == Role.ADMIN.value, self._live())
-                        .order_by(T.id)
+                        select(token_cols.id)
+                        .where(token_cols.role == Role.ADMIN.value, self._live())
+                        .order_by(token_cols.id)
                         .with_for_update()
                     )
                 )
@@ -145,8 +152,8 @@ class TokenStore(SqlBase):
                 raise LastAdminError(token_id)
             result = await conn.execute(
                 update(api_tokens)
-                .where(T.id == token_id, T.revoked_at.is_(None))
-                .values(revoked_at=self._clock())
-                .returning(T.id)
+                .where(token_cols.id == token_id, token_cols.revoked_at.is_(None))
+                .values(revoked_at=self._clock(), revoked_by=actor)
+                .returning(token_cols.id)
             )
             return result.first() is not None

@@ -30,10 +30,16 @@ class WorkloadStore(SqlBase):
             return {worker: n for worker, n in await conn.execute(query)}
 
     async def runaway_slots(self) -> list[RunawaySlot]:
-        R = runaway_slots.c
+        runaway_cols = runaway_slots.c
         query = (
-            select(R.instance_id, R.claim_token, R.job_key, R.worker_id, R.held_since)
-            .order_by(R.held_since)
+            select(
+                runaway_cols.instance_id,
+                runaway_cols.claim_token,
+                runaway_cols.job_key,
+                runaway_cols.worker_id,
+                runaway_cols.held_since,
+            )
+            .order_by(runaway_cols.held_since)
             .limit(RUNAWAYS_LISTED)
         )
         async with self._read() as conn:

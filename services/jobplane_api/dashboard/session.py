@@ -29,6 +29,7 @@ from fastapi import Depends, Request
 from starlette.responses import Response
 
 from jobplane.auth import TOKEN_PREFIX, Role, TokenInfo
+from jobplane.errors import JobplaneError
 from jobplane_api.deps import SettingsDep, StoreDep
 
 COOKIE = "jp_session"
@@ -40,7 +41,7 @@ _CSRF_LABEL = b"jobplane-dashboard-csrf-v1"
 _COOKIE_MAX = 200
 
 
-class LoginRequired(Exception):
+class LoginRequired(JobplaneError):
     """The page needs a logged-in session; answered by a redirect to the login form."""
 
     def __init__(self, next_url: str) -> None:
@@ -48,7 +49,7 @@ class LoginRequired(Exception):
         self.next_url = next_url
 
 
-class Forbidden(Exception):
+class Forbidden(JobplaneError):
     """A refused request: a role too low, or a CSRF token missing or wrong."""
 
     def __init__(self, reason: str) -> None:

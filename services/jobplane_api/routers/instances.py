@@ -8,10 +8,10 @@ from uuid import UUID
 
 from fastapi import APIRouter, Header, Query, status
 
-from jobplane.dispatch import trigger_request
 from jobplane.domain.models import InstanceFilter
 from jobplane.domain.states import InstanceState
 from jobplane.errors import InvalidOptionsError
+from jobplane.triggering import trigger_request
 from jobplane_api.deps import DispatcherDep, StoreDep
 from jobplane_api.inputs import FilterTime, IdempotencyKey, ShortText
 from jobplane_api.schemas import (

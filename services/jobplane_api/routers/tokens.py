@@ -29,6 +29,10 @@ class TokenOut(BaseModel):
     created_at: datetime
     created_by: str
     revoked_at: datetime | None
+    revoked_by: str | None = Field(
+        description="Who revoked it: `token:<name>` of the revoking token (`cli`: "
+        "`jobplane token revoke`); null while live."
+    )
     expires_at: datetime | None = Field(description="Null: valid until revoked.")
     last_used_at: datetime | None = Field(
         description="When it last authenticated a request (updated about once a minute)."
@@ -44,6 +48,7 @@ class TokenOut(BaseModel):
             created_at=t.created_at,
             created_by=t.created_by,
             revoked_at=t.revoked_at,
+            revoked_by=t.revoked_by,
             expires_at=t.expires_at,
             last_used_at=t.last_used_at,
         )
@@ -99,10 +104,12 @@ async def create_token(
     "/{token_id}",
     summary="Revoke a token",
     status_code=status.HTTP_204_NO_CONTENT,
-    dependencies=[Admin],
 )
-async def revoke_token(store: StoreDep, token_id: UUID) -> None:
-    """Revoked at once: the next request with it is refused. Revoking the last live admin
-    token is a 409 (create another admin token first)."""
-    if not await store.revoke_token(token_id):
+async def revoke_token(
+    store: StoreDep, token_id: UUID, principal: Annotated[Principal, Admin]
+) -> None:
+    """Revoked at once: the next request with it is refused; ``revoked_by`` records the
+    revoking token's name. Revoking the last live admin token is a 409 (create another admin
+    token first)."""
+    if not await store.revoke_token(token_id, actor_of(principal)):
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no live token {token_id}")

@@ -1,0 +1,102 @@
+"""What a trigger asks for, and whether its job takes it: the request a trigger makes, its
+validation against the job's definition (enabled, arguments that fit the schema), and the
+message that carries an instance on the bus."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from jobplane.bus.envelope import Envelope
+from jobplane.domain.models import Instance, InstanceSource, JobDefinition, NewInstance
+from jobplane.domain.options import JobKind
+from jobplane.errors import InvalidArgumentsError, InvalidOptionsError, JobDisabledError
+from jobplane.idempotency import fingerprint
+
+
+def check_request(request: NewInstance, definition: JobDefinition) -> None:
+    """Raise JobDisabledError or InvalidArgumentsError unless ``definition`` takes
+    ``request``."""
+    if definition.options.disabled:
+        raise JobDisabledError(request.job_key)
+    if definition.args_schema is not None:
+        validate_args(definition.args_schema, request.args)
+
+
+def trigger_request(
+    key: str,
+    args: Any = None,
+    *,
+    now: datetime | None = None,
+    run_at: datetime | None = None,
+    delay: timedelta | None = None,
+    priority: int | None = None,
+    pinned_worker: str | None = None,
+    idempotency_key: str | None = None,
+    actor: str = "client",
+) -> NewInstance:
+    """The :class:`NewInstance` for a trigger: ``delay`` counts from ``now`` (the store's
+    clock; required with ``delay``). With an ``idempotency_key`` the request's fingerprint
+    keeps ``delay`` as given, so a replay of the same delayed trigger matches."""
+    # The fingerprint (a canonical JSON dump and a SHA-256) only when a key needs it.
+    request_print: str | None = None
+    if delay is not None:
+        if now is None:
+            raise ValueError("a delay needs the store's current time")
+        if run_at is not None:
+            raise InvalidOptionsError("delay_s", "give run_at or delay_s, not both")
+        run_at = now + delay
+        if idempotency_key is not None:
+            request_print = fingerprint(
+                key, args, delay=delay, priority=priority, pinned_worker=pinned_worker
+            )
+    elif idempotency_key is not None:
+        request_print = fingerprint(
+            key, args, run_at=run_at, priority=priority, pinned_worker=pinned_worker
+        )
+    return NewInstance(
+        job_key=key,
+        args=args,
+        run_at=run_at,
+        priority=priority,
+        pinned_worker=pinned_worker,
+        idempotency_key=idempotency_key,
+        fingerprint=request_print,
+        actor=actor,
+    )
+
+
+def held_in_debug(request: NewInstance, definition: JobDefinition | None) -> bool:
+    """Whether the hold debug mode holds ``request``: a trigger of a triggered job. Cron
+    occurrences have their own debug mode; a hand trigger of a recurring job, and retries,
+    are already runs by hand."""
+    return (
+        request.source is InstanceSource.TRIGGER
+        and definition is not None
+        and definition.options.kind is JobKind.TRIGGERED
+    )
+
+
+def envelope_for(instance: Instance, trace: str | None = None) -> Envelope:
+    return Envelope(
+        instance_id=instance.id,
+        job_key=instance.job_key,
+        priority=instance.priority,
+        pinned_worker=instance.pinned_worker,
+        trace=trace,
+    )
+
+
+def validate_args(schema: dict[str, Any], args: Any) -> None:
+    """Raise :class:`InvalidArgumentsError` naming the JSON path of the first bad field."""
+    # Imported at the first validation, not with the module: a worker triggers nothing at rest,
+    # and jsonschema with its referencing registry is ~3 MB it would otherwise carry.
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(schema)
+    error = jsonschema.exceptions.best_match(
+        validator.iter_errors(args if args is not None else {})
+    )
+    if error is not None:
+        path = ".".join(str(p) for p in error.absolute_path)
+        raise InvalidArgumentsError(f"args.{path}" if path else "args", error.message)
