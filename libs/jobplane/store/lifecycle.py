@@ -38,7 +38,7 @@ from jobplane.errors import (
 )
 from jobplane.store import rows
 from jobplane.store.base import SqlBase, locked_in_id_order, logger, retry_conflicts
-from jobplane.store.moves import NewAttempt, move_instances
+from jobplane.store.moves import NewAttempt, move_instances, park
 from jobplane.store.tables import (
     job_definitions,
     job_instances,
@@ -61,27 +61,7 @@ class LifecycleStore(SqlBase):
             return ClaimResult()
         async with self._write() as conn:
             now = await self._now(conn)
-            found = (
-                await conn.execute(
-                    select(
-                        job_instances.c.id,
-                        job_instances.c.job_key,
-                        job_instances.c.priority,
-                        job_instances.c.cancel_requested,
-                    )
-                    .where(
-                        job_instances.c.id.in_(list(ids)),
-                        job_instances.c.state == InstanceState.ENQUEUED.value,
-                        job_instances.c.job_key.in_(list(jobs)),
-                        or_(
-                            job_instances.c.pinned_worker.is_(None),
-                            job_instances.c.pinned_worker == worker_id,
-                        ),
-                    )
-                    .order_by(job_instances.c.id)
-                    .with_for_update()
-                )
-            ).all()
+            found = await self._lock_claimable(conn, ids, worker_id, jobs)
             # A cancel that reached a running attempt which was then released (shutdown) left
             # the flag on an Enqueued row: that row is never run again. It is read from the
             # row locked above, so a cancel request cannot slip in before the claim.
@@ -100,16 +80,7 @@ class LifecycleStore(SqlBase):
             claim_ids, skip_ids, wait_ids = _allot(candidates, slots)
             claimed = await self._take(conn, claim_ids, worker_id, now, lease_s)
             await self._end_excess(conn, skip_ids, worker_id)
-            if wait_ids:
-                # Parked until a slot frees: unpublished, so the releaser republishes it.
-                await conn.execute(
-                    update(job_instances)
-                    .where(
-                        job_instances.c.id.in_(wait_ids),
-                        job_instances.c.state == InstanceState.ENQUEUED.value,
-                    )
-                    .values(published_at=None)
-                )
+            await park(conn, wait_ids)
         options = {key: opts for key, (_, opts) in slots.items()}
         handled = {*claim_ids, *skip_ids, *wait_ids, *cancel_ids}
         return ClaimResult(
@@ -119,6 +90,32 @@ class LifecycleStore(SqlBase):
             cancelled=cancel_ids,
             ignored=[i for i in dict.fromkeys(ids) if i not in handled],
         )
+
+    async def _lock_claimable(
+        self, conn: AsyncConnection, ids: Sequence[UUID], worker_id: str, jobs: Collection[str]
+    ) -> Sequence[Row[Any, Any, Any, Any]]:
+        """Lock, in id order, those of ``ids`` this worker may claim: Enqueued, of a job it
+        runs, not pinned to another worker."""
+        result = await conn.execute(
+            select(
+                job_instances.c.id,
+                job_instances.c.job_key,
+                job_instances.c.priority,
+                job_instances.c.cancel_requested,
+            )
+            .where(
+                job_instances.c.id.in_(list(ids)),
+                job_instances.c.state == InstanceState.ENQUEUED.value,
+                job_instances.c.job_key.in_(list(jobs)),
+                or_(
+                    job_instances.c.pinned_worker.is_(None),
+                    job_instances.c.pinned_worker == worker_id,
+                ),
+            )
+            .order_by(job_instances.c.id)
+            .with_for_update()
+        )
+        return result.all()
 
     async def _lock_slots(
         self, conn: AsyncConnection, keys: set[str]

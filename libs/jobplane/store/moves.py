@@ -208,4 +208,35 @@ async def _record(
     )
 
 
-__all__ = ["NewAttempt", "move_instances"]
+# Two writes to Enqueued instances that are not moves (the state stays, so no history record
+# and no slot change), kept here beside the moves so that every write of the publication
+# bookkeeping outside a move is in one place. The Postgres claim statement parks its own.
+
+
+async def park(conn: AsyncConnection, ids: Sequence[UUID]) -> None:
+    """Park Enqueued instances whose job is at its limit (``on_limit="wait"``): their
+    publication mark is cleared, so whoever frees a slot republishes them (and the sweep
+    finds them unpublished)."""
+    if ids:
+        await conn.execute(
+            update(job_instances)
+            .where(columns.id.in_(list(ids)), columns.state == InstanceState.ENQUEUED.value)
+            .values(published_at=None)
+        )
+
+
+async def unpin(conn: AsyncConnection, ids: Sequence[UUID], reason: str) -> list[Instance]:
+    """Give Enqueued instances pinned to a worker gone for good to their queue: no pin, no
+    publication mark (their message must go to the queue's stream now), ``reason`` says why."""
+    if not ids:
+        return []
+    result = await conn.execute(
+        update(job_instances)
+        .where(columns.id.in_(list(ids)), columns.state == InstanceState.ENQUEUED.value)
+        .values(pinned_worker=None, published_at=None, reason=reason)
+        .returning(*job_instances.c)
+    )
+    return [rows.instance_from_row(r._mapping) for r in result]
+
+
+__all__ = ["NewAttempt", "move_instances", "park", "unpin"]

@@ -26,7 +26,7 @@ from jobplane.errors import NotLeaderError
 from jobplane.store import rows
 from jobplane.store.base import SqlBase, logger, retry_conflicts
 from jobplane.store.lifecycle import release_runaway_rows
-from jobplane.store.moves import move_instances
+from jobplane.store.moves import move_instances, unpin
 from jobplane.store.tables import (
     instance_transitions,
     job_definitions,
@@ -243,23 +243,13 @@ class SweepStore(SqlBase):
                 for r in orphans
                 if JobOptions.from_stored(r.options).pin_fallback is PinFallback.FAIL
             ]
-            unpin = [r.id for r in orphans if r.id not in fail]
+            unpin_ids = [r.id for r in orphans if r.id not in fail]
             pinned_to = {r.id: r.pinned_worker for r in orphans}
             await self._move_many(
                 conn, fail, InstanceState.ENQUEUED, InstanceState.TERMINATED, EndReason.PIN_GONE, {}
             )
-            if not unpin:
-                return []
-            result = await conn.execute(
-                update(job_instances)
-                .where(
-                    job_instances.c.id.in_(unpin),
-                    job_instances.c.state == InstanceState.ENQUEUED.value,
-                )
-                .values(pinned_worker=None, published_at=None, reason=EndReason.PIN_GONE_UNPINNED)
-                .returning(*job_instances.c)
-            )
-            return [(rows.instance_from_row(r._mapping), pinned_to[r.id]) for r in result]
+            moved = await unpin(conn, unpin_ids, EndReason.PIN_GONE_UNPINNED)
+            return [(instance, pinned_to[instance.id]) for instance in moved]
 
     @retry_conflicts
     async def terminate_unknown_jobs(
