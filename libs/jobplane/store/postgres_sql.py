@@ -298,45 +298,28 @@ FROM (SELECT 1) AS one LEFT JOIN ins ON true
 # once; if it fails, the caller clears the mark (``unmark_published``); if the caller dies
 # first, the sweep republishes it once the mark is older than its republish threshold.
 # The single row always comes back: the instance's columns are NULL when nothing was inserted.
+# Its creation rule (state, columns, history) is the batch creation's: one input row.
 CREATE_ONE_SQL = f"""
-WITH d AS (
-    SELECT key, version, options, args_schema FROM job_definitions WHERE key = :job_key
+WITH input AS (
+    SELECT CAST(:id AS uuid) AS id, CAST(:job_key AS text) AS job_key,
+           CAST(:source AS text) AS source, CAST(:queue AS text) AS queue,
+           CAST(:priority AS integer) AS priority, CAST(:args AS text) AS args,
+           CAST(:scheduled_at AS timestamptz) AS scheduled_at,
+           CAST(:run_at AS timestamptz) AS run_at, CAST(:held AS boolean) AS held,
+           CAST(:pinned AS text) AS pinned_worker, CAST(:retry_of AS uuid) AS retry_of,
+           CAST(:idempotency AS text) AS idempotency_key,
+           CAST(:fingerprint AS text) AS idempotency_fingerprint,
+           CAST(:skip_reason AS text) AS skip_reason, CAST(:actor AS text) AS actor
 ),
-input AS (
-    SELECT d.options,
-           CASE WHEN CAST(:skip_reason AS text) IS NOT NULL THEN 'skipped'
-                WHEN CAST(:held AS boolean) OR CAST(:run_at AS timestamptz) > now()
-                THEN 'scheduled'
-                ELSE 'enqueued' END AS state
-    FROM d
+resolved AS (
+    SELECT t.*, d.options,
+           {_STATE}
+    FROM input t JOIN job_definitions d ON d.key = t.job_key
     WHERE d.version = :version
       AND COALESCE(d.args_schema, 'null') = CAST(CAST(:args_schema AS text) AS jsonb)
 ),
-ins AS (
-    INSERT INTO job_instances (
-        id, job_key, state, source, queue, priority, args, created_at, scheduled_at, run_at,
-        published_at, finished_at, pinned_worker, retry_of, idempotency_key,
-        idempotency_fingerprint, reason
-    )
-    SELECT CAST(:id AS uuid), :job_key, state, :source,
-           COALESCE(CAST(:queue AS text), options ->> 'queue'),
-           COALESCE(CAST(:priority AS integer), CAST(options ->> 'priority' AS integer)),
-           CAST(CAST(:args AS text) AS jsonb), now(), CAST(:scheduled_at AS timestamptz),
-           CASE WHEN CAST(:held AS boolean) THEN NULL ELSE CAST(:run_at AS timestamptz) END,
-           CASE WHEN state = 'enqueued' THEN now() END,
-           CASE WHEN state = 'skipped' THEN now() END, CAST(:pinned AS text),
-           CAST(:retry_of AS uuid), CAST(:idempotency AS text), CAST(:fingerprint AS text),
-           CAST(:skip_reason AS text)
-    FROM input
-    ON CONFLICT DO NOTHING
-    RETURNING {_cols("job_instances")}
-),
-history AS (
-    INSERT INTO instance_transitions (instance_id, from_state, to_state, actor, reason)
-    SELECT id, NULL, state, :actor, reason FROM ins
-    RETURNING 1
-)
-SELECT ins.*, EXISTS (SELECT 1 FROM input) AS checked
+{_create_insert("CASE WHEN state = 'enqueued' THEN now() END")}
+SELECT ins.*, EXISTS (SELECT 1 FROM resolved) AS checked
 FROM (SELECT 1) AS one LEFT JOIN ins ON true
 """
 
