@@ -1,7 +1,8 @@
 """Instances are created by one rule, whichever path creates them: the store's batch creation
-(cron fires, retries; on Postgres its own statement), the single trigger of the API and the
-client (``create_published``; on Postgres its own one-statement form) and the in-transaction
-``enqueue``. Each path is run over the same requests on both backends and the rows compared."""
+(retries, bulk triggers; on Postgres its own statement), the leader's cron fire (on Postgres
+one fenced statement), the single trigger of the API and the client (``create_published``;
+on Postgres its own one-statement form) and the in-transaction ``enqueue``. Each path is run
+over the same requests on both backends and the rows compared."""
 
 from __future__ import annotations
 
@@ -39,6 +40,14 @@ async def _single(store: SqlStore, new: NewInstance) -> UUID:
     return (await store.create_published(new, definition)).id
 
 
+async def _fire(store: SqlStore, new: NewInstance) -> UUID:
+    """The leader's cron fire (on Postgres its own fenced statement)."""
+    lease = await store.acquire_leadership(0, "creation-test", 30)  # (renewed once held)
+    assert lease is not None
+    [made] = await store.fire(lease, [new])
+    return made.id
+
+
 async def _enqueue(store: SqlStore, new: NewInstance) -> UUID:
     async with store.engine.begin() as conn:  # the application's own transaction
         return await enqueue_async(
@@ -46,7 +55,12 @@ async def _enqueue(store: SqlStore, new: NewInstance) -> UUID:
         )
 
 
-PATHS: dict[str, Path] = {"batch": _batch, "single": _single, "enqueue": _enqueue}
+PATHS: dict[str, Path] = {
+    "batch": _batch,
+    "fire": _fire,
+    "single": _single,
+    "enqueue": _enqueue,
+}
 
 
 def _row(instance: Instance) -> tuple[Any, ...]:
