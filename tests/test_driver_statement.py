@@ -14,7 +14,7 @@ from sqlalchemy.exc import DBAPIError
 
 from jobplane.domain.models import NewInstance
 from jobplane.domain.states import InstanceState
-from jobplane.errors import StoreUnavailableError
+from jobplane.errors import StoreRefusedError, StoreUnavailableError
 from jobplane.idempotency import fingerprint
 from jobplane.store.factory import open_store
 from jobplane.store.sql import SqlStore
@@ -37,18 +37,18 @@ async def test_the_created_instance_reads_back_the_same(pg_store: SqlStore) -> N
     assert enqueued == await pg_store.get_instance(enqueued.id)
 
 
-async def test_a_value_the_database_refuses_is_a_dbapi_error(pg_store: SqlStore) -> None:
-    # The API answers SQLSTATE class 22 with a 422 (jobplane_api.problems): it needs the
-    # DBAPIError and its SQLSTATE, as SQLAlchemy reports them for its own executions.
+async def test_a_value_the_database_refuses_is_a_refusal_with_its_sqlstate(
+    pg_store: SqlStore,
+) -> None:
+    # The API answers SQLSTATE class 22 with a 422 (jobplane_api.problems): the store reports
+    # the refusal with its SQLSTATE, translated from SQLAlchemy's DBAPIError as for the
+    # store's other executions (chained: the driver's error is the cause).
     await define(pg_store, "job")
     definition = await pg_store.get_definition("job")
-    with pytest.raises(DBAPIError) as refused:
+    with pytest.raises(StoreRefusedError) as refused:
         await pg_store.create_published(NewInstance(job_key="job", args="\x00"), definition)
-    orig = refused.value.orig
-    assert orig is not None
-    assert str(getattr(orig, "sqlstate", None) or getattr(orig.__cause__, "sqlstate", "")) == (
-        "22P05"  # untranslatable character: jsonb has no NUL
-    )
+    assert refused.value.sqlstate == "22P05"  # untranslatable character: jsonb has no NUL
+    assert isinstance(refused.value.__cause__, DBAPIError)
     # The connection went back to the pool usable: the next triggers work.
     for _ in range(3):
         made = await pg_store.create_published(NewInstance(job_key="job"), definition)
@@ -122,14 +122,15 @@ async def test_an_unreachable_database_is_unavailable(pg_store: SqlStore) -> Non
 async def test_a_refused_connection_is_reported_as_by_sqlalchemy(
     pg_store: SqlStore, pg_database_url: str
 ) -> None:
-    # The server refuses the session (no such database): the same DBAPIError as a checkout
+    # The server refuses the session (no such database): the same refusal as a checkout
     # through engine.connect() gives, not the driver's own exception.
     await define(pg_store, "job")
     definition = await pg_store.get_definition("job")
     missing = make_url(pg_database_url).set(database="jobplane_no_such_database")
     refused = open_store(missing.render_as_string(hide_password=False))
     try:
-        with pytest.raises(DBAPIError):
+        with pytest.raises(StoreRefusedError) as raised:
             await refused.create_published(NewInstance(job_key="job"), definition)
+        assert raised.value.sqlstate == "3D000"  # invalid catalog name
     finally:
         await refused.close()

@@ -16,8 +16,6 @@ from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
-from sqlalchemy.exc import SQLAlchemyError
-
 from jobplane import telemetry
 from jobplane.bus.abc import Bus
 from jobplane.bus.envelope import Event, EventKind
@@ -38,6 +36,7 @@ from jobplane.errors import (
     JobNotFoundError,
     StaleDefinitionError,
     StoreConflictError,
+    StoreRefusedError,
     UnavailableError,
 )
 from jobplane.errors import (
@@ -443,7 +442,7 @@ class Dispatcher:
         """Record ``ids`` as published; False (logged) when the store cannot say so now."""
         try:
             await self.store.mark_published(ids, fence=self.fence)
-        except (UnavailableError, SQLAlchemyError) as exc:
+        except (UnavailableError, StoreRefusedError) as exc:
             # Bookkeeping: the instances are committed, so they are still sent (an API client
             # must not see an error and retry a committed trigger). Unmarked, the sweep may
             # publish them again (a second message for an instance is harmless: the claim
@@ -463,7 +462,7 @@ class Dispatcher:
         them at its next pass; if even that fails, it does once the marks are old enough."""
         try:
             await self.store.unmark_published(ids)
-        except (UnavailableError, SQLAlchemyError) as exc:
+        except (UnavailableError, StoreRefusedError) as exc:
             logger.warning(
                 "could not clear the publish mark of %d instance(s): %s; the sweep "
                 "republishes them after its threshold",

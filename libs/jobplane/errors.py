@@ -137,6 +137,18 @@ class StoreConflictError(StoreUnavailableError):
     a short outage, which every role waits out."""
 
 
+class StoreRefusedError(JobplaneError):
+    """The database refused a statement for what it was given or holds (a constraint, a
+    value it cannot store: a poison row), neither an outage nor a conflict: trying the same
+    again fails again. ``sqlstate`` is its SQLSTATE (class 22: a value out of range or
+    untranslatable; 23: a constraint), empty when the driver gave none; the driver's error is
+    the ``__cause__``."""
+
+    def __init__(self, message: str, sqlstate: str) -> None:
+        super().__init__(message)
+        self.sqlstate = sqlstate
+
+
 class JobDisabledError(JobplaneError):
     """The job is disabled: it takes no new instances."""
 

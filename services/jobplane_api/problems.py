@@ -9,7 +9,6 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jobplane.errors import (
@@ -22,6 +21,7 @@ from jobplane.errors import (
     JobDisabledError,
     JobNotFoundError,
     LastAdminError,
+    StoreRefusedError,
     UnavailableError,
 )
 
@@ -66,7 +66,7 @@ def install(app: FastAPI) -> None:
         app.add_exception_handler(exc_type, _fixed(status, title))
     app.add_exception_handler(RequestValidationError, _validation)  # type: ignore[arg-type]
     app.add_exception_handler(InvalidOptionsError, _invalid)  # type: ignore[arg-type]
-    app.add_exception_handler(DBAPIError, _unstorable)  # type: ignore[arg-type]
+    app.add_exception_handler(StoreRefusedError, _unstorable)  # type: ignore[arg-type]
     app.add_exception_handler(UnicodeEncodeError, _not_utf8)  # type: ignore[arg-type]
     app.add_exception_handler(UnavailableError, _unavailable)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http)  # type: ignore[arg-type]
@@ -92,19 +92,15 @@ async def _invalid(request: Request, exc: InvalidOptionsError) -> JSONResponse:
     return problem(422, "Invalid request", str(exc), request=request, errors=errors)
 
 
-async def _unstorable(request: Request, exc: DBAPIError) -> JSONResponse:
+async def _unstorable(request: Request, exc: StoreRefusedError) -> JSONResponse:
     # The database refused a value the schema let through (NUL in text, an escape jsonb
     # rejects, a date out of range: SQLSTATE class 22): bad input, not a server fault.
     # Anything else is a real fault and stays a 500.
     # The edge validates every field (jobplane_api.inputs), so this is a fallback: the
     # driver's wording (query arguments, types) goes to the log, not to the client.
-    if not _sqlstate(exc).startswith("22"):
+    if not exc.sqlstate.startswith("22"):
         raise exc
-    logger.warning(
-        "the database refused a value: %s",
-        str(exc.orig).strip().splitlines()[-1] if exc.orig else exc,
-        extra={"action": "api.unstorable"},
-    )
+    logger.warning("the database refused a value: %s", exc, extra={"action": "api.unstorable"})
     return problem(422, "Invalid request", "a value cannot be stored", request=request)
 
 
@@ -135,12 +131,3 @@ def _title(status: int) -> str:
         return HTTPStatus(status).phrase
     except ValueError:
         return "Error"
-
-
-def _sqlstate(exc: DBAPIError) -> str:
-    """The SQLSTATE of a driver error (asyncpg keeps it on the original exception)."""
-    for candidate in (exc.orig, getattr(exc.orig, "__cause__", None)):
-        code = getattr(candidate, "sqlstate", None) or getattr(candidate, "pgcode", None)
-        if isinstance(code, str):
-            return code
-    return ""

@@ -13,18 +13,21 @@ from collections.abc import Iterator
 from datetime import datetime, timedelta
 from uuid import UUID
 
-from sqlalchemy.exc import DBAPIError
-
 from jobplane.bus.abc import Bus, BusEpoch
 from jobplane.bus.envelope import Event, EventKind
 from jobplane.clock import Clock, StoreClock
 from jobplane.definitions import DefinitionCache
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import Instance, JobDefinition, LeaderLease, NewInstance
-from jobplane.errors import BusUnavailableError, UnavailableError, first_line
+from jobplane.errors import (
+    BusUnavailableError,
+    NotLeaderError,
+    StoreRefusedError,
+    UnavailableError,
+    first_line,
+)
 from jobplane.events import Outage, listen
 from jobplane.store.abc import LeaderStore
-from jobplane.store.base import NotLeaderError
 from jobplane.store.creation import ENQUEUED_CHANNEL
 from jobplane.tasks import run_together
 from jobplane.triggering import envelope_for
@@ -190,7 +193,7 @@ class LeaderDuties(CronFiring):
         other steps, the next sweeps and the cron loop go on."""
         try:
             yield
-        except DBAPIError as exc:
+        except StoreRefusedError as exc:
             logger.error(
                 "sweep step %s refused by the database: %s",
                 step,
@@ -252,7 +255,7 @@ class LeaderDuties(CronFiring):
         instance is skipped (logged with its id) and the others are promoted."""
         try:
             promoted = await self.store.promote_due(self.lease)
-        except DBAPIError:
+        except StoreRefusedError:
             promoted = await self.store.promote_due_each(self.lease)
         self.metrics.count(SweepStep.PROMOTED, promoted)
         await self._publish(promoted)

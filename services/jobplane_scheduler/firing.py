@@ -15,14 +15,12 @@ import logging
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy.exc import DBAPIError
-
 from jobplane import telemetry
 from jobplane.clock import Clock
 from jobplane.definitions import DefinitionCache
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import Instance, JobDefinition, LeaderLease, NewInstance
-from jobplane.errors import first_line
+from jobplane.errors import StoreRefusedError, first_line
 from jobplane.store.abc import LeaderStore
 from jobplane_scheduler.cron_timers import CronTimers, occurrence
 from jobplane_scheduler.metrics import SchedulerMetrics
@@ -159,7 +157,7 @@ class CronFiring:
             marks = self.dispatcher.marks_first
             try:
                 instances = await self.store.fire(self.lease, records, published=marks)
-            except DBAPIError as exc:
+            except StoreRefusedError as exc:
                 instances = await self._fire_each_job(records, exc, marks)
             self.metrics.fired(instances, self.cache.definitions)
             await self.dispatcher.publish_created(instances, {r.id for r in records})
@@ -168,10 +166,10 @@ class CronFiring:
             logger.debug("fired %d tick(s)", len(fired), extra={"action": "scheduler.fired"})
 
     async def _fire_each_job(
-        self, records: list[Any], exc: DBAPIError, marks: bool
+        self, records: list[Any], exc: StoreRefusedError, marks: bool
     ) -> list[Instance]:
         """The database refused a batch of ticks (a poison job: data or a constraint it
-        rejects; outages and conflicts are not ``DBAPIError`` here). Fire each job's ticks on
+        rejects; outages and conflicts are other errors). Fire each job's ticks on
         their own: a job still refused is logged with its key and its ticks skipped, and every
         other job fires."""
         by_job: dict[str, list[Any]] = {}
@@ -183,7 +181,7 @@ class CronFiring:
                 if len(by_job) == 1:
                     raise exc  # that job alone was refused
                 fired += await self.store.fire(self.lease, ticks, published=marks)
-            except DBAPIError as refused:
+            except StoreRefusedError as refused:
                 logger.error(
                     "the database refused %d tick(s) of job %s: %s; skipped",
                     len(ticks),

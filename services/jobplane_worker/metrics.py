@@ -17,12 +17,15 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from sqlalchemy.exc import DBAPIError
 
 from jobplane.domain.models import Instance
 from jobplane.domain.states import InstanceState
-from jobplane.errors import BusUnavailableError, StoreUnavailableError
-from jobplane.store.base import StoreConflictError
+from jobplane.errors import (
+    BusUnavailableError,
+    StoreConflictError,
+    StoreRefusedError,
+    StoreUnavailableError,
+)
 
 
 class ClaimOutcome(StrEnum):
@@ -149,7 +152,7 @@ def error_kind(exc: BaseException) -> tuple[str, str] | None:
         return "store", "conflict"
     if isinstance(exc, StoreUnavailableError):
         return "store", "unavailable"
-    if isinstance(exc, DBAPIError):
+    if isinstance(exc, StoreRefusedError):
         return "store", "refused"
     if isinstance(exc, BusUnavailableError):
         return "bus", "unavailable"

@@ -14,11 +14,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from uuid import UUID
 
-from sqlalchemy.exc import DBAPIError
-
 from jobplane.domain.models import ErrorInfo, Outcome
 from jobplane.domain.states import InstanceState
-from jobplane.errors import first_line
+from jobplane.errors import StoreRefusedError, first_line
 
 logger = logging.getLogger("jobplane_worker.worker")
 
@@ -36,7 +34,7 @@ async def complete_isolating_poison(
     ``on_refused`` sees every refusal."""
     try:
         return await complete(outcomes)
-    except DBAPIError as exc:
+    except StoreRefusedError as exc:
         on_refused(exc)
         if len(outcomes) > 1:
             ended: dict[UUID, InstanceState] = {}
@@ -52,7 +50,7 @@ async def complete_isolating_poison(
         )
         try:
             return await complete([parked(outcome, exc)])
-        except DBAPIError as again:
+        except StoreRefusedError as again:
             on_refused(again)
             logger.error(
                 "instance %s: not even a failure could be recorded (%s); left to its lease",
@@ -63,7 +61,7 @@ async def complete_isolating_poison(
             return {}
 
 
-def parked(outcome: Outcome, exc: DBAPIError) -> Outcome:
+def parked(outcome: Outcome, exc: StoreRefusedError) -> Outcome:
     """``outcome`` without what the database refused: no result, an error naming the refusal.
     A success whose result cannot be stored is a failure, as a result that is not JSON is."""
     error = ErrorInfo(

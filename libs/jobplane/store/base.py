@@ -32,7 +32,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from jobplane.domain.models import LeaderLease
 from jobplane.errors import NotLeaderError as NotLeaderError  # re-exported
 from jobplane.errors import StoreConflictError as StoreConflictError  # re-exported
-from jobplane.errors import StoreUnavailableError, first_line
+from jobplane.errors import StoreRefusedError, StoreUnavailableError, first_line
 from jobplane.store.tables import counters, job_instances, scheduler_leases
 from jobplane.tasks import being_cancelled
 
@@ -125,7 +125,8 @@ class SqlBase:
             # (a bare DBAPIError too: asyncpg's "the database system is shutting down" while
             # connecting is neither an OperationalError nor an InterfaceError)
             if isinstance(exc, DBAPIError) and not _is_disconnect(exc):
-                raise
+                # Translated here, at the store's edge: the roles never see the driver's errors.
+                raise StoreRefusedError(first_line(exc), _sqlstate(exc)) from exc
             if being_cancelled():
                 raise asyncio.CancelledError from exc  # the cancel, as the driver reported it
             raise StoreUnavailableError(f"metadata store unavailable: {first_line(exc)}") from exc

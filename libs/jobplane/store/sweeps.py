@@ -15,14 +15,13 @@ from typing import Any
 from uuid import UUID
 
 from sqlalchemy import and_, delete, func, or_, select, update
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobplane.domain.models import Instance, InstanceSource, LeaderLease, NewInstance
 from jobplane.domain.options import JobOptions, PinFallback
 from jobplane.domain.reasons import EndReason
 from jobplane.domain.states import InstanceState
-from jobplane.errors import NotLeaderError
+from jobplane.errors import NotLeaderError, StoreRefusedError
 from jobplane.store import rows
 from jobplane.store.base import SqlBase, logger, retry_conflicts
 from jobplane.store.lifecycle import release_runaway_rows
@@ -123,11 +122,11 @@ class SweepStore(SqlBase):
                         "due",
                         {},
                     )
-            except DBAPIError as exc:
+            except StoreRefusedError as exc:
                 logger.error(
                     "the database refused to promote instance %s: %s",
                     instance_id,
-                    str(exc.orig).strip().splitlines()[0] if str(exc.orig).strip() else exc,
+                    exc,
                     extra={"action": "store.promotion_refused", "instance_id": str(instance_id)},
                 )
         return promoted
