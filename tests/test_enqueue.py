@@ -4,7 +4,9 @@ and the scheduler publishes it shortly after."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from datetime import timedelta
 from uuid import UUID
 
@@ -88,19 +90,12 @@ async def test_commit_notifies_the_leader_which_publishes_at_once(
 ) -> None:
     """With the sweep a minute away, only the commit's NOTIFY can get the instance published;
     the rolled-back one notifies nothing."""
-    async with running_worker(app, store, redis_bus):
-        pass
-    engine = create_async_engine(make_url(database_url).set(drivername="postgresql+asyncpg"))
-    try:
-        async with running_scheduler(store, redis_bus, sweep_interval_s=60) as scheduler:
-            await wait_for(lambda: _leading(scheduler), what="leadership")
-            await asyncio.sleep(0.5)  # the first sweep is done; the listener is up
-            async with AsyncSession(engine) as session, session.begin():
-                made = await enqueue_async(session, "echo", {"value": 3})
-            await wait_for(lambda: _published(store, made), timeout_s=10, what="the publication")
-            await _enqueue_rolled_back(engine, 4)
-    finally:
-        await engine.dispose()
+    async with _leader_with_the_sweep_a_minute_away(store, redis_bus, database_url) as engine:
+        await asyncio.sleep(0.5)  # the first sweep is done; the listener is up
+        async with AsyncSession(engine) as session, session.begin():
+            made = await enqueue_async(session, "echo", {"value": 3})
+        await wait_for(lambda: _published(store, made), timeout_s=10, what="the publication")
+        await _enqueue_rolled_back(engine, 4)
     assert await _count(store) == 1
 
 
@@ -112,24 +107,34 @@ async def test_the_leader_says_when_its_notifications_are_cut_and_listens_again(
     leader listens again on a new connection, and the next commit's NOTIFY still gets its
     instance published at once (the sweep is a minute away); an info line says it is back."""
     caplog.set_level(logging.INFO, logger="jobplane.events")
-    async with running_worker(app, store, redis_bus):
-        pass
-    engine = create_async_engine(make_url(database_url).set(drivername="postgresql+asyncpg"))
-    try:
-        async with running_scheduler(store, redis_bus, sweep_interval_s=60) as scheduler:
-            await wait_for(lambda: _leading(scheduler), what="leadership")
-            first = await _wait_listening(store, set())
-            await _run(store, f"SELECT pg_terminate_backend({first})")
-            await _wait_listening(store, {first})
-            async with AsyncSession(engine) as session, session.begin():
-                made = await enqueue_async(session, "echo", {"value": 5})
-            await wait_for(lambda: _published(store, made), timeout_s=10, what="the publication")
-    finally:
-        await engine.dispose()
+    async with _leader_with_the_sweep_a_minute_away(store, redis_bus, database_url) as engine:
+        first = await _wait_listening(store, set())
+        await _run(store, f"SELECT pg_terminate_backend({first})")
+        await _wait_listening(store, {first})
+        async with AsyncSession(engine) as session, session.begin():
+            made = await enqueue_async(session, "echo", {"value": 5})
+        await wait_for(lambda: _published(store, made), timeout_s=10, what="the publication")
     lines = [(r.action, r.getMessage()) for r in caplog.records if hasattr(r, "action")]
     cut = [m for a, m in lines if a == "scheduler.events"]
     assert len(cut) == 1 and "enqueued notifications: the database is unavailable" in cut[0]
     assert any(a == "scheduler.events_restored" for a, _ in lines)
+
+
+@contextlib.asynccontextmanager
+async def _leader_with_the_sweep_a_minute_away(
+    store: SqlStore, bus: Bus, database_url: str
+) -> AsyncIterator[AsyncEngine]:
+    """A leading scheduler whose sweep is a minute away (only a NOTIFY publishes in time),
+    the job definitions registered, and an engine of the application's own."""
+    async with running_worker(app, store, bus):
+        pass
+    engine = create_async_engine(make_url(database_url).set(drivername="postgresql+asyncpg"))
+    try:
+        async with running_scheduler(store, bus, sweep_interval_s=60) as scheduler:
+            await wait_for(lambda: _leading(scheduler), what="leadership")
+            yield engine
+    finally:
+        await engine.dispose()
 
 
 async def _wait_listening(store: SqlStore, not_these: set[int]) -> int:
