@@ -12,7 +12,7 @@ from typing import Any
 
 from jobplane.bus.abc import Bus
 from jobplane.clock import Clock
-from jobplane.store.sql import SqlStore
+from jobplane.store.abc import LeaderStore, StoreConnection
 from jobplane_scheduler.scheduler import Scheduler
 from jobplane_scheduler.settings import SchedulerSettings
 from tests.worker_helpers import wait_for
@@ -35,7 +35,7 @@ class DrivenClock:
     computed from), so an advance between the two is not lost. Only the leader's cron loop
     sleeps on the clock: :meth:`passed` tells when it has acted on a given time."""
 
-    def __init__(self, store: SqlStore) -> None:
+    def __init__(self, store: StoreConnection) -> None:
         self.store = store
         self.offset = timedelta()
         self._advanced = asyncio.Event()
@@ -111,7 +111,7 @@ class DrivenClock:
 
 @asynccontextmanager
 async def running_scheduler(
-    store: SqlStore, bus: Bus, *, clock: Clock | None = None, **overrides: Any
+    store: LeaderStore, bus: Bus, *, clock: Clock | None = None, **overrides: Any
 ) -> AsyncIterator[Scheduler]:
     settings = SchedulerSettings(
         **{"scheduler_id": f"s-{uuid.uuid4().hex[:8]}", **FAST, **overrides}

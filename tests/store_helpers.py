@@ -1,4 +1,5 @@
-"""Small builders shared by the store tests."""
+"""Small builders shared by the store tests, typed against the interfaces they use (a test
+may hand them any store that has those: the roles' stores, the whole ``Store``)."""
 
 from __future__ import annotations
 
@@ -9,18 +10,19 @@ from sqlalchemy import select
 from jobplane.domain.models import Instance, NewInstance
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState
+from jobplane.store.abc import DispatchStore, Registration
 from jobplane.store.sql import SqlStore
 from jobplane.store.tables import job_slots
 
 
-async def define(store: SqlStore, key: str = "job", **options: Any) -> JobOptions:
+async def define(store: Registration, key: str = "job", **options: Any) -> JobOptions:
     kind = "recurring" if "cron" in options else "triggered"
     parsed = JobOptions.parse(key=key, kind=options.pop("kind", kind), **options)
     await store.register_definition(parsed, None, "test")
     return parsed
 
 
-async def enqueue(store: SqlStore, key: str = "job", n: int = 1, **kw: Any) -> list[Instance]:
+async def enqueue(store: DispatchStore, key: str = "job", n: int = 1, **kw: Any) -> list[Instance]:
     return await store.create_instances([NewInstance(job_key=key, **kw) for _ in range(n)])
 
 
