@@ -174,8 +174,18 @@ async def test_postgres_restarted_mid_run_loses_no_outcome(
     store = open_store(url)
     bus = open_bus(redis_url, redis_prefix)
     try:
-        spawn("scheduler")
-        spawn("worker", "--app", "tests.apps.basic:app", "--worker-id", "steady")
+        # What the outage leaves behind (an entry whose claim failed, pending on the worker; an
+        # instance published before it and unclaimed) is found again after 2 s, not 30: under
+        # load that wait made the test last fifty seconds.
+        spawn("scheduler", JOBPLANE_REPUBLISH_AFTER_S="2")
+        spawn(
+            "worker",
+            "--app",
+            "tests.apps.basic:app",
+            "--worker-id",
+            "steady",
+            JOBPLANE_RECLAIM_IDLE_S="2",
+        )
         await wait_for(lambda: _registered(store, "steady"), timeout_s=30, what="worker")
         dispatcher = Dispatcher(store, bus)
         made = [await dispatcher.trigger("slow_echo", {"value": i}) for i in range(40)]
