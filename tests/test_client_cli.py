@@ -25,6 +25,7 @@ from jobplane.store.factory import open_store
 from jobplane.store.sql import SqlStore
 from tests.cli_helpers import free_port, run_cli, spawn_cli, stop_all, wait_http_ok
 from tests.fixtures.bus import delete_prefix
+from tests.fixtures.databases import DatabasePool
 from tests.fixtures.store import own_database
 from tests.worker_helpers import wait_for
 
@@ -33,9 +34,9 @@ pytestmark = [pytest.mark.long, pytest.mark.timeout(180), pytest.mark.xdist_grou
 
 
 @pytest.fixture(scope="module")
-def stack(postgres_url: str, pg_template: str, redis_url: str) -> Iterator[dict[str, str]]:
+def stack(pg_databases: DatabasePool, redis_url: str) -> Iterator[dict[str, str]]:
     prefix = f"jptest-{uuid.uuid4().hex}"
-    with own_database(postgres_url, pg_template) as database_url:
+    with own_database(pg_databases) as database_url:
         env = {
             "JOBPLANE_DATABASE_URL": database_url,
             "JOBPLANE_REDIS_URL": redis_url,
