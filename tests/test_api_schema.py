@@ -35,6 +35,7 @@ from schemathesis.specs.openapi.checks import (
 from jobplane.auth import Role
 from jobplane.store.factory import open_store
 from tests.cli_helpers import free_port, spawn_cli, stop_all, wait_http_ok
+from tests.fixtures.bus import delete_prefix
 from tests.fixtures.databases import DatabasePool
 from tests.fixtures.store import own_database
 
@@ -67,11 +68,12 @@ class Api:
 
 @pytest.fixture(scope="module")
 def api(pg_databases: DatabasePool, redis_url: str) -> Iterator[Api]:
+    prefix = f"jpschema-{uuid.uuid4().hex}"
     with own_database(pg_databases) as db:  # migrated: a copy of the template
         env = {
             "JOBPLANE_DATABASE_URL": db,
             "JOBPLANE_REDIS_URL": redis_url,
-            "JOBPLANE_KEY_PREFIX": f"jpschema-{uuid.uuid4().hex}",
+            "JOBPLANE_KEY_PREFIX": prefix,
             "JOBPLANE_LOG_LEVEL": "WARNING",
             # Generated requests carry many invalid tokens from one address on purpose.
             "JOBPLANE_AUTH_FAILURES_PER_MINUTE": "0",
@@ -89,7 +91,10 @@ def api(pg_databases: DatabasePool, redis_url: str) -> Iterator[Api]:
             wait_http_ok(f"{url}/healthz")
             yield Api(url, {"Authorization": f"Bearer {token}"})
         finally:
-            stop_all(procs, sig=signal.SIGTERM)
+            try:
+                stop_all(procs, sig=signal.SIGTERM)
+            finally:
+                asyncio.run(delete_prefix(redis_url, prefix))  # the shared Redis keeps nothing
 
 
 async def _admin_token(database_url: str) -> str:
