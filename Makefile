@@ -24,11 +24,12 @@ lint:
 typecheck:
 	.venv/bin/mypy
 
-# In parallel by default: two pytest-xdist workers, one per core (more made the timing-sensitive
-# fault tests flaky on two cores); `--dist loadgroup` keeps each xdist_group on one worker.
+# In parallel by default: three pytest-xdist workers on the two cores (much of a test's time is
+# spent waiting on processes and leases; four made the timing-sensitive fault tests flaky on two
+# cores); `--dist loadgroup` keeps each xdist_group on one worker.
 # Serially: `make pytest PYTEST_ARGS=` (or `.venv/bin/pytest` directly). The 30 slowest tests are
 # listed at the end, to keep an eye on the suite's time.
-PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=30
+PYTEST_ARGS ?= -n 3 --dist loadgroup --durations=30
 
 pytest:
 	.venv/bin/pytest $(PYTEST_ARGS)

@@ -8,8 +8,10 @@ minute; schemathesis' own pytest plugin is not used (it does not support this py
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -30,7 +32,12 @@ from schemathesis.specs.openapi.checks import (
     unsupported_method,
 )
 
-from tests.cli_helpers import free_port, run_cli, spawn_cli, stop_all, wait_http_ok
+from jobplane.auth import Role
+from jobplane.store.factory import open_store
+from tests.cli_helpers import free_port, spawn_cli, stop_all, wait_http_ok
+from tests.fixtures.bus import delete_prefix
+from tests.fixtures.databases import DatabasePool
+from tests.fixtures.store import own_database
 
 # An operation of the API and a request generated for it (the operation's type parameters are
 # the schema library's own: its parameters, responses, security and schema types).
@@ -60,38 +67,43 @@ class Api:
 
 
 @pytest.fixture(scope="module")
-def api(postgres_url: str, redis_url: str) -> Iterator[Api]:
-    import uuid
+def api(pg_databases: DatabasePool, redis_url: str) -> Iterator[Api]:
+    prefix = f"jpschema-{uuid.uuid4().hex}"
+    with own_database(pg_databases) as db:  # migrated: a copy of the template
+        env = {
+            "JOBPLANE_DATABASE_URL": db,
+            "JOBPLANE_REDIS_URL": redis_url,
+            "JOBPLANE_KEY_PREFIX": prefix,
+            "JOBPLANE_LOG_LEVEL": "WARNING",
+            # Generated requests carry many invalid tokens from one address on purpose.
+            "JOBPLANE_AUTH_FAILURES_PER_MINUTE": "0",
+        }
+        # Straight from the store (``token create`` is tested in test_api_security.py).
+        token = asyncio.run(_admin_token(db))
+        port = free_port()
+        procs: list[subprocess.Popen[str]] = [
+            spawn_cli("api", "--host", "127.0.0.1", "--port", str(port), **env),
+            # A worker registers real job definitions, so generated triggers meet real schemas.
+            spawn_cli("worker", "--app", "tests.apps.basic:app", "--queues", "unused", **env),
+        ]
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_http_ok(f"{url}/healthz")
+            yield Api(url, {"Authorization": f"Bearer {token}"})
+        finally:
+            try:
+                stop_all(procs, sig=signal.SIGTERM)
+            finally:
+                asyncio.run(delete_prefix(redis_url, prefix))  # the shared Redis keeps nothing
 
-    from tests.fixtures.store import admin, database_url_for
 
-    name = f"jpschema_{uuid.uuid4().hex[:10]}"
-    admin(postgres_url, f'CREATE DATABASE "{name}"')
-    db = database_url_for(postgres_url, name)
-    env = {
-        "JOBPLANE_DATABASE_URL": db,
-        "JOBPLANE_REDIS_URL": redis_url,
-        "JOBPLANE_KEY_PREFIX": f"jpschema-{uuid.uuid4().hex}",
-        "JOBPLANE_LOG_LEVEL": "WARNING",
-        # Generated requests carry many invalid tokens from one address on purpose.
-        "JOBPLANE_AUTH_FAILURES_PER_MINUTE": "0",
-    }
-    assert run_cli("migrate", env=env).returncode == 0
-    made = run_cli("token", "create", "--role", "admin", "--name", "schemathesis", env=env)
-    assert made.returncode == 0, made.stderr
-    port = free_port()
-    procs: list[subprocess.Popen[str]] = [
-        spawn_cli("api", "--host", "127.0.0.1", "--port", str(port), **env),
-        # A worker registers real job definitions, so generated triggers meet real schemas.
-        spawn_cli("worker", "--app", "tests.apps.basic:app", "--queues", "unused", **env),
-    ]
-    url = f"http://127.0.0.1:{port}"
+async def _admin_token(database_url: str) -> str:
+    store = open_store(database_url)
     try:
-        wait_http_ok(f"{url}/healthz")
-        yield Api(url, {"Authorization": f"Bearer {made.stdout.strip()}"})
+        _, secret = await store.create_token("schemathesis", Role.ADMIN, "test")
     finally:
-        stop_all(procs, sig=signal.SIGTERM)
-        admin(postgres_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await store.close()
+    return secret
 
 
 def _operations(api: Api) -> list[Operation]:

@@ -137,11 +137,14 @@ async def test_a_claim_answered_after_its_lease_could_end_never_starts_the_job(
         env = {
             "JOBPLANE_REDIS_URL": redis_url,
             "JOBPLANE_KEY_PREFIX": redis_prefix,
-            "JOBPLANE_HEARTBEAT_S": "0.5",
-            "JOBPLANE_LEASE_S": "1",
+            "JOBPLANE_HEARTBEAT_S": "0.1",
+            "JOBPLANE_LEASE_S": "0.3",
             "JOBPLANE_POLL_MS": "100",
             "JOBPLANE_LEASE_TTL_S": "1.5",
             "JOBPLANE_SWEEP_INTERVAL_S": "0.2",
+            # The leader's store never fails here: no grace before it releases expired leases
+            # (by default 6 s from its start, which held back the release this test waits for).
+            "JOBPLANE_REAP_GRACE_S": "0",
         }
         behind = url.set(host="127.0.0.1", port=slow.port).render_as_string(hide_password=False)
         worker = spawn_cli(
@@ -154,11 +157,11 @@ async def test_a_claim_answered_after_its_lease_could_end_never_starts_the_job(
             return " ready: queues " in output_of(worker)
 
         await wait_for(ready, timeout_s=60, what="the worker to be ready")
-        # Each chunk now waits 0.5 s each way: a claim's answer arrives 1 s or more after it
-        # was sent, when the 1 s lease it starts may have ended. (Every round trip of the
-        # worker takes that second, its two claims included: 1 s each way made this test last
-        # forty seconds.)
-        slow.delay_s = 0.5
+        # Each chunk now waits 0.15 s each way: a claim's answer arrives 0.3 s or more after
+        # it was sent, when the 0.3 s lease it starts may have ended. (Every round trip of the
+        # worker takes that long, its two claims and its reconnections included: 1 s each way
+        # made this test last forty seconds, 0.5 s each way with a 1 s lease twenty.)
+        slow.delay_s = 0.15
         notes = tmp_path / "notes.txt"
         bus = open_bus(redis_url, redis_prefix)
         try:

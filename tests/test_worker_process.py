@@ -127,7 +127,6 @@ async def test_health_port_serves_probes_and_reports_a_runaway(
         "--grace",
         "5",
         JOBPLANE_TIMEOUT_GRACE_S="0.2",
-        JOBPLANE_TEST_SLEEP_S="30",
     )
     base = f"http://127.0.0.1:{port}"
     await asyncio.to_thread(wait_http_ok, f"{base}/readyz", 30)
@@ -177,14 +176,18 @@ async def test_health_port_serves_probes_and_reports_a_runaway(
         assert figures["jobplane_worker_runaways_total"] == 1
         assert figures["jobplane_worker_claims_total"] == 1
 
-        # While it drains on SIGTERM the worker is alive but not ready.
-        await dispatcher.trigger("sleepy")
-        await wait_for(lambda: _exists(tmp_path / "started"), what="sleepy to start")
+        # While it drains on SIGTERM the worker is alive but not ready. (It drains until the
+        # job it waits for returns: the test opens the gate once it has seen that.)
+        drained = tmp_path / "drain-gate"
+        await dispatcher.trigger("ignores_shutdown", {"path": str(drained)})
+        await wait_for(lambda: _exists(tmp_path / "drain-gate.log"), what="the job to start")
         proc.send_signal(signal.SIGTERM)
         await wait_for(lambda: _ready_is(http, False), what="/readyz to fail on SIGTERM")
         body = (await http.get("/readyz")).json()
         assert body["checks"]["worker"] == {"ok": False, "detail": "shutting down"}
         assert (await http.get("/healthz")).status_code == 200
+        assert proc.poll() is None
+        drained.touch()
     assert await asyncio.to_thread(proc.wait, 30) == 0
 
 
