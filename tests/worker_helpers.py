@@ -15,7 +15,7 @@ from jobplane.bus.abc import Bus, Consumer, Delivery
 from jobplane.domain.models import Instance
 from jobplane.domain.states import InstanceState
 from jobplane.errors import BusUnavailableError, StoreUnavailableError
-from jobplane.store.sql import SqlStore
+from jobplane.store.abc import DispatchStore, Store, WorkerStore
 from jobplane_worker.settings import WorkerSettings
 from jobplane_worker.worker import Worker
 
@@ -45,10 +45,11 @@ FAST: Timings = {
 
 @asynccontextmanager
 async def running_worker(
-    app: App, store: SqlStore | FlakyStore, bus: Bus | Any, **overrides: Any
+    app: App, store: WorkerStore | FlakyStore, bus: Bus | Any, **overrides: Any
 ) -> AsyncIterator[Worker]:
     settings = WorkerSettings(**{"worker_id": f"w-{uuid.uuid4().hex[:8]}", **FAST, **overrides})
-    worker = Worker(app, cast(SqlStore, store), bus, settings)
+    # (A FlakyStore is the real store behind a proxy that fails some of its calls.)
+    worker = Worker(app, cast(WorkerStore, store), bus, settings)
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
     try:
@@ -82,7 +83,9 @@ async def wait_for(
         await asyncio.sleep(0.02)
 
 
-async def settled(store: SqlStore, ids: Collection[UUID], timeout_s: float = 20) -> list[Instance]:
+async def settled(
+    store: DispatchStore, ids: Collection[UUID], timeout_s: float = 20
+) -> list[Instance]:
     """Wait until every instance is terminal; return them. (An instance stays terminal once
     it is, so each look reads only those not yet seen terminal: reading every one of a few
     hundred instances every 20 ms kept a core busy until the last one ended.)"""
@@ -115,7 +118,7 @@ class FlakyStore:
     (:class:`StoreUnavailableError`, nothing sent), as do the next ``fail_next[name]`` calls of
     a method. Every refused call is kept in ``refused`` as ``(name, args)``."""
 
-    def __init__(self, store: SqlStore) -> None:
+    def __init__(self, store: Store) -> None:
         self.store = store
         self.down: set[str] = set()
         #: Every method fails (a whole outage), as if each were in ``down``.
