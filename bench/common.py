@@ -35,14 +35,16 @@ def _admin(sql: str) -> None:
 
 
 @asynccontextmanager
-async def environment() -> AsyncIterator[tuple[str, str, SqlStore]]:
-    """(database url, key prefix, store) on a new database, removed afterwards."""
+async def environment(*, migrate: bool = True) -> AsyncIterator[tuple[str, str, SqlStore]]:
+    """(database url, key prefix, store) on a new database, removed afterwards; migrated to
+    this version's schema unless ``migrate`` is false (the caller migrates it)."""
     name = f"jpbench_{uuid.uuid4().hex[:10]}"
     prefix = f"jpbench-{uuid.uuid4().hex[:10]}"
     _admin(f'CREATE DATABASE "{name}"')
     url = make_url(POSTGRES_URL).set(database=name).render_as_string(False)
     try:
-        await migrate_database(url)
+        if migrate:
+            await migrate_database(url)
         store = open_store(url, pool_size=5)
         try:
             yield url, prefix, store

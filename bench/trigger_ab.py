@@ -10,8 +10,9 @@ printed. While one is measured the other is idle, so both see the same load, giv
 slice: the load of a shared machine changes by the second and a before/after of whole runs
 measures the load more than the code.
 
-1. ``Dispatcher.trigger``, 1 in flight, in a process of each version: triggers/s, the CPU
-   time of that process per trigger, p50 and p99.
+1. ``Dispatcher.trigger``, 1 in flight (inside ``async with`` where the version has it, as
+   the API uses it), in a process of each version: triggers/s, the CPU time of that process
+   per trigger, p50 and p99.
 2. REST: an API process of each version, triggered over plain keep-alive HTTP/1.1
    (``bench.trigger.RawTrigger``) with 16 and with 1 request in flight: triggers/s, the CPU
    time of the API process per request, p50 and p99.
@@ -37,6 +38,12 @@ from bench.api import api_process
 from bench.common import ROOT, bus_for, environment, percentile
 from bench.trigger import KEY, _define
 from jobplane.dispatch import Dispatcher
+
+#: Migrates the database named by ``sys.argv[1]`` with the code on ``PYTHONPATH``.
+MIGRATE = (
+    "import asyncio, sys; from jobplane.backends import migrate_database; "
+    "asyncio.run(migrate_database(sys.argv[1]))"
+)
 
 #: (triggers/s, CPU ms per trigger, p50 ms, p99 ms) of one slice.
 Slice = tuple[float, float, float, float]
@@ -114,20 +121,21 @@ async def dispatcher_child() -> None:
         await _define(store)
         bus = bus_for(prefix)
         try:
-            # (This file runs with the measured tree's packages: an older Dispatcher may
-            # have no flush(), its sends being done when trigger() returns.)
-            dispatcher = Dispatcher(store, bus)
-            for _ in range(300):
-                await dispatcher.trigger(KEY)
-            print("ready", flush=True)
-            loop = asyncio.get_running_loop()
-            while line := (await loop.run_in_executor(None, sys.stdin.readline)).strip():
-                seconds = float(line)
-                measured = await timed(lambda: dispatcher.trigger(KEY), seconds, 1, [])
-                print(" ".join(str(v) for v in measured), flush=True)
-            flush = getattr(dispatcher, "flush", None)
-            if flush is not None:
-                await flush()
+            async with AsyncExitStack() as stack:
+                # Used as the API uses it (``async with``: its sends in the background). This
+                # file runs with the measured tree's packages: an older Dispatcher may not be
+                # a context manager, its sends then being done when trigger() returns.
+                dispatcher = Dispatcher(store, bus)
+                if hasattr(dispatcher, "__aenter__"):
+                    dispatcher = await stack.enter_async_context(dispatcher)
+                for _ in range(300):
+                    await dispatcher.trigger(KEY)
+                print("ready", flush=True)
+                loop = asyncio.get_running_loop()
+                while line := (await loop.run_in_executor(None, sys.stdin.readline)).strip():
+                    seconds = float(line)
+                    measured = await timed(lambda: dispatcher.trigger(KEY), seconds, 1, [])
+                    print(" ".join(str(v) for v in measured), flush=True)
         finally:
             await bus.close()
 
@@ -180,7 +188,9 @@ async def bench_apis(
         for name, tree in trees.items():
             ours = set(process_tree(os.getpid()))
             os.environ["PYTHONPATH"] = python_path(tree)  # what the API process runs
-            url, prefix, store = await stack.enter_async_context(environment())
+            url, prefix, store = await stack.enter_async_context(environment(migrate=False))
+            # Migrated by the tree's own code: an older API refuses a newer schema.
+            subprocess.run([sys.executable, "-c", MIGRATE, url], check=True)
             await _define(store)
             base = await stack.enter_async_context(api_process(url, prefix, 1))
             apis[name] = (base, [p for p in process_tree(os.getpid()) if p not in ours])
