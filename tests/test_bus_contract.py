@@ -252,6 +252,32 @@ async def test_pending_updates_compare_and_delete(bus: Bus) -> None:
     assert await bus.get_pending_updates(["a"]) == {}
 
 
+async def test_a_reader_sees_every_mark_another_process_writes(
+    redis_url: str, redis_prefix: str
+) -> None:
+    """A reader keeps the marks it read and reads them again only when the hash changed: a
+    new mark, a newer version of a marked job, a mark cleared, and marks written without
+    the edit count (by a version that did not keep one) all reach it."""
+    writer, reader = open_bus(redis_url, redis_prefix), open_bus(redis_url, redis_prefix)
+    assert isinstance(reader, RedisBus)
+    try:
+        assert await reader.get_pending_updates(["a", "b"]) == {}
+        await writer.set_pending_updates({"a": 2})
+        assert await reader.get_pending_updates(["a", "b"]) == {"a": 2}
+        await writer.set_pending_updates({"a": 3, "b": 1})
+        assert await reader.get_pending_updates(["a", "b"]) == {"a": 3, "b": 1}
+        assert await writer.clear_pending_update("b", 1)
+        assert await reader.get_pending_updates(["a", "b"]) == {"a": 3}
+        await reader.client.hset(keys_of(reader).pending_updates(), "c", "7")  # no count
+        assert await reader.get_pending_updates(["a", "c"]) == {"a": 3, "c": 7}
+        assert await reader.get_pending_updates() == {"a": 3, "c": 7}  # the count is no mark
+        await reader.client.delete(keys_of(reader).pending_updates())  # flushed
+        assert await reader.get_pending_updates(["a", "c"]) == {}
+    finally:
+        await writer.close()
+        await reader.close()
+
+
 async def test_events_reach_every_subscriber(bus: Bus) -> None:
     async def first_event() -> Event:
         async for event in bus.subscribe():
