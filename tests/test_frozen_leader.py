@@ -173,11 +173,14 @@ def _wait_for_backend_waiting_on_a_lock(url: str) -> int:
     with psycopg.connect(_dsn(url), autocommit=True) as probe:
         while time.monotonic() < deadline:
             # A backend waiting on a lock while it holds one on the lease table: the leader,
-            # inside a fenced transaction (the fence locked its lease row first).
+            # inside a fenced transaction (the fence locked its lease row first), one of
+            # several statements (a sweep's: begun before the statement that waits). A tick's
+            # fire is one statement in autocommit: unblocked, it commits by itself, and its
+            # session is never left idle in a transaction by a frozen leader.
             row = probe.execute(
                 "SELECT a.pid FROM pg_stat_activity a WHERE a.datname = current_database() "
-                "AND a.wait_event_type = 'Lock' AND EXISTS (SELECT 1 FROM pg_locks l "
-                "WHERE l.pid = a.pid AND l.granted "
+                "AND a.wait_event_type = 'Lock' AND a.xact_start < a.query_start "
+                "AND EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid AND l.granted "
                 "AND l.relation = 'scheduler_leases'::regclass)"
             ).fetchone()
             if row is not None:
