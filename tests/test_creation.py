@@ -106,3 +106,26 @@ async def test_a_skipped_occurrence_is_finished_at_creation(store: SqlStore) -> 
     )
     assert skipped.state is S.SKIPPED and skipped.finished_at is not None
     assert skipped.reason == "misfire"
+
+
+async def test_a_batch_of_mixed_requests_creates_each_as_alone(store: SqlStore) -> None:
+    # The batch statements receive a column as one array (on Postgres, a column NULL in every
+    # record as an empty one, padded with NULLs by the statement): in one batch of every
+    # request together each row gets its own values, as when it is created alone.
+    await define(store, "job", queue="mail", priority=3)
+    now = await store.now()
+    alone = {
+        name: _row(
+            await store.get_instance(await _single(store, NewInstance(job_key="job", **r(now))))
+        )
+        for name, r in REQUESTS
+    }
+    lease = await store.acquire_leadership(0, "creation-test", 30)
+    assert lease is not None
+    for create in (store.create_instances, lambda new: store.fire(lease, new)):
+        batch = [NewInstance(job_key="job", **request(now)) for _, request in REQUESTS]
+        made = await create(batch)
+        assert [i.id for i in made] == [n.id for n in batch]
+        for (name, _), instance in zip(REQUESTS, made, strict=True):
+            assert _row(instance) == alone[name], name
+            assert instance == await store.get_instance(instance.id)

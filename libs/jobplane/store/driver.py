@@ -25,7 +25,7 @@ from sqlalchemy.util import greenlet_spawn
 
 class DriverStatement:
     """A ``text()`` statement (with ``.columns(...)``), compiled once for ``dialect`` (asyncpg),
-    run with :meth:`fetch_row` on the driver connection of a SQLAlchemy connection.
+    run with :meth:`fetch_row` or :meth:`fetch` on the driver connection of a SQLAlchemy connection.
 
     The statement runs in the connection's current state: on a connection that has executed
     nothing through SQLAlchemy (so none of its ``BEGIN``), it is a transaction of its own, as
@@ -48,24 +48,44 @@ class DriverStatement:
 
     async def fetch_row(self, conn: AsyncConnection, params: Mapping[str, Any]) -> dict[str, Any]:
         """The statement's first row (it must return one), by column name."""
+        found = await self._run(conn, params, many=False)
+        if not found:
+            raise LookupError("the statement returned no row")
+        return found[0]
+
+    async def fetch(self, conn: AsyncConnection, params: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """Every row of the statement, by column name."""
+        return await self._run(conn, params, many=True)
+
+    async def _run(
+        self, conn: AsyncConnection, params: Mapping[str, Any], *, many: bool
+    ) -> list[dict[str, Any]]:
         raw = await conn.get_raw_connection()
         driver: Any = raw.driver_connection
         args = [params[name] for name in self.names]
         try:
             if self._processors is None:
                 self._processors = self._result_processors(await driver.prepare(self.sql))
-            record = await driver.fetchrow(self.sql, *args)
+            if many:
+                records = await driver.fetch(self.sql, *args)
+            else:
+                record = await driver.fetchrow(self.sql, *args)
+                records = [] if record is None else [record]
         except BaseException as exc:
             # SQLAlchemy's own error handling (it may close the connection: in a greenlet).
             sync_conn, dbapi_conn = conn.sync_connection, raw.dbapi_connection
             await greenlet_spawn(_raise_as_sqlalchemy, sync_conn, dbapi_conn, exc, self.sql, args)
             raise  # (not reached: the handler always raises)
-        if record is None:
-            raise LookupError("the statement returned no row")
-        row = dict(record.items())
-        for key, process in self._processors:
-            row[key] = process(row[key])
-        return row
+        processors = self._processors
+        found = []
+        for record in records:
+            row = dict(record.items())
+            for key, process in processors:
+                value = row[key]
+                if value is not None:  # (every type's conversion keeps a NULL a None)
+                    row[key] = process(value)
+            found.append(row)
+        return found
 
     def _result_processors(self, prepared: Any) -> list[tuple[str, Callable[[Any], Any]]]:
         found: list[tuple[str, Callable[[Any], Any]]] = []

@@ -71,6 +71,7 @@ class PostgresStore(PostgresStatsStore, SqlStore):
         super().__init__(engine)
         #: The single trigger's statement, run on the driver (see :class:`DriverStatement`).
         self._create_one = DriverStatement(CREATE_ONE, engine.dialect)
+        self._fire = DriverStatement(FIRE, engine.dialect)
         self._read_clock = DriverStatement(NOW, engine.dialect)
 
     async def now(self) -> datetime:
@@ -136,14 +137,17 @@ class PostgresStore(PostgresStatsStore, SqlStore):
         params = creation_params(new)
         params.update(shard=lease.shard, holder=lease.holder, term=lease.term)
         params["published"] = published
-        async with self._statement() as conn:
-            result = (await conn.execute(FIRE, params)).all()
-            if not result[0].live:
+        # On the driver (one statement, a transaction of its own): SQLAlchemy's processing of
+        # a 1,000-row result cost the leader more CPU than the rows' own conversion, and the
+        # publish waits for it (docs/benchmarks.md, "Cron fire lag").
+        async with self._reachable(), self.engine.connect() as conn:
+            result = await self._fire.fetch(conn, params)
+            if not result[0]["live"]:
                 raise NotLeaderError(f"term {lease.term} of shard {lease.shard} is over")
-            if result[0].missing_key is not None:
-                raise JobNotFoundError(result[0].missing_key)
+            if result[0]["missing_key"] is not None:
+                raise JobNotFoundError(result[0]["missing_key"])
             by_id = {
-                row.id: rows.instance_from_row(row._mapping) for row in result if row.id is not None
+                row["id"]: rows.instance_from_row(row) for row in result if row["id"] is not None
             }
             # A tick recorded before (two leaders overlapping) is read, committed, from here.
             return await self._resolve_created(conn, new, by_id)
@@ -279,8 +283,14 @@ class PostgresStore(PostgresStatsStore, SqlStore):
 
 
 def creation_params(new: Sequence[NewInstance]) -> dict[str, Any]:
-    """The array parameters of ``CREATE`` and ``FIRE`` for ``new``, one array per column."""
-    return {
+    """The array parameters of ``CREATE`` and ``FIRE`` for ``new``, one array per column.
+
+    A column that is NULL in every record is sent as an empty array: ``unnest`` pads a
+    shorter array with NULLs, and the driver's encoding of an array costs the caller a few
+    µs a value, before the statement reaches the server (a cron tick's records leave ten
+    of the fifteen columns empty: docs/benchmarks.md, "Cron fire lag"). ``held`` is sent
+    as true or NULL for the same reason (the statements read NULL as not held)."""
+    columns: dict[str, list[Any]] = {
         "ids": [n.id for n in new],
         "job_keys": [n.job_key for n in new],
         "sources": [n.source.value for n in new],
@@ -289,11 +299,15 @@ def creation_params(new: Sequence[NewInstance]) -> dict[str, Any]:
         "args": [None if n.args is None else json.dumps(n.args) for n in new],
         "scheduled_at": [n.scheduled_at for n in new],
         "run_at": [n.run_at for n in new],
-        "held": [n.held for n in new],
+        "held": [True if n.held else None for n in new],
         "pinned": [n.pinned_worker for n in new],
         "retry_of": [n.retry_of for n in new],
         "idempotency": [n.idempotency_key for n in new],
         "fingerprints": [fingerprint_of(n) for n in new],
         "skip_reasons": [n.skip_reason for n in new],
         "actors": [n.actor for n in new],
+    }
+    return {
+        name: values if any(v is not None for v in values) else []
+        for name, values in columns.items()
     }

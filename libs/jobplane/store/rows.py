@@ -21,6 +21,10 @@ from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState
 
 INSTANCE_FIELDS = tuple(Instance.__dataclass_fields__)
+# By stored value: a dict lookup, where calling the enum goes through its metaclass (a 1,000-row
+# fire or claim converts every row).
+_STATES = {state.value: state for state in InstanceState}
+_SOURCES = {source.value: source for source in InstanceSource}
 
 
 def definition_from_row(row: Mapping[Any, Any]) -> JobDefinition:
@@ -62,8 +66,8 @@ def definition_values(options: JobOptions) -> dict[str, Any]:
 
 def instance_from_row(row: Mapping[Any, Any]) -> Instance:
     values = {name: row[name] for name in INSTANCE_FIELDS}
-    values["state"] = InstanceState(values["state"])
-    values["source"] = InstanceSource(values["source"])
+    values["state"] = _STATES[values["state"]]
+    values["source"] = _SOURCES[values["source"]]
     if values["error"] is not None:
         values["error"] = ErrorInfo.from_json(values["error"])
     return Instance(**values)
