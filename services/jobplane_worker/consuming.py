@@ -201,7 +201,7 @@ class Intake:
         # whatever the bus does next: they must not wait, unrenewed, for the reaper.
         lease_until = sent + self.settings.lease_s
         for claim in result.claimed:
-            self.metrics.claims.labels(job=claim.instance.job_key).inc()
+            self.metrics.claimed(claim.instance.job_key)
             self.metrics.picked_up(claim.instance)
             if time.monotonic() >= lease_until - self._fence_margin(claim):
                 # The claim's answer came so late (a partition or a stalled connection held

@@ -274,13 +274,13 @@ class Worker:
             self._slot_freed.set()
             lease_until = self.leases.forget(attempt.claim.instance.id)
         if attempt.lease_lost:
-            self.metrics.finished.labels(job=key, outcome=ClaimOutcome.LEASE_LOST).inc()
+            self.metrics.ended(key, ClaimOutcome.LEASE_LOST)
             return
         if outcome is None or (attempt.shutdown and outcome.reason != StopReason.TIMEOUT):
             # The worker is stopping and the code has stopped (it was cancelled, or noticed
             # the signal and returned): another worker runs it again.
             if not runaway:
-                self.metrics.finished.labels(job=key, outcome=ClaimOutcome.RELEASED).inc()
+                self.metrics.ended(key, ClaimOutcome.RELEASED)
                 await self.recorder.release(attempt, lease_until)
             return
         if runaway:
@@ -290,7 +290,7 @@ class Worker:
         await self.leases.flush_progress(attempt)
         # The outcome state itself is the label (succeeded, failed, cancelled, or any other an
         # attempt may end in): a label never fails the recording of an outcome.
-        self.metrics.finished.labels(job=key, outcome=outcome.state.value).inc()
+        self.metrics.ended(key, outcome.state.value)
         self.recorder.put(attempt, outcome)
 
     # -- events ----------------------------------------------------------------------------
