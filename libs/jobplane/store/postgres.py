@@ -72,6 +72,7 @@ class PostgresStore(PostgresStatsStore, SqlStore):
         #: The single trigger's statement, run on the driver (see :class:`DriverStatement`).
         self._create_one = DriverStatement(CREATE_ONE, engine.dialect)
         self._fire = DriverStatement(FIRE, engine.dialect)
+        self._claim = DriverStatement(CLAIM, engine.dialect)
         self._read_clock = DriverStatement(NOW, engine.dialect)
 
     async def now(self) -> datetime:
@@ -197,21 +198,21 @@ class PostgresStore(PostgresStatsStore, SqlStore):
     ) -> ClaimResult:
         if not ids:
             return ClaimResult()
-        # One statement: in autocommit it is its own transaction (no BEGIN/COMMIT round
-        # trips before a job can start); its row locks last until it ends, as before.
-        async with self._statement() as conn:
-            result = await conn.execute(
-                CLAIM,
+        # One statement, outside any transaction: it is its own (no BEGIN/COMMIT round trips
+        # before a job can start); its row locks last until it ends, as before. On the driver
+        # (DriverStatement), as the single trigger: the claim is on every job's path to start.
+        async with self._reachable(), self.engine.connect() as conn:
+            found = await self._claim.fetch(
+                conn,
                 {
                     "ids": list(dict.fromkeys(ids)),
                     "jobs": list(jobs),
                     "worker": worker_id,
-                    "lease": lease_s,
-                    "limit_reason": EndReason.LIMIT_REACHED,
-                    "cancel_reason": EndReason.CANCEL_BEFORE_CLAIM,
+                    "lease": float(lease_s),
+                    "limit_reason": EndReason.LIMIT_REACHED.value,
+                    "cancel_reason": EndReason.CANCEL_BEFORE_CLAIM.value,
                 },
             )
-            found = [r._mapping for r in result]
         claimed: list[Claim] = []
         skipped: list[UUID] = []
         waiting: list[UUID] = []
@@ -275,7 +276,7 @@ class PostgresStore(PostgresStatsStore, SqlStore):
         self, conn: AsyncConnection, outcomes: Sequence[Outcome], params: dict[str, Any]
     ) -> dict[UUID, InstanceState]:
         result = await conn.execute(COMPLETE, params)
-        ended = {row.id: InstanceState(row.state) for row in result}
+        ended = {row.id: rows.state_of(row.state) for row in result}
         for outcome in outcomes:
             if outcome.instance_id not in ended:
                 log_fenced(outcome)

@@ -27,6 +27,11 @@ _STATES = {state.value: state for state in InstanceState}
 _SOURCES = {source.value: source for source in InstanceSource}
 
 
+def state_of(value: str) -> InstanceState:
+    """The state stored as ``value``."""
+    return _STATES[value]
+
+
 def definition_from_row(row: Mapping[Any, Any]) -> JobDefinition:
     return JobDefinition(
         options=JobOptions.from_stored(row["options"]),
