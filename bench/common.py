@@ -77,6 +77,19 @@ async def kept_database(name: str) -> AsyncIterator[tuple[str, str, SqlStore]]:
         await store.close()
 
 
+def cpu_seconds(pids: Iterable[int]) -> float:
+    """User and system CPU seconds the processes ``pids`` have used so far (Linux ``/proc``;
+    a process already gone counts nothing)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def spawn_worker(url: str, prefix: str, index: int, concurrency: int) -> subprocess.Popen[bytes]:
     env = {
         **os.environ,

@@ -16,7 +16,7 @@ from datetime import datetime
 
 from sqlalchemy import text
 
-from bench.common import bus_for, environment, spawn_worker, wait_until
+from bench.common import bus_for, cpu_seconds, environment, spawn_worker, wait_until
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import NewInstance
 from jobplane.domain.options import JobOptions
@@ -39,6 +39,7 @@ async def main(jobs: int, workers: int, concurrency: int) -> None:
         created = time.perf_counter() - started
         print(f"trigger (bulk, {CHUNK} per call): {jobs / created:,.0f} instances/s")
 
+        spawned = await store.now()  # the workers' backends start after this
         procs = [spawn_worker(url, prefix, i, concurrency) for i in range(workers)]
         started = time.perf_counter()
         try:
@@ -49,6 +50,10 @@ async def main(jobs: int, workers: int, concurrency: int) -> None:
 
             await wait_until(drained)
             elapsed = time.perf_counter() - started
+            # CPU per job, read before the processes stop: the workers' (their start-up
+            # included, about 0.6 s each) and their Postgres backends'.
+            worker_cpu = cpu_seconds(proc.pid for proc in procs)
+            backend_cpu = cpu_seconds(await _backends(store, spawned))
         finally:
             for proc in procs:
                 proc.terminate()
@@ -62,6 +67,24 @@ async def main(jobs: int, workers: int, concurrency: int) -> None:
             f"from first claim to last success ({busy:.2f} s; {jobs / elapsed:,.0f} jobs/s "
             f"counting worker start-up, {elapsed:.2f} s)"
         )
+        print(
+            f"  CPU per job: workers {worker_cpu / jobs * 1000:.3f} ms, their Postgres backends "
+            f"{backend_cpu / jobs * 1000:.3f} ms"
+        )
+
+
+async def _backends(store: SqlStore, since: datetime) -> list[int]:
+    """The pids of the sessions on this benchmark's database opened since ``since`` (the
+    workers'; the benchmark's own, which created the backlog, were opened before)."""
+    async with store.engine.connect() as conn:
+        found = await conn.execute(
+            text(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+                " AND backend_start >= :since AND pid <> pg_backend_pid()"
+            ),
+            {"since": since},
+        )
+        return [row[0] for row in found]
 
 
 async def _window(store: SqlStore) -> tuple[datetime, datetime]:

@@ -35,7 +35,7 @@ from io import BytesIO
 from pathlib import Path
 
 from bench.api import api_process
-from bench.common import ROOT, bus_for, environment, percentile
+from bench.common import ROOT, bus_for, cpu_seconds, environment, percentile
 from bench.trigger import KEY, _define
 from jobplane.dispatch import Dispatcher
 
@@ -64,17 +64,6 @@ def export(commit: str | None, into: Path) -> Path:
 
 def python_path(tree: Path) -> str:
     return os.pathsep.join(str(tree / part) for part in ("", "libs", "services"))
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except FileNotFoundError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
 
 
 def process_tree(pid: int) -> list[int]:
