@@ -376,6 +376,17 @@ async def test_claim_tokens_are_fresh_for_every_claim(store: SqlStore) -> None:
     assert len(set(tokens)) == 5
 
 
+async def test_a_batch_claim_of_several_jobs_gives_each_its_own_options(store: SqlStore) -> None:
+    await define(store, "job", max_concurrency=5, timeout_s=30)
+    await define(store, "other", max_concurrency=5, timeout_s=60)
+    made = await enqueue(store, n=3) + await enqueue(store, key="other", n=3)
+    result = await store.claim([i.id for i in made], "w1", 10, ["job", "other"])
+    assert len(result.claimed) == 6
+    for claim in result.claimed:
+        assert claim.options.key == claim.instance.job_key
+        assert claim.options.timeout_s == (30 if claim.instance.job_key == "job" else 60)
+
+
 async def test_claim_ignores_unknown_jobs_pinned_elsewhere_and_non_enqueued(
     store: SqlStore,
 ) -> None:

@@ -217,7 +217,13 @@ class PostgresStore(PostgresStatsStore, SqlStore):
         skipped: list[UUID] = []
         waiting: list[UUID] = []
         cancelled: list[UUID] = []
-        options: dict[str, JobOptions] = {}  # parsed once per job key, not once per row
+        # Parsed once per job key, not once per row: the statement returns a job's options
+        # with one of its claimed rows only.
+        options = {
+            row["job_key"]: JobOptions.from_stored(row["job_options"])
+            for row in found
+            if row["job_options"] is not None
+        }
         others = {
             ClaimOutcome.SKIPPED: skipped,
             ClaimOutcome.WAITING: waiting,
@@ -226,10 +232,8 @@ class PostgresStore(PostgresStatsStore, SqlStore):
         for row in found:
             outcome = ClaimOutcome(row["outcome"])
             if outcome is ClaimOutcome.CLAIMED:
-                key = row["job_key"]
-                if key not in options:
-                    options[key] = JobOptions.from_stored(row["job_options"])
-                claimed.append(Claim(instance=rows.instance_from_row(row), options=options[key]))
+                instance = rows.instance_from_row(row)
+                claimed.append(Claim(instance=instance, options=options[instance.job_key]))
             else:
                 others[outcome].append(row["id"])
         handled = {c.instance.id for c in claimed} | {*skipped, *waiting, *cancelled}

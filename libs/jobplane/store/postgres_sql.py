@@ -98,7 +98,9 @@ history AS (
     SELECT id, 'enqueued', 'cancelled', :worker, :cancel_reason, NULL FROM cancelled
     RETURNING 1
 )
-SELECT '{ClaimOutcome.CLAIMED}' AS outcome, {_cols("c")}, d.options AS job_options
+SELECT '{ClaimOutcome.CLAIMED}' AS outcome, {_cols("c")},
+       -- once per job key: the driver decodes each jsonb it returns, row by row
+       CASE WHEN row_number() OVER (PARTITION BY c.job_key) = 1 THEN d.options END AS job_options
 FROM claimed c JOIN job_definitions d ON d.key = c.job_key
 UNION ALL
 SELECT '{ClaimOutcome.SKIPPED}', {_cols("i")}, NULL
