@@ -130,7 +130,7 @@ class WorkerMetrics:
             self.backend_errors.labels(backend, kind)
         # The series of the per-job counters, kept by label values: ``labels()`` checks its
         # arguments and takes a lock on every call, about 5 % of a worker's CPU when it runs
-        # thousands of no-op jobs a second (docs/benchmarks.md, "Throughput").
+        # thousands of no-op jobs a second (docs/benchmarks.md, "Drain: CPU per job").
         self._claims_by_job: dict[str, Counter] = {}
         self._finished_by_job: dict[tuple[str, str], Counter] = {}
 
