@@ -1,6 +1,6 @@
 """The definition cache: job definitions served from memory, reloaded only where they changed.
 
-An edit reaches a cache three ways, fastest first (DESIGN.md guarantee 6):
+An edit reaches a cache three ways, fastest first (docs/architecture.md, guarantee 6):
 
 1. the ``DEFINITIONS_CHANGED`` event, which :meth:`DefinitionCache.apply_event` turns into a
    reload of the keys it names;

@@ -1,4 +1,4 @@
-"""Job options with their validation (DESIGN.md "Job kinds and options").
+"""Job options with their validation (README, "A job, end to end").
 
 Options are declared in code; the first registration persists them and the stored ones win
 afterwards. :meth:`JobOptions.parse` turns any bad value into an :class:`InvalidOptionsError`

@@ -1,4 +1,4 @@
-"""Instance states and the transition table of DESIGN.md, as data."""
+"""Instance states and their transition table, as data."""
 
 from __future__ import annotations
 
