@@ -1,10 +1,11 @@
 """No-op jobs per second drained by two worker processes on Postgres + Redis.
 
-    .venv/bin/python -m bench.throughput [--jobs 20000] [--workers 2] [--concurrency 256]
+    .venv/bin/python -m bench.throughput [--jobs 20000] [--workers 2] [--concurrency 512]
 
 Every instance goes Enqueued → Processing → Succeeded with its history in Postgres. The backlog
 is created first (bulk insert + publish, timed separately as trigger throughput), then the
-workers start and the clock runs until every instance has Succeeded.
+workers start and the clock runs until every instance has Succeeded. Then it prints the CPU
+per job of the workers and of their Postgres backends.
 """
 
 from __future__ import annotations
