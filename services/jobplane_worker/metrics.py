@@ -28,8 +28,9 @@ from jobplane.errors import (
 )
 
 
-class ClaimOutcome(StrEnum):
-    """How a claim of this worker ended: the ``outcome`` label of the finished attempts."""
+class AttemptEnd(StrEnum):
+    """How an attempt of this worker ended: the ``outcome`` label of the finished attempts
+    (not :class:`jobplane.domain.models.ClaimOutcome`: what a claim did with an instance)."""
 
     SUCCEEDED = InstanceState.SUCCEEDED.value
     FAILED = InstanceState.FAILED.value
@@ -91,8 +92,8 @@ class WorkerMetrics:
         self.finished = Counter(
             "jobplane_worker_attempts_finished",
             "Attempts ended in this worker, by job and outcome (succeeded, failed, cancelled; "
-            f"{ClaimOutcome.LEASE_LOST}: not recorded, the lease was lost; "
-            f"{ClaimOutcome.RELEASED}: released on shutdown)",
+            f"{AttemptEnd.LEASE_LOST}: not recorded, the lease was lost; "
+            f"{AttemptEnd.RELEASED}: released on shutdown)",
             ["job", "outcome"],
             registry=self.registry,
         )
@@ -142,7 +143,7 @@ class WorkerMetrics:
         series.inc()
 
     def ended(self, job: str, outcome: str) -> None:
-        """Count an attempt of ``job`` ended with ``outcome`` (a :class:`ClaimOutcome`)."""
+        """Count an attempt of ``job`` ended with ``outcome`` (an :class:`AttemptEnd`)."""
         series = self._finished_by_job.get((job, outcome))
         if series is None:
             series = self.finished.labels(job=job, outcome=outcome)

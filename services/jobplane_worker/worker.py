@@ -54,7 +54,7 @@ from jobplane.tasks import cancel_and_wait
 from jobplane_worker.attempt import Attempt, run_attempt
 from jobplane_worker.consuming import Intake
 from jobplane_worker.leases import Leases
-from jobplane_worker.metrics import ClaimOutcome, FencedWrite, WorkerMetrics
+from jobplane_worker.metrics import AttemptEnd, FencedWrite, WorkerMetrics
 from jobplane_worker.recording import Recorder, quietly
 from jobplane_worker.retrying import retrying
 from jobplane_worker.runaways import Runaways
@@ -274,13 +274,13 @@ class Worker:
             self._slot_freed.set()
             lease_until = self.leases.forget(attempt.claim.instance.id)
         if attempt.lease_lost:
-            self.metrics.ended(key, ClaimOutcome.LEASE_LOST)
+            self.metrics.ended(key, AttemptEnd.LEASE_LOST)
             return
         if outcome is None or (attempt.shutdown and outcome.reason != StopReason.TIMEOUT):
             # The worker is stopping and the code has stopped (it was cancelled, or noticed
             # the signal and returned): another worker runs it again.
             if not runaway:
-                self.metrics.ended(key, ClaimOutcome.RELEASED)
+                self.metrics.ended(key, AttemptEnd.RELEASED)
                 await self.recorder.release(attempt, lease_until)
             return
         if runaway:
