@@ -32,11 +32,11 @@ T = TypeVar("T")
 XRANGE_PAGE = 1000
 DEAD_LETTER_MAXLEN = 10_000
 
-# Compare-and-delete: a newer edit's mark survives the clearing of an older one.
 #: A field of the pending-update hash that no job key can be (keys start with a letter or a
 #: digit): how many edits were marked, so a reader knows the hash changed without reading it.
 EDITS_FIELD = "#edits"
 
+# Compare-and-delete: a newer edit's mark survives the clearing of an older one.
 CLEAR_PENDING_LUA = """
 if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
     return redis.call('HDEL', KEYS[1], ARGV[1])

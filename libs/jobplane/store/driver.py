@@ -48,29 +48,20 @@ class DriverStatement:
 
     async def fetch_row(self, conn: AsyncConnection, params: Mapping[str, Any]) -> dict[str, Any]:
         """The statement's first row (it must return one), by column name."""
-        found = await self._run(conn, params, many=False)
+        found = await self.fetch(conn, params)
         if not found:
             raise LookupError("the statement returned no row")
         return found[0]
 
     async def fetch(self, conn: AsyncConnection, params: Mapping[str, Any]) -> list[dict[str, Any]]:
         """Every row of the statement, by column name."""
-        return await self._run(conn, params, many=True)
-
-    async def _run(
-        self, conn: AsyncConnection, params: Mapping[str, Any], *, many: bool
-    ) -> list[dict[str, Any]]:
         raw = await conn.get_raw_connection()
         driver: Any = raw.driver_connection
         args = [params[name] for name in self.names]
         try:
             if self._processors is None:
                 self._processors = self._result_processors(await driver.prepare(self.sql))
-            if many:
-                records = await driver.fetch(self.sql, *args)
-            else:
-                record = await driver.fetchrow(self.sql, *args)
-                records = [] if record is None else [record]
+            records = await driver.fetch(self.sql, *args)
         except BaseException as exc:
             # SQLAlchemy's own error handling (it may close the connection: in a greenlet).
             sync_conn, dbapi_conn = conn.sync_connection, raw.dbapi_connection
