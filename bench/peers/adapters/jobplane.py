@@ -1,7 +1,8 @@
 """Jobplane in the peers' harness (the project's own environment): two ``jobplane worker``
 processes on a fresh Postgres database and the run's Redis; enqueued through the Python API
 (``Dispatcher.trigger`` / ``trigger_many``) and over REST through a real ``jobplane api``
-process (``POST /api/v1/jobs/noop/instances`` / ``POST /api/v1/instances/batch``)."""
+process (``POST /api/v1/jobs/noop/instances`` / ``POST /api/v1/instances/batch``). The job is
+in :mod:`bench.peers.adapters.jobplane_jobs`, the module the workers import."""
 
 from __future__ import annotations
 
@@ -10,26 +11,14 @@ from contextlib import AsyncExitStack
 from importlib.metadata import version
 
 import httpx
-from pydantic import BaseModel
 
 from bench.api import BATCH_PATH, TRIGGER_PATH, api_process
 from bench.common import bus_for, environment
-from bench.peers.adapters import harness, probe
-from jobplane import App
+from bench.peers.adapters import harness
+from bench.peers.adapters.jobplane_jobs import Sent
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import NewInstance
 from jobplane.domain.options import JobOptions
-
-app = App("peers")
-
-
-class Sent(BaseModel):
-    t: float = 0.0
-
-
-@app.triggered(key="noop", max_concurrency=1_000_000)
-async def noop(args: Sent) -> None:
-    probe.record(args.t)
 
 
 class PythonClient:
@@ -91,7 +80,7 @@ class System:
 
     def worker_commands(self, config: harness.Config) -> list[list[str]]:
         common = [harness.installed("jobplane"), "worker"]
-        common += ["--app", "bench.peers.adapters.jobplane:app"]
+        common += ["--app", "bench.peers.adapters.jobplane_jobs:app"]
         common += ["--concurrency", str(config.concurrency)]
         return [[*common, "--worker-id", f"peers-{i}"] for i in range(2)]
 
