@@ -34,8 +34,14 @@ WITH cand AS MATERIALIZED (
     SELECT id, job_key, priority, cancel_requested
     FROM job_instances
     WHERE id = ANY(CAST(:ids AS uuid[]))
-      AND state = 'enqueued'
-      AND job_key = ANY(CAST(:jobs AS text[]))
+      -- Found by primary key only: ``|| ''`` hides state and job key from the indexes. Else,
+      -- whenever the statistics do not know the backlog (a new table, or a burst since the
+      -- last ANALYZE, when Enqueued rows looked rare), the planner reads every Enqueued row
+      -- of the job through ix_job_instances_unpublished and filters by id: every claim then
+      -- costs the whole backlog (20,000 bulk-triggered instances claimed 256 at a time:
+      -- 2.1 s of claims, against 0.9 s by primary key; docs/benchmarks.md, "The claim's plan").
+      AND (state || '') = 'enqueued'
+      AND (job_key || '') = ANY(CAST(:jobs AS text[]))
       AND (pinned_worker IS NULL OR pinned_worker = :worker)
     ORDER BY id
     FOR UPDATE
