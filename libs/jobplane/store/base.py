@@ -30,6 +30,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.domain.models import LeaderLease
+from jobplane.domain.states import InstanceState
 from jobplane.errors import NotLeaderError as NotLeaderError  # re-exported
 from jobplane.errors import StoreConflictError as StoreConflictError  # re-exported
 from jobplane.errors import StoreRefusedError, StoreUnavailableError, first_line
@@ -191,6 +192,17 @@ class SqlBase:
         ).first()
         if live is None:
             raise NotLeaderError(f"term {lease.term} of shard {lease.shard} is over")
+
+
+def unindexed_state(columns: Any, *states: InstanceState) -> ColumnElement[bool]:
+    """``state`` is one of ``states``, written as an expression no index matches
+    (``state || ''``), for a statement that names its instances by id: they are then found by
+    primary key, never by reading every row in that state through an index on the state (the
+    rule, and what it cost, at the top of :mod:`jobplane.store.postgres_sql`)."""
+    state: ColumnElement[str] = columns.state.concat("")
+    if len(states) == 1:
+        return state == states[0].value
+    return state.in_([s.value for s in states])
 
 
 def locked_in_id_order(

@@ -18,7 +18,7 @@ from jobplane.domain.reasons import EndReason
 from jobplane.domain.states import InstanceState
 from jobplane.errors import IllegalTransitionError, InstanceNotFoundError
 from jobplane.store import rows
-from jobplane.store.base import SqlBase, retry_conflicts
+from jobplane.store.base import SqlBase, retry_conflicts, unindexed_state
 from jobplane.store.instances import filtered
 from jobplane.store.moves import move_instances
 from jobplane.store.tables import job_instances
@@ -151,9 +151,7 @@ class OperatorStore(SqlBase):
             return []
         result = await conn.execute(
             update(job_instances)
-            .where(
-                job_instances.c.id.in_(ids), job_instances.c.state.in_([s.value for s in RUNNING])
-            )
+            .where(job_instances.c.id.in_(ids), unindexed_state(job_instances.c, *RUNNING))
             .values(cancel_requested=True)
             .returning(*job_instances.c)
         )

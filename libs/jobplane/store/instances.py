@@ -37,7 +37,7 @@ from jobplane.errors import (
 from jobplane.idempotency import fingerprint_of, replayed
 from jobplane.ids import id_floor
 from jobplane.store import rows
-from jobplane.store.base import SqlBase, locked_in_id_order, retry_conflicts
+from jobplane.store.base import SqlBase, locked_in_id_order, retry_conflicts, unindexed_state
 from jobplane.store.creation import (
     history_values,
     insert_history,
@@ -197,7 +197,7 @@ class InstanceStore(SqlBase):
             result = await conn.execute(
                 select(job_instances.c.id).where(
                     job_instances.c.id.in_(list(ids)),
-                    job_instances.c.state == InstanceState.ENQUEUED.value,
+                    unindexed_state(job_instances.c, InstanceState.ENQUEUED),
                 )
             )
             return set(result.scalars())
@@ -307,7 +307,7 @@ async def _set_published(
         update(job_instances)
         .where(
             locked_in_id_order(
-                lambda c: c.id.in_(wanted) & (c.state == InstanceState.ENQUEUED.value),
+                lambda c: c.id.in_(wanted) & unindexed_state(c, InstanceState.ENQUEUED),
                 skip_locked=True,
             )
         )

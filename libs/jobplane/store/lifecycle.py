@@ -37,7 +37,13 @@ from jobplane.errors import (
     IllegalTransitionError,
 )
 from jobplane.store import rows
-from jobplane.store.base import SqlBase, locked_in_id_order, logger, retry_conflicts
+from jobplane.store.base import (
+    SqlBase,
+    locked_in_id_order,
+    logger,
+    retry_conflicts,
+    unindexed_state,
+)
 from jobplane.store.moves import NewAttempt, move_instances, park
 from jobplane.store.tables import (
     job_definitions,
@@ -105,7 +111,7 @@ class LifecycleStore(SqlBase):
             )
             .where(
                 job_instances.c.id.in_(list(ids)),
-                job_instances.c.state == InstanceState.ENQUEUED.value,
+                unindexed_state(job_instances.c, InstanceState.ENQUEUED),
                 job_instances.c.job_key.in_(list(jobs)),
                 or_(
                     job_instances.c.pinned_worker.is_(None),
@@ -193,7 +199,7 @@ class LifecycleStore(SqlBase):
             now = await self._now(conn)
             fenced = and_(
                 tuple_(job_instances.c.id, job_instances.c.claim_token).in_(list(leases)),
-                job_instances.c.state == InstanceState.PROCESSING.value,
+                unindexed_state(job_instances.c, InstanceState.PROCESSING),
             )
             # Locked in id order, as the outcome statement locks them: a heartbeat and the
             # recording of outcomes of the same attempts never deadlock.
@@ -205,7 +211,7 @@ class LifecycleStore(SqlBase):
                     locked_in_id_order(
                         lambda c: (
                             tuple_(c.id, c.claim_token).in_(pairs)
-                            & (c.state == InstanceState.PROCESSING.value)
+                            & unindexed_state(c, InstanceState.PROCESSING)
                         )
                     ),
                 )
@@ -394,7 +400,7 @@ class LifecycleStore(SqlBase):
                 update(job_instances)
                 .where(
                     job_instances.c.id.in_(ids),
-                    job_instances.c.state == InstanceState.ENQUEUED.value,
+                    unindexed_state(job_instances.c, InstanceState.ENQUEUED),
                 )
                 .values(published_at=self._clock())
                 .returning(*job_instances.c)

@@ -24,6 +24,7 @@ from jobplane.domain.models import Instance
 from jobplane.domain.states import InstanceState
 from jobplane.domain.transitions import SlotChange, effects_of
 from jobplane.store import rows
+from jobplane.store.base import unindexed_state
 from jobplane.store.tables import instance_transitions, job_instances, job_slots, runaway_slots
 
 columns = job_instances.c
@@ -92,7 +93,7 @@ async def move_instances(
     extra = dict(values or {})
     if clash := extra.keys() & changes.keys():
         raise ValueError(f"columns {sorted(clash)} are the transition's own")
-    where = [columns.id.in_(list(ids)), columns.state == from_state.value]
+    where = [columns.id.in_(list(ids)), unindexed_state(columns, from_state)]
     if claim_token is not None:
         # Fencing: a stale attempt (lease lost, instance re-claimed) matches nothing.
         where.append(columns.claim_token == claim_token)
@@ -220,7 +221,7 @@ async def park(conn: AsyncConnection, ids: Sequence[UUID]) -> None:
     if ids:
         await conn.execute(
             update(job_instances)
-            .where(columns.id.in_(list(ids)), columns.state == InstanceState.ENQUEUED.value)
+            .where(columns.id.in_(list(ids)), unindexed_state(columns, InstanceState.ENQUEUED))
             .values(published_at=None)
         )
 
@@ -232,7 +233,7 @@ async def unpin(conn: AsyncConnection, ids: Sequence[UUID], reason: str) -> list
         return []
     result = await conn.execute(
         update(job_instances)
-        .where(columns.id.in_(list(ids)), columns.state == InstanceState.ENQUEUED.value)
+        .where(columns.id.in_(list(ids)), unindexed_state(columns, InstanceState.ENQUEUED))
         .values(pinned_worker=None, published_at=None, reason=reason)
         .returning(*job_instances.c)
     )

@@ -15,6 +15,17 @@ def _cols(alias: str) -> str:
     return _COLUMNS.format(t=alias)
 
 
+# Instances named by id are found by primary key only: a statement that names its rows (a
+# claim's batch, a batch of outcomes) writes its conditions on the state and the job key as
+# expressions no index matches (``state || ''``). Otherwise, whenever the planner's statistics
+# do not know how many rows are in that state (a new table; a burst since the last ANALYZE,
+# which saw Enqueued and Processing rows as rare), it reads them through an index on the state
+# (or on a job's Enqueued rows) and filters by id, and each such statement costs every row in
+# that state, and every index entry left by the rows that passed through it since the last
+# vacuum (docs/benchmarks.md, "Statements that name instances by id: their plans").
+# ``jobplane.store.base.unindexed_state`` is the same rule for the statements built with
+# SQLAlchemy.
+
 # One statement claims a batch. The races it closes:
 # - duplicate messages / racing workers: ``cand`` locks the Enqueued rows (in id order, so two
 #   claimers never deadlock) and re-checks their state after any wait, so one instance is
@@ -34,12 +45,7 @@ WITH cand AS MATERIALIZED (
     SELECT id, job_key, priority, cancel_requested
     FROM job_instances
     WHERE id = ANY(CAST(:ids AS uuid[]))
-      -- Found by primary key only: ``|| ''`` hides state and job key from the indexes. Else,
-      -- whenever the statistics do not know the backlog (a new table, or a burst since the
-      -- last ANALYZE, when Enqueued rows looked rare), the planner reads every Enqueued row
-      -- of the job through ix_job_instances_unpublished and filters by id: every claim then
-      -- costs the whole backlog (20,000 bulk-triggered instances claimed 256 at a time:
-      -- 2.1 s of claims, against 0.9 s by primary key; docs/benchmarks.md, "The claim's plan").
+      -- by primary key only (see above): not the backlog, through ix_job_instances_unpublished
       AND (state || '') = 'enqueued'
       AND (job_key || '') = ANY(CAST(:jobs AS text[]))
       AND (pinned_worker IS NULL OR pinned_worker = :worker)
@@ -145,7 +151,8 @@ WITH o AS (
 locked AS MATERIALIZED (
     SELECT i.id
     FROM job_instances i JOIN o ON o.id = i.id
-    WHERE i.claim_token = o.token AND i.state = 'processing'
+    -- by primary key only (see above): not every Processing entry of ix_job_instances_state_id
+    WHERE i.claim_token = o.token AND (i.state || '') = 'processing'
     ORDER BY i.id
     FOR UPDATE OF i
 ),
@@ -163,7 +170,7 @@ done AS (
         published_at = CASE WHEN o.state = 'enqueued' THEN NULL ELSE i.published_at END
     FROM o
     WHERE i.id = o.id AND i.id IN (SELECT id FROM locked)
-      AND i.claim_token = o.token AND i.state = 'processing'
+      AND i.claim_token = o.token AND (i.state || '') = 'processing'
     RETURNING i.id, i.job_key, i.state, i.claim_token, i.worker_id, i.reason, o.hold
 ),
 slot_locks AS MATERIALIZED (

@@ -23,7 +23,7 @@ from jobplane.domain.reasons import EndReason
 from jobplane.domain.states import InstanceState
 from jobplane.errors import NotLeaderError, StoreRefusedError
 from jobplane.store import rows
-from jobplane.store.base import SqlBase, logger, retry_conflicts
+from jobplane.store.base import SqlBase, logger, retry_conflicts, unindexed_state
 from jobplane.store.lifecycle import release_runaway_rows
 from jobplane.store.moves import move_instances, unpin
 from jobplane.store.tables import (
@@ -344,7 +344,7 @@ class SweepStore(SqlBase):
             result = await conn.execute(
                 select(job_instances).where(
                     job_instances.c.id.in_(list(ids)),
-                    job_instances.c.state == InstanceState.ENQUEUED.value,
+                    unindexed_state(job_instances.c, InstanceState.ENQUEUED),
                     job_instances.c.published_at.is_(None),
                 )
             )

@@ -1,0 +1,141 @@
+"""Statements that name their instances by id find them by primary key, whatever the planner's
+statistics say.
+
+A claim names a batch of instance ids, a batch of outcomes the attempts it ends. Had the
+planner been free to read them through an index on the state (or on a job's Enqueued rows), it
+would have done so whenever the statistics did not know how many rows were in that state (a
+new table, or a burst since the last ANALYZE), and every such statement would have read every
+row in that state. Real Postgres; ``EXPLAIN`` only (nothing is executed)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+from sqlalchemy import select, text
+
+from jobplane.domain.models import NewInstance
+from jobplane.domain.states import InstanceState
+from jobplane.store.base import unindexed_state
+from jobplane.store.driver import DriverStatement
+from jobplane.store.postgres_sql import CLAIM, COMPLETE
+from jobplane.store.sql import SqlStore
+from jobplane.store.tables import job_instances
+from tests.store_helpers import define
+
+
+def _nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield node
+    for child in node.get("Plans", []):
+        yield from _nodes(child)
+
+
+async def _explain(store: SqlStore, sql: str, args: list[Any]) -> dict[str, Any]:
+    async with store.engine.connect() as conn:
+        raw = await conn.get_raw_connection()
+        driver: Any = raw.driver_connection
+        found = await driver.fetchval(f"EXPLAIN (FORMAT JSON) {sql}", *args)
+    # (SQLAlchemy's asyncpg dialect decodes json on its connections; plain asyncpg does not)
+    [plan] = json.loads(found) if isinstance(found, str) else found
+    return plan["Plan"]  # type: ignore[no-any-return]
+
+
+def _scans(node: dict[str, Any], cte: str | None = None) -> list[dict[str, Any]]:
+    """The plan nodes that read ``job_instances`` (under the CTE ``cte`` if given)."""
+    if cte is not None:
+        [node] = [n for n in _nodes(node) if n.get("Subplan Name") == f"CTE {cte}"]
+    return [n for n in _nodes(node) if n.get("Relation Name") == "job_instances"]
+
+
+async def _claim_scans(store: SqlStore, ids: list[Any]) -> list[dict[str, Any]]:
+    """The plan nodes that read ``job_instances`` for the claim's candidates (CTE ``cand``)."""
+    statement = DriverStatement(CLAIM, store.engine.dialect)
+    params = {
+        "ids": ids,
+        "jobs": ["job"],
+        "worker": "w1",
+        "lease": 30.0,
+        "limit_reason": "limit",
+        "cancel_reason": "cancel",
+    }
+    plan = await _explain(store, statement.sql, [params[name] for name in statement.names])
+    return _scans(plan, "cand")
+
+
+async def _backlog(store: SqlStore, count: int) -> list[Any]:
+    made = await store.create_instances([NewInstance(job_key="job") for _ in range(count)])
+    return [instance.id for instance in made]
+
+
+def _by_primary_key(scans: list[dict[str, Any]]) -> bool:
+    """No candidate scan reads the whole table, and the only index any of them reads is the
+    primary key."""
+    indexes = {n["Index Name"] for scan in scans for n in _nodes(scan) if "Index Name" in n}
+    sequential = [scan for scan in scans if scan["Node Type"] == "Seq Scan"]
+    return bool(scans) and not sequential and indexes == {"pk_job_instances"}
+
+
+async def test_a_claim_on_a_table_never_analyzed_reads_by_primary_key(pg_store: SqlStore) -> None:
+    await define(pg_store, "job")
+    ids = await _backlog(pg_store, 3000)
+    scans = await _claim_scans(pg_store, ids[:5])
+    assert _by_primary_key(scans), scans
+
+
+async def test_a_claim_after_a_burst_the_statistics_missed_reads_by_primary_key(
+    pg_store: SqlStore,
+) -> None:
+    await _finished_history(pg_store)
+    ids = await _backlog(pg_store, 3000)
+    scans = await _claim_scans(pg_store, ids[:5])
+    assert _by_primary_key(scans), scans
+
+
+async def test_outcomes_recorded_after_a_burst_find_their_attempts_by_primary_key(
+    pg_store: SqlStore,
+) -> None:
+    await _finished_history(pg_store)
+    ids = await _backlog(pg_store, 3000)
+    claimed = []
+    for start in range(0, len(ids), 500):
+        claimed += (await pg_store.claim(ids[start : start + 500], "w1", 30, ["job"])).claimed
+    attempts = [claim.instance for claim in claimed[:5]]
+    statement = DriverStatement(COMPLETE, pg_store.engine.dialect)
+    params = {
+        "ids": [a.id for a in attempts],
+        "tokens": [a.claim_token for a in attempts],
+        "states": ["succeeded"] * 5,
+        "results": [None] * 5,
+        "errors": [None] * 5,
+        "reasons": [None] * 5,
+        "holds": [False] * 5,
+        "cancel_reason": "cancel",
+    }
+    plan = await _explain(pg_store, statement.sql, [params[name] for name in statement.names])
+    assert _by_primary_key(_scans(plan, "locked")), _scans(plan, "locked")
+    assert _by_primary_key(_scans(plan, "done")), _scans(plan, "done")
+
+
+async def test_a_statement_built_with_the_rule_reads_by_primary_key(pg_store: SqlStore) -> None:
+    # The statements the store builds with SQLAlchemy (moves, heartbeats, publication marks)
+    # name their instances with ``unindexed_state``.
+    await _finished_history(pg_store)
+    ids = await _backlog(pg_store, 3000)
+    query = select(job_instances.c.id).where(
+        job_instances.c.id.in_(ids[:5]), unindexed_state(job_instances.c, InstanceState.ENQUEUED)
+    )
+    sql = str(query.compile(pg_store.engine, compile_kwargs={"literal_binds": True}))
+    assert _by_primary_key(_scans(await _explain(pg_store, sql, [])))
+
+
+async def _finished_history(store: SqlStore) -> None:
+    """3,000 finished instances, analyzed: the statistics then say that Enqueued and
+    Processing rows are rare. (Finished by a plain UPDATE: only plans are looked at.)"""
+    await define(store, "job")
+    await _backlog(store, 3000)
+    async with store.engine.begin() as conn:
+        await conn.execute(text("UPDATE job_instances SET state = 'succeeded'"))
+    async with store.engine.connect() as conn:
+        await conn.execution_options(isolation_level="AUTOCOMMIT")
+        await conn.execute(text("ANALYZE job_instances"))
