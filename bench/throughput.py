@@ -1,11 +1,17 @@
 """No-op jobs per second drained by two worker processes on Postgres + Redis.
 
     .venv/bin/python -m bench.throughput [--jobs 20000] [--workers 2] [--concurrency 512]
+                                         [--history 0]
 
 Every instance goes Enqueued → Processing → Succeeded with its history in Postgres. The backlog
 is created first (bulk insert + publish, timed separately as trigger throughput), then the
 workers start and the clock runs until every instance has Succeeded. Then it prints the CPU
 per job of the workers and of their Postgres backends.
+
+With ``--history N`` the table first holds N finished instances (created, then set Succeeded in
+one UPDATE, without their history records), vacuumed and analyzed, as a database in service
+is: its statistics then say that Enqueued and Processing rows are rare, and the backlog arrives
+after them, as a burst does.
 """
 
 from __future__ import annotations
@@ -27,10 +33,12 @@ from jobplane.store.sql import SqlStore
 CHUNK = 1000
 
 
-async def main(jobs: int, workers: int, concurrency: int) -> None:
+async def main(jobs: int, workers: int, concurrency: int, history: int) -> None:
     async with environment() as (url, prefix, store):
         options = JobOptions.parse(key="noop", kind="triggered", max_concurrency=1_000_000)
         await store.register_definition(options, None, "bench")
+        if history:
+            await _history(store, history)
         bus = bus_for(prefix)
         dispatcher = Dispatcher(store, bus)
         started = time.perf_counter()
@@ -47,7 +55,7 @@ async def main(jobs: int, workers: int, concurrency: int) -> None:
 
             async def drained() -> bool:
                 counts = await store.count_by_state("noop")
-                return counts.get(InstanceState.SUCCEEDED, 0) >= jobs
+                return counts.get(InstanceState.SUCCEEDED, 0) >= jobs + history
 
             await wait_until(drained)
             elapsed = time.perf_counter() - started
@@ -72,6 +80,23 @@ async def main(jobs: int, workers: int, concurrency: int) -> None:
             f"  CPU per job: workers {worker_cpu / jobs * 1000:.3f} ms, their Postgres backends "
             f"{backend_cpu / jobs * 1000:.3f} ms"
         )
+
+
+async def _history(store: SqlStore, count: int) -> None:
+    for offset in range(0, count, 5 * CHUNK):
+        n = min(5 * CHUNK, count - offset)
+        await store.create_instances([NewInstance(job_key="noop") for _ in range(n)])
+    async with store.engine.begin() as conn:
+        await conn.execute(
+            text(
+                "UPDATE job_instances SET state = 'succeeded', attempt = 1,"
+                " started_at = now(), finished_at = now()"
+            )
+        )
+    async with store.engine.connect() as conn:
+        await conn.execution_options(isolation_level="AUTOCOMMIT")
+        await conn.execute(text("VACUUM ANALYZE job_instances"))
+    print(f"history: {count} finished instances, analyzed")
 
 
 async def _backends(store: SqlStore, since: datetime) -> list[int]:
@@ -107,5 +132,8 @@ if __name__ == "__main__":
     parser.add_argument("--jobs", type=int, default=20_000)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=512)
+    parser.add_argument(
+        "--history", type=int, default=0, help="finished instances in the table before the backlog"
+    )
     ns = parser.parse_args()
-    asyncio.run(main(ns.jobs, ns.workers, ns.concurrency))
+    asyncio.run(main(ns.jobs, ns.workers, ns.concurrency, ns.history))
