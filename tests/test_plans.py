@@ -21,6 +21,7 @@ from jobplane.store.base import unindexed_state
 from jobplane.store.driver import DriverStatement
 from jobplane.store.postgres_sql import CLAIM, COMPLETE
 from jobplane.store.sql import SqlStore
+from jobplane.store.sweeps import enqueued_page
 from jobplane.store.tables import job_instances
 from tests.store_helpers import define
 
@@ -129,11 +130,30 @@ async def test_a_statement_built_with_the_rule_reads_by_primary_key(pg_store: Sq
     assert _by_primary_key(_scans(await _explain(pg_store, sql, [])))
 
 
-async def _finished_history(store: SqlStore) -> None:
-    """3,000 finished instances, analyzed: the statistics then say that Enqueued and
+async def test_a_page_of_the_enqueued_after_a_burst_reads_only_its_rows(
+    pg_store: SqlStore,
+) -> None:
+    # The leader republishes every Enqueued instance, a page at a time, after the bus lost
+    # everything: each page is a range of ix_job_instances_state_id, read in its order. (With
+    # fewer finished instances than these, ``state = 'enqueued' AND id > :after`` happened to
+    # be planned so too.)
+    await _finished_history(pg_store, 30_000)
+    ids = await _backlog(pg_store, 3000)
+    for after in (None, sorted(ids)[1000]):
+        query = enqueued_page(after, 1000)
+        sql = str(query.compile(pg_store.engine, compile_kwargs={"literal_binds": True}))
+        plan = await _explain(pg_store, sql, [])
+        scans = _scans(plan)
+        indexes = {n.get("Index Name") for n in scans}
+        assert indexes == {"ix_job_instances_state_id"}, scans
+        assert not [n for n in _nodes(plan) if n["Node Type"] == "Sort"], plan
+
+
+async def _finished_history(store: SqlStore, count: int = 3000) -> None:
+    """``count`` finished instances, analyzed: the statistics then say that Enqueued and
     Processing rows are rare. (Finished by a plain UPDATE: only plans are looked at.)"""
     await define(store, "job")
-    await _backlog(store, 3000)
+    await _backlog(store, count)
     async with store.engine.begin() as conn:
         await conn.execute(text("UPDATE job_instances SET state = 'succeeded'"))
     async with store.engine.connect() as conn:

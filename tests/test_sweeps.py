@@ -139,6 +139,21 @@ async def test_unpublished_finds_lost_messages_but_not_parked_full_jobs(store: S
     assert [i.id for i in await store.all_enqueued(None)] == [b.id]
 
 
+async def test_every_enqueued_instance_is_paged_once_in_id_order(store: SqlStore) -> None:
+    # The leader's republication after the bus lost everything pages through them by id.
+    await define(store, "job")
+    enqueued = await enqueue(store, n=7)
+    running = enqueued.pop()
+    assert (await store.claim([running.id], "w1", 30, ["job"])).claimed
+    await enqueue(store, n=2, held=True)  # Scheduled: not listed
+    pages, after = [], None
+    while page := await store.all_enqueued(after, limit=2):
+        pages.append([i.id for i in page])
+        after = page[-1].id
+    assert [len(p) for p in pages] == [2, 2, 2]
+    assert [i for p in pages for i in p] == sorted(i.id for i in enqueued)
+
+
 async def test_silent_workers_are_marked_dead(store: SqlStore) -> None:
     info = WorkerInfo(id="w1", host="h", pid=1, queues=("default",), capacity=1, version="x")
     await store.register_worker(info)
