@@ -56,6 +56,22 @@ async def test_queued_finds_unread_and_pending_entries_not_acked_ones(bus: Bus) 
     assert stuck == {unread.instance_id, pinned.instance_id}
 
 
+async def test_queued_finds_entries_anywhere_in_a_long_stream(bus: Bus) -> None:
+    # A backlog's stream spans pages of reads; an entry delivered long ago and unacknowledged
+    # does not count, but a later copy of the same message does.
+    sent = [envelope() for _ in range(2500)]
+    await bus.publish([("default", e) for e in sent])
+    asked = [sent[0], sent[1499], sent[-1], envelope()]
+    assert await bus.queued([("default", e) for e in asked]) == {e.instance_id for e in asked[:3]}
+    consumer = bus.consumer("w1", ["default"])
+    [delivered] = await consumer.read(1, 100)  # sent[0], left unacknowledged
+    await asyncio.sleep(0.1)
+    assert await bus.queued([("default", sent[0])], stuck_after_ms=50) == set()
+    await bus.publish([("default", sent[0])])  # republished: a fresh copy at the end
+    assert await bus.queued([("default", sent[0])], stuck_after_ms=50) == {sent[0].instance_id}
+    assert delivered.envelope == sent[0]
+
+
 async def test_publish_read_ack_round_trip(bus: Bus) -> None:
     sent = [envelope() for _ in range(3)]
     await bus.publish([("default", e) for e in sent])
