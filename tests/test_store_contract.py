@@ -6,7 +6,7 @@ import asyncio
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import func, select, update
 
 from jobplane.domain.models import (
     DefinitionChange,
@@ -223,6 +223,23 @@ async def test_create_published_replays_an_idempotency_key(store: SqlStore) -> N
             NewInstance(job_key="job", args={"n": 2}, idempotency_key="k"), definition
         )
     assert len((await store.list_instances(InstanceFilter())).items) == 1
+
+
+async def test_publication_marks_of_a_batch_beyond_a_statements_parameters(
+    pg_store: SqlStore,
+) -> None:
+    # A batch trigger of the Python API may name more instances than one statement takes
+    # parameters (32,767): they are marked, and unmarked, in slices.
+    await define(pg_store, "job")
+    made = await enqueue(pg_store, n=33_000)
+    await pg_store.mark_published([i.id for i in made])
+    assert await pg_store.unpublished(older_than_s=3600) == []
+    await pg_store.unmark_published([i.id for i in made])
+    async with pg_store.engine.connect() as conn:
+        marked = await conn.scalar(
+            select(func.count()).where(job_instances.c.published_at.is_not(None))
+        )
+    assert marked == 0
 
 
 async def test_unmark_published_leaves_it_to_the_sweep(store: SqlStore) -> None:

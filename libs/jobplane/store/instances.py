@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -294,6 +295,10 @@ def filtered(query: Select[Any], filter: InstanceFilter) -> Select[Any]:
     return query
 
 
+#: Instances whose publication mark one statement sets or clears.
+PUBLISHED_SLICE = 10_000
+
+
 async def _set_published(
     conn: AsyncConnection, ids: Collection[UUID], value: ColumnElement[datetime] | None
 ) -> None:
@@ -302,17 +307,25 @@ async def _set_published(
     for: a claim (which locks in id order too) makes them Processing, and a claimed row needs
     no mark; a row left with the wrong mark is only republished by the sweep. So this
     bookkeeping never waits on, nor deadlocks with, a claim."""
-    wanted = list(ids)
-    await conn.execute(
-        update(job_instances)
-        .where(
-            locked_in_id_order(
-                lambda c: c.id.in_(wanted) & unindexed_state(c, InstanceState.ENQUEUED),
-                skip_locked=True,
+    ordered = sorted(ids)
+    # In slices, in id order: a statement takes at most 32,767 parameters (asyncpg; SQLite
+    # 32,766), and a batch trigger of the Python API may name more instances than that.
+    for start in range(0, len(ordered), PUBLISHED_SLICE):
+        await conn.execute(
+            update(job_instances)
+            .where(
+                locked_in_id_order(
+                    functools.partial(_enqueued_among, ordered[start : start + PUBLISHED_SLICE]),
+                    skip_locked=True,
+                )
             )
+            .values(published_at=value)
         )
-        .values(published_at=value)
-    )
+
+
+def _enqueued_among(ids: list[UUID], columns: Any) -> ColumnElement[bool]:
+    named: ColumnElement[bool] = columns.id.in_(ids)
+    return named & unindexed_state(columns, InstanceState.ENQUEUED)
 
 
 def _shifted(moment: datetime, delta: timedelta) -> datetime | None:
