@@ -19,7 +19,7 @@ from jobplane.domain.models import NewInstance
 from jobplane.domain.states import InstanceState
 from jobplane.store.base import unindexed_state
 from jobplane.store.driver import DriverStatement
-from jobplane.store.postgres_sql import CLAIM, COMPLETE
+from jobplane.store.postgres_sql import CLAIM, COMPLETE, UNPUBLISHED
 from jobplane.store.sql import SqlStore
 from jobplane.store.sweeps import enqueued_page
 from jobplane.store.tables import job_instances
@@ -147,6 +147,24 @@ async def test_a_page_of_the_enqueued_after_a_burst_reads_only_its_rows(
         indexes = {n.get("Index Name") for n in scans}
         assert indexes == {"ix_job_instances_state_id"}, scans
         assert not [n for n in _nodes(plan) if n["Node Type"] == "Sort"], plan
+
+
+async def test_the_republish_sweep_reads_the_stale_rows_of_each_job_in_index_order(
+    pg_store: SqlStore,
+) -> None:
+    # Every second the leader asks for the Enqueued instances whose message may be lost: read
+    # per job from ix_job_instances_unpublished, in its order, up to the limit, never the
+    # whole backlog.
+    await _finished_history(pg_store)
+    ids = await _backlog(pg_store, 3000)
+    await pg_store.mark_published(ids)
+    statement = DriverStatement(UNPUBLISHED, pg_store.engine.dialect)
+    params = {"older": 30.0, "grace": 0.5, "limit": 1000}
+    plan = await _explain(pg_store, statement.sql, [params[name] for name in statement.names])
+    scans = _scans(plan)
+    assert {n.get("Index Name") for n in scans} == {"ix_job_instances_unpublished"}, scans
+    # One sort: the merge of the jobs' rows; each job's are read in the index's order.
+    assert len([n for n in _nodes(plan) if n["Node Type"] == "Sort"]) == 1, plan
 
 
 async def _finished_history(store: SqlStore, count: int = 3000) -> None:

@@ -18,6 +18,7 @@ from jobplane.domain.states import InstanceState as S
 from jobplane.errors import JobNotFoundError
 from jobplane.store.base import NotLeaderError
 from jobplane.store.sql import SqlStore
+from jobplane.store.sweeps import NEVER_PUBLISHED_GRACE_S
 from tests.store_helpers import define, enqueue
 
 
@@ -137,6 +138,29 @@ async def test_unpublished_finds_lost_messages_but_not_parked_full_jobs(store: S
     await store.complete([Outcome(a.id, result.claimed[0].token, S.SUCCEEDED)])
     assert [i.id for i in await store.unpublished(0.1)] == [b.id]
     assert [i.id for i in await store.all_enqueued(None)] == [b.id]
+
+
+async def test_the_sweep_takes_the_never_published_then_the_oldest_publication(
+    store: SqlStore,
+) -> None:
+    # Across jobs, up to the limit; a job without a free slot keeps its parked instances.
+    await define(store, "a")
+    await define(store, "b")
+    await define(store, "full", max_concurrency=1, on_limit="wait")
+    [first] = await enqueue(store, "a")
+    await store.mark_published([first.id])
+    await asyncio.sleep(0.05)
+    second = await enqueue(store, "b", n=2)  # published together: by id
+    await store.mark_published([i.id for i in second])
+    await asyncio.sleep(0.05)
+    never = await enqueue(store, "a")  # its publisher died before sending it
+    running, parked = await enqueue(store, "full", n=2)
+    claimed = await store.claim([running.id, parked.id], "w1", 30, ["full"])
+    assert claimed.waiting == [parked.id]
+    await asyncio.sleep(NEVER_PUBLISHED_GRACE_S + 0.1)
+    order = [never[0].id, first.id, *sorted(i.id for i in second)]
+    assert [i.id for i in await store.unpublished(0.1)] == order
+    assert [i.id for i in await store.unpublished(0.1, limit=2)] == order[:2]
 
 
 async def test_every_enqueued_instance_is_paged_once_in_id_order(store: SqlStore) -> None:

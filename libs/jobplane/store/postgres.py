@@ -39,9 +39,18 @@ from jobplane.store import rows
 from jobplane.store.base import retry_conflicts
 from jobplane.store.driver import DriverStatement
 from jobplane.store.lifecycle import log_fenced
-from jobplane.store.postgres_sql import CLAIM, COMPLETE, CREATE, CREATE_ONE, FIRE, NOW
+from jobplane.store.postgres_sql import (
+    CLAIM,
+    COMPLETE,
+    CREATE,
+    CREATE_ONE,
+    FIRE,
+    NOW,
+    UNPUBLISHED,
+)
 from jobplane.store.postgres_stats import PostgresStatsStore
 from jobplane.store.sql import SqlStore
+from jobplane.store.sweeps import NEVER_PUBLISHED_GRACE_S
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +121,17 @@ class PostgresStore(PostgresStatsStore, SqlStore):
             finally:
                 driver.remove_termination_listener(lost)
                 await _stop_listening(conn, driver, channel, received)
+
+    async def unpublished(self, older_than_s: float, limit: int = 1000) -> list[Instance]:
+        # The generic statement's conditions, read job by job (``UNPUBLISHED``).
+        params = {
+            "older": float(older_than_s),
+            "grace": float(min(older_than_s, NEVER_PUBLISHED_GRACE_S)),
+            "limit": limit,
+        }
+        async with self._read() as conn:
+            result = await conn.execute(UNPUBLISHED, params)
+            return [rows.instance_from_row(r._mapping) for r in result]
 
     @retry_conflicts
     async def create_instances(

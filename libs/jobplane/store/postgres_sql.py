@@ -339,6 +339,34 @@ FROM (SELECT 1) AS one LEFT JOIN ins ON true
 """
 
 
+# The leader's republish sweep, every second: Enqueued instances whose message may be lost
+# (published longer than ``:older`` seconds ago and still unclaimed, or never published
+# ``:grace`` seconds after their creation) of jobs with a free slot (a full job's parked
+# instances wait for a release), oldest publication first. Read job by job from
+# ix_job_instances_unpublished (job key, publication time), in its order and up to the limit,
+# so a sweep reads about the rows it returns: over all Enqueued rows at once, ordered by
+# priority, it read the whole backlog every second, however little of it was stale.
+UNPUBLISHED_SQL = f"""
+SELECT {_cols("i")}
+FROM job_definitions d
+JOIN job_slots s ON s.job_key = d.key AND s.used < d.max_concurrency
+CROSS JOIN LATERAL (
+    (SELECT * FROM job_instances
+     WHERE job_key = d.key AND state = 'enqueued' AND published_at IS NULL
+       AND created_at < now() - make_interval(secs => :grace)
+     LIMIT :limit)
+    UNION ALL
+    (SELECT * FROM job_instances
+     WHERE job_key = d.key AND state = 'enqueued'
+       AND published_at < now() - make_interval(secs => :older)
+     ORDER BY published_at
+     LIMIT :limit)
+) i
+ORDER BY i.published_at NULLS FIRST, i.id
+LIMIT :limit
+"""
+
+
 # Built once: SQLAlchemy then compiles each of them once per process, not once per call.
 CREATE = text(CREATE_SQL).columns(*job_instances.c)
 FIRE = text(FIRE_SQL).columns(
@@ -351,5 +379,6 @@ COMPLETE = text(COMPLETE_SQL)
 CREATE_ONE = text(CREATE_ONE_SQL).columns(
     *job_instances.c, checked=job_instances.c.cancel_requested.type
 )
+UNPUBLISHED = text(UNPUBLISHED_SQL).columns(*job_instances.c)
 # The database's clock, read on its own (no transaction around it: one round trip).
 NOW = text("SELECT now() AS now").columns(now=job_instances.c.created_at.type)

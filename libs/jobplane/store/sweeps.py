@@ -307,7 +307,9 @@ class SweepStore(SqlBase):
         """Enqueued instances whose message may be gone: never published (half a second after
         creation), or published longer ago than ``older_than_s`` and still unclaimed.
         Instances parked by ``on_limit=wait`` (unpublished on purpose) are included only while
-        their job has a free slot, so a full job is not republished on every sweep."""
+        their job has a free slot, so a full job is not republished on every sweep. Never
+        published first, then the oldest publication. (Postgres reads them job by job:
+        ``UNPUBLISHED`` in :mod:`jobplane.store.postgres_sql`.)"""
         async with self._read() as conn:
             now = await self._now(conn)
             cutoff = now - timedelta(seconds=older_than_s)
@@ -330,7 +332,7 @@ class SweepStore(SqlBase):
                     ),
                     job_slots.c.used < job_definitions.c.max_concurrency,
                 )
-                .order_by(job_instances.c.priority.desc(), job_instances.c.id)
+                .order_by(job_instances.c.published_at.nulls_first(), job_instances.c.id)
                 .limit(limit)
             )
             return [rows.instance_from_row(r._mapping) for r in result]
