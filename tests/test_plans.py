@@ -21,7 +21,7 @@ from jobplane.store.base import unindexed_state
 from jobplane.store.driver import DriverStatement
 from jobplane.store.postgres_sql import CLAIM, COMPLETE, UNPUBLISHED
 from jobplane.store.sql import SqlStore
-from jobplane.store.sweeps import enqueued_page
+from jobplane.store.sweeps import enqueued_page, orphaned_pins
 from jobplane.store.tables import job_instances
 from tests.store_helpers import define
 
@@ -165,6 +165,20 @@ async def test_the_republish_sweep_reads_the_stale_rows_of_each_job_in_index_ord
     assert {n.get("Index Name") for n in scans} == {"ix_job_instances_unpublished"}, scans
     # One sort: the merge of the jobs' rows; each job's are read in the index's order.
     assert len([n for n in _nodes(plan) if n["Node Type"] == "Sort"]) == 1, plan
+
+
+async def test_the_orphaned_pins_sweep_reads_only_the_pinned_enqueued(pg_store: SqlStore) -> None:
+    # With statistics that know the backlog, the sweep reads the partial index of the pinned
+    # Enqueued instances, not the backlog.
+    await _finished_history(pg_store)
+    await _backlog(pg_store, 3000)
+    await pg_store.create_instances([NewInstance(job_key="job", pinned_worker="gone")])
+    async with pg_store.engine.connect() as conn:
+        await conn.execution_options(isolation_level="AUTOCOMMIT")
+        await conn.execute(text("ANALYZE job_instances"))
+    sql = str(orphaned_pins().compile(pg_store.engine, compile_kwargs={"literal_binds": True}))
+    scans = _scans(await _explain(pg_store, sql, []))
+    assert {n.get("Index Name") for n in scans} == {"ix_job_instances_pinned_enqueued"}, scans
 
 
 async def _finished_history(store: SqlStore, count: int = 3000) -> None:

@@ -27,6 +27,7 @@ from jobplane.store.base import SqlBase, logger, retry_conflicts, unindexed_stat
 from jobplane.store.lifecycle import release_runaway_rows
 from jobplane.store.moves import move_instances, unpin
 from jobplane.store.tables import (
+    instance_counts,
     instance_transitions,
     job_definitions,
     job_instances,
@@ -221,22 +222,7 @@ class SweepStore(SqlBase):
         worker gone" (``fail``)."""
         async with self._write() as conn:
             await self._fence(conn, lease)
-            live = select(workers.c.id).where(workers.c.stopped_at.is_(None))
-            orphans = (
-                await conn.execute(
-                    select(
-                        job_instances.c.id, job_instances.c.pinned_worker, job_definitions.c.options
-                    )
-                    .join(job_definitions, job_definitions.c.key == job_instances.c.job_key)
-                    .where(
-                        job_instances.c.state == InstanceState.ENQUEUED.value,
-                        job_instances.c.pinned_worker.is_not(None),
-                        job_instances.c.pinned_worker.not_in(live),
-                    )
-                    .limit(1000)
-                    .with_for_update(of=job_instances, skip_locked=True)
-                )
-            ).all()
+            orphans = (await conn.execute(orphaned_pins())).all()
             fail = [
                 r.id
                 for r in orphans
@@ -266,11 +252,24 @@ class SweepStore(SqlBase):
             ):
                 if row.stopped_at is None or (row.stopped_at or row.heartbeat_at) > cutoff:
                     known.update(row.jobs or [])
+            # The jobs with Enqueued instances, from the counters (a few rows), so a sweep in
+            # which every such job is known reads no instance: ``job_key NOT IN known`` read
+            # every Enqueued row each second.
+            counted = func.sum(instance_counts.c.n)
+            enqueued_jobs = await conn.scalars(
+                select(instance_counts.c.job_key)
+                .where(instance_counts.c.state == InstanceState.ENQUEUED.value)
+                .group_by(instance_counts.c.job_key)
+                .having(counted > 0)
+            )
+            unknown = sorted(set(enqueued_jobs) - known)
+            if not unknown:
+                return []
             waiting = await conn.scalars(
                 select(job_instances.c.id)
                 .where(
                     job_instances.c.state == InstanceState.ENQUEUED.value,
-                    job_instances.c.job_key.not_in(known),
+                    job_instances.c.job_key.in_(unknown),
                     job_instances.c.created_at < cutoff,
                     or_(job_instances.c.run_at.is_(None), job_instances.c.run_at < cutoff),
                 )
@@ -457,4 +456,23 @@ def enqueued_page(after: UUID | None, limit: int) -> Select[Any]:
         .where(first, pair <= at(_LAST_ID))
         .order_by(job_instances.c.state, job_instances.c.id)
         .limit(limit)
+    )
+
+
+def orphaned_pins(limit: int = 1000) -> Select[Any]:
+    """Enqueued instances pinned to a worker that is not live (id, the pin, the job's options),
+    locked, up to ``limit``: read from ``ix_job_instances_pinned_enqueued`` (migration 0021),
+    which holds the pinned Enqueued instances only, when the planner's statistics know the
+    backlog (without it, each sweep read every Enqueued row)."""
+    live = select(workers.c.id).where(workers.c.stopped_at.is_(None))
+    return (
+        select(job_instances.c.id, job_instances.c.pinned_worker, job_definitions.c.options)
+        .join(job_definitions, job_definitions.c.key == job_instances.c.job_key)
+        .where(
+            job_instances.c.state == InstanceState.ENQUEUED.value,
+            job_instances.c.pinned_worker.is_not(None),
+            job_instances.c.pinned_worker.not_in(live),
+        )
+        .limit(limit)
+        .with_for_update(of=job_instances, skip_locked=True)
     )

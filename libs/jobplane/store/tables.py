@@ -226,6 +226,12 @@ job_instances = Table(
         postgresql_where=text("state = 'enqueued'"),
         sqlite_where=text("state = 'enqueued'"),
     ),
+    Index(
+        "ix_job_instances_pinned_enqueued",
+        "pinned_worker",
+        postgresql_where=text("state = 'enqueued' AND pinned_worker IS NOT NULL"),
+        sqlite_where=text("state = 'enqueued' AND pinned_worker IS NOT NULL"),
+    ),
 )
 
 instance_transitions = Table(
