@@ -95,12 +95,15 @@ async def test_a_leader_frozen_inside_its_fenced_transaction_is_replaced_in_time
 
     await wait_for(second_stands_by, timeout_s=30, what="the second scheduler to campaign")
 
-    # Catch the leader inside its fenced transaction: hold the instance table so that its next
-    # tick's insert (after the fence took its lock on the lease row) waits; freeze the process
-    # there; then let the insert through. Its session is now idle in a transaction that holds
-    # the fence's lock, with nobody to commit it - a leader frozen mid-write.
+    # Catch the leader inside its fenced transaction: hold the instance table against writes
+    # and row locks (plain reads still pass) so that a sweep's locking read, after the fence
+    # took its lock on the lease row, waits; freeze the process there; then let it through. Its
+    # session is now idle in a transaction that holds the fence's lock, with nobody to commit
+    # it - a leader frozen mid-write. (Blocking reads too would also stop the leader's unfenced
+    # reads, each until its lock timeout, and its duties restart with one of them, so it might
+    # never reach a fenced transaction while the table is held.)
     with psycopg.connect(_dsn(pg_database_url), autocommit=False) as blocker:
-        blocker.execute("LOCK TABLE job_instances IN ACCESS EXCLUSIVE MODE")
+        blocker.execute("LOCK TABLE job_instances IN EXCLUSIVE MODE")
         _wait_for_backend_waiting_on_a_lock(pg_database_url)
         os.kill(first.pid, signal.SIGSTOP)
         blocker.commit()
