@@ -1,11 +1,13 @@
-"""Statements that name their instances by id find them by primary key, whatever the planner's
-statistics say.
+"""The plans of the statements that read the instance table on the hot paths and in the
+leader's sweeps, whatever the planner's statistics say.
 
-A claim names a batch of instance ids, a batch of outcomes the attempts it ends. Had the
-planner been free to read them through an index on the state (or on a job's Enqueued rows), it
-would have done so whenever the statistics did not know how many rows were in that state (a
-new table, or a burst since the last ANALYZE), and every such statement would have read every
-row in that state. Real Postgres; ``EXPLAIN`` only (nothing is executed)."""
+A claim names a batch of instance ids, a batch of outcomes the attempts it ends: they find them
+by primary key. Had the planner been free to read them through an index on the state (or on a
+job's Enqueued rows), it would have done so whenever the statistics did not know how many rows
+were in that state (a new table, or a burst since the last ANALYZE), and every such statement
+would have read every row in that state. The leader's sweeps read a range of an index in its
+order, or a partial index of the few rows they look for, not the backlog. Real Postgres;
+``EXPLAIN`` only (nothing is executed)."""
 
 from __future__ import annotations
 
@@ -39,7 +41,8 @@ async def _explain(store: SqlStore, sql: str, args: list[Any]) -> dict[str, Any]
         found = await driver.fetchval(f"EXPLAIN (FORMAT JSON) {sql}", *args)
     # (SQLAlchemy's asyncpg dialect decodes json on its connections; plain asyncpg does not)
     [plan] = json.loads(found) if isinstance(found, str) else found
-    return plan["Plan"]  # type: ignore[no-any-return]
+    top: dict[str, Any] = plan["Plan"]
+    return top
 
 
 def _scans(node: dict[str, Any], cte: str | None = None) -> list[dict[str, Any]]:

@@ -426,9 +426,6 @@ class SweepStore(SqlBase):
             return len(ids)
 
 
-__all__ = ["NotLeaderError", "SweepStore"]
-
-
 #: Above every instance id: the end of the range of :func:`enqueued_page`.
 _LAST_ID = UUID(int=(1 << 128) - 1)
 
@@ -476,3 +473,6 @@ def orphaned_pins(limit: int = 1000) -> Select[Any]:
         .limit(limit)
         .with_for_update(of=job_instances, skip_locked=True)
     )
+
+
+__all__ = ["NotLeaderError", "SweepStore", "enqueued_page", "orphaned_pins"]
