@@ -19,8 +19,10 @@ from sqlalchemy import select, text
 
 from jobplane.domain.models import NewInstance
 from jobplane.domain.states import InstanceState
+from jobplane.settings import SessionLimits
 from jobplane.store.base import unindexed_state
 from jobplane.store.driver import DriverStatement
+from jobplane.store.factory import open_store
 from jobplane.store.postgres_sql import CLAIM, COMPLETE, UNPUBLISHED
 from jobplane.store.sql import SqlStore
 from jobplane.store.sweeps import enqueued_page, orphaned_pins
@@ -182,6 +184,22 @@ async def test_the_orphaned_pins_sweep_reads_only_the_pinned_enqueued(pg_store: 
     sql = str(orphaned_pins().compile(pg_store.engine, compile_kwargs={"literal_binds": True}))
     scans = _scans(await _explain(pg_store, sql, []))
     assert {n.get("Index Name") for n in scans} == {"ix_job_instances_pinned_enqueued"}, scans
+
+
+async def test_no_session_compiles_its_statements(pg_database_url: str) -> None:
+    # JIT compilation: the planner's cost of the Jobs page's summaries over a busy day passes
+    # Postgres's threshold, and compiling took most of the statement. Roles' sessions (with
+    # their limits) and the others alike run without it.
+    limits = SessionLimits(
+        lock_timeout_s=5, idle_in_transaction_timeout_s=5, statement_timeout_s=5, keepalive_s=5
+    )
+    for given in (limits, None):
+        store = open_store(pg_database_url, pool_size=1, limits=given)
+        try:
+            async with store.engine.connect() as conn:
+                assert (await conn.execute(text("SHOW jit"))).scalar() == "off"
+        finally:
+            await store.close()
 
 
 async def _finished_history(store: SqlStore, count: int = 3000) -> None:

@@ -15,15 +15,22 @@ from jobplane.store.postgres import PostgresStore
 from jobplane.store.sql import SqlStore
 from jobplane.store.sqlite import SqliteStore, sqlite_engine
 
+#: Settings of every Postgres session. No JIT compilation: Jobplane's statements are short,
+#: but the planner's cost of a few passes the threshold at which Postgres compiles a
+#: statement before running it (the Jobs page's summaries over a day of 200,000 ends spent
+#: 330 ms of a 420 ms execution compiling).
+SERVER_SETTINGS = {"jit": "off"}
+
 
 def make_engine(
     url: str, *, pool_size: int = 10, limits: SessionLimits | None = None
 ) -> AsyncEngine:
     """An engine for ``url`` (``postgresql://`` or ``sqlite:///``), with the async driver.
-    ``limits`` apply to every Postgres session (the roles pass theirs; migrations none)."""
+    ``limits`` apply to every Postgres session (the roles pass theirs; migrations none), and
+    :data:`SERVER_SETTINGS` to every one."""
     url = normalise_database_url(url)
     if url.startswith("postgresql+asyncpg://"):
-        connect_args = _session_args(limits) if limits else {}
+        connect_args = _session_args(limits) if limits else {"server_settings": SERVER_SETTINGS}
         engine = create_async_engine(
             url,
             pool_size=pool_size,
@@ -69,6 +76,7 @@ def _session_args(limits: SessionLimits) -> dict[str, Any]:
             "lock_timeout": ms(limits.lock_timeout_s),
             "idle_in_transaction_session_timeout": ms(limits.idle_in_transaction_timeout_s),
             "statement_timeout": ms(limits.statement_timeout_s),
+            **SERVER_SETTINGS,
             "tcp_keepalives_idle": str(keepalive),
             "tcp_keepalives_interval": str(max(1, keepalive // 3)),
             "tcp_keepalives_count": "3",
