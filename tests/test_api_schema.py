@@ -9,7 +9,9 @@ minute; schemathesis' own pytest plugin is not used (it does not support this py
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
+import socket
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -174,3 +176,20 @@ def test_stateful_sequences_read_back_what_they_create(api: Api) -> None:
         for instance_id in created:
             assert client.get(f"/api/v1/instances/{instance_id}").status_code == 200
         assert client.get("/api/v1/instances", params={"limit": 500}).status_code == 200
+
+
+def test_a_request_http_cannot_parse_is_answered_with_a_problem(api: Api) -> None:
+    # Generated headers may break HTTP itself (a ``Content-Length`` that is not a number): the
+    # server, not the application, answers those, and in the API's format too.
+    host, port = api.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(b"GET /api/v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: !8\r\n\r\n")
+        answer = b""
+        while chunk := conn.recv(4096):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    assert lines[0].startswith("HTTP/1.1 400")
+    assert "content-type: application/problem+json" in [line.lower() for line in lines]
+    problem = json.loads(body)
+    assert problem["status"] == 400 and problem["title"] == "Bad Request" and problem["detail"]

@@ -23,6 +23,7 @@ from jobplane_api import dashboard, docs, problems
 from jobplane_api.authn import AuthenticateFirst, Authenticator
 from jobplane_api.http_metrics import MeasureRequests, RequestMetrics
 from jobplane_api.metrics import MetricsCache
+from jobplane_api.protocol import ProblemHttpProtocol
 from jobplane_api.routers import instances, jobs, system, tokens
 from jobplane_api.security import document_roles
 from jobplane_api.settings import ApiSettings
@@ -251,5 +252,6 @@ async def serve(
         log_level=settings.log_level.lower(),
         log_config=None,  # uvicorn logs through the role's handler (text or JSON)
         lifespan="on",
+        http=ProblemHttpProtocol,  # an unparsable request is answered with problem+json too
     )
     await serve_until(config, stop, sockets)
