@@ -50,7 +50,7 @@ from jobplane.store.postgres_sql import (
 )
 from jobplane.store.postgres_stats import PostgresStatsStore
 from jobplane.store.sql import SqlStore
-from jobplane.store.sweeps import NEVER_PUBLISHED_GRACE_S
+from jobplane.store.sweeps import never_published_grace
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class PostgresStore(PostgresStatsStore, SqlStore):
         # The generic statement's conditions, read job by job (``UNPUBLISHED``).
         params = {
             "older": float(older_than_s),
-            "grace": float(min(older_than_s, NEVER_PUBLISHED_GRACE_S)),
+            "grace": float(never_published_grace(older_than_s)),
             "limit": limit,
         }
         async with self._read() as conn:

@@ -39,6 +39,13 @@ from jobplane.store.tables import (
 NEVER_PUBLISHED_GRACE_S = 0.5
 
 
+def never_published_grace(older_than_s: float) -> float:
+    """How long after its creation the republish sweep takes an instance never published as
+    lost (a publisher normally records its publication within milliseconds): the grace, or
+    the sweep's own ``older_than_s`` if that is shorter."""
+    return min(older_than_s, NEVER_PUBLISHED_GRACE_S)
+
+
 class SweepStore(SqlBase):
     """Leader-only operations. Each takes the leader's ``lease`` (its fencing token)."""
 
@@ -312,8 +319,7 @@ class SweepStore(SqlBase):
         async with self._read() as conn:
             now = await self._now(conn)
             cutoff = now - timedelta(seconds=older_than_s)
-            # A publisher normally records its publication within milliseconds.
-            fresh = now - timedelta(seconds=min(older_than_s, NEVER_PUBLISHED_GRACE_S))
+            fresh = now - timedelta(seconds=never_published_grace(older_than_s))
             result = await conn.execute(
                 select(job_instances)
                 .join(job_slots, job_slots.c.job_key == job_instances.c.job_key)
