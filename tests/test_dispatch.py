@@ -12,6 +12,7 @@ from uuid import UUID
 
 import pytest
 
+from jobplane import triggering
 from jobplane.bus.abc import Bus
 from jobplane.bus.envelope import Envelope
 from jobplane.bus.factory import open_bus
@@ -273,3 +274,27 @@ async def test_a_fire_not_asked_to_record_the_publication_does_not(
     assert [i.published_at for i in instances] == [None, None]
     await Dispatcher(store, bus).publish_created(instances, {r.id for r in records})
     assert (await store.get_instance(instances[1].id)).published_at is not None
+
+
+def test_a_schema_s_validator_is_built_once_and_never_serves_another_schema() -> None:
+    """Validators are kept by schema object: the same object (a remembered definition's) gets
+    the same validator; an equal schema read again, or another job's, gets its own and is
+    judged by its own rules; past the cache's size the oldest goes."""
+    integer = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    text = {"type": "object", "properties": {"n": {"type": "string"}}}
+    assert triggering._validator(integer) is triggering._validator(integer)
+    assert triggering._validator(dict(integer)) is not triggering._validator(integer)
+    triggering.validate_args(integer, {"n": 1})
+    triggering.validate_args(text, {"n": "one"})
+    with pytest.raises(InvalidArgumentsError) as info:
+        triggering.validate_args(text, {"n": 1})
+    assert info.value.field == "args.n"
+    with pytest.raises(InvalidArgumentsError) as info:
+        triggering.validate_args(integer, {"n": "one"})
+    assert info.value.field == "args.n"
+    kept = [{"type": "object", "title": str(n)} for n in range(triggering.VALIDATORS_KEPT + 5)]
+    for schema in kept:
+        triggering.validate_args(schema, {})
+    assert len(triggering._VALIDATORS) == triggering.VALIDATORS_KEPT
+    assert id(kept[0]) not in triggering._VALIDATORS
+    assert triggering._VALIDATORS[id(kept[-1])][0] is kept[-1]
