@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import time
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.states import InstanceState as S
+from jobplane.startup import freeze_startup_heap
 from jobplane.store.sql import SqlStore
 from tests.cli_helpers import free_port, spawn_cli, stop_all, wait_http_ok
 from tests.store_helpers import slots_used
@@ -245,6 +247,22 @@ async def test_a_worker_imports_optional_packages_only_when_it_uses_them(
     [done] = await settled(pg_store, [made.id], timeout_s=60)
     assert done.state is S.SUCCEEDED, done.error
     assert done.result == (sorted(PROBE_PACKAGES) if health else [])
+
+
+async def test_a_worker_process_freezes_its_start_up_heap(
+    pg_store: SqlStore, redis_bus: Bus, spawn_worker: SpawnWorker
+) -> None:
+    """The ``jobplane worker`` process moves what it holds once started out of the garbage
+    collector's reach, so that a full collection does not pause its jobs to walk it; a role
+    run inside another process (as the tests do) leaves that process's collector alone."""
+    spawn_worker("frozen")
+    await wait_for(lambda: _has_definitions(pg_store), what="job registration", timeout_s=30)
+    made = await Dispatcher(pg_store, redis_bus).trigger("frozen_heap")
+    [done] = await settled(pg_store, [made.id], timeout_s=60)
+    assert done.state is S.SUCCEEDED, done.error
+    assert done.result > 10_000  # the modules, the app, the store's and bus's machinery
+    freeze_startup_heap()  # not asked for in this process: does nothing
+    assert gc.get_freeze_count() == 0
 
 
 async def test_sigterm_ends_a_blocking_read_at_once(

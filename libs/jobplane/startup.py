@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -78,3 +79,29 @@ def _log(what: str, deadline: float) -> Callable[[RetryCallState], None]:
         )
 
     return log
+
+
+#: Whether :func:`freeze_startup_heap` freezes: set by a role's process (the ``jobplane``
+#: command), never by a library user or a test that runs a role inside a process of its own.
+_freeze_heap = False
+
+
+def freeze_heap_at_startup() -> None:
+    """Let :func:`freeze_startup_heap` freeze this process's heap: for a process that runs one
+    role for its lifetime (the ``jobplane`` command)."""
+    global _freeze_heap
+    _freeze_heap = True
+
+
+def freeze_startup_heap() -> None:
+    """Once a role has started, move every object then alive (its modules, the app, the
+    store's and the bus's machinery: most of the heap, and kept for the process's life) out
+    of the garbage collector's reach (``gc.freeze``), so that a full collection walks only what
+    the role allocates while it runs. In a worker at 300 triggers/s a full collection paused
+    its event loop, and every job on it, for 61 to 67 ms; frozen, 1 to 2 ms (docs/benchmarks.md).
+    Only in a process that asked for it (:func:`freeze_heap_at_startup`): frozen objects that
+    later become cyclic garbage are never freed, which a long-lived role's start-up objects
+    never do, but a test process that starts many roles would leak."""
+    if _freeze_heap:
+        gc.collect()
+        gc.freeze()

@@ -18,6 +18,7 @@ from jobplane.backends import backends
 from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
 from jobplane.serving import bind, serve_until, supervise
+from jobplane.startup import freeze_startup_heap
 from jobplane.store.abc import ApiStore
 from jobplane_api import dashboard, docs, problems
 from jobplane_api.authn import AuthenticateFirst, Authenticator
@@ -68,6 +69,7 @@ def create_app(
                 )
             )
             app.state.settings = settings
+            freeze_startup_heap()
             yield
 
     app = FastAPI(

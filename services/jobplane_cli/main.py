@@ -90,6 +90,9 @@ def run(
     """Run a role; a JobplaneError (bad setting, unreachable service) is one line, exit 2.
     ``static`` fields (the role, its id) are on every JSON log line."""
     configure_logging(settings.log_level, settings.log_format, static)
+    from jobplane.startup import freeze_heap_at_startup
+
+    freeze_heap_at_startup()  # one role for the process's life: see freeze_startup_heap
     # Spans go out over OTLP only when OTEL_EXPORTER_OTLP_ENDPOINT is set.
     tracing = configure_tracing(f"jobplane-{(static or {}).get('role', 'dev')}")
     try:

@@ -17,6 +17,7 @@ from jobplane.clock import Clock, StoreClock
 from jobplane.domain.models import LeaderLease
 from jobplane.errors import UnavailableError
 from jobplane.events import listen
+from jobplane.startup import freeze_startup_heap
 from jobplane.store.abc import LeaderStore
 from jobplane.tasks import cancel_and_wait
 from jobplane_scheduler.duties import LeaderDuties
@@ -69,6 +70,7 @@ class Scheduler:
         )
         resigned = asyncio.Event()
         listener = asyncio.create_task(self._listen_for_resignations(resigned))
+        freeze_startup_heap()
         try:
             while not stop.is_set():
                 if listener.done():

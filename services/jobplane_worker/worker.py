@@ -48,7 +48,7 @@ from jobplane.domain.options import Isolation
 from jobplane.domain.reasons import StopReason
 from jobplane.errors import StoreUnavailableError, WorkerEvictedError
 from jobplane.events import listen
-from jobplane.startup import wait_until_reachable
+from jobplane.startup import freeze_startup_heap, wait_until_reachable
 from jobplane.store.abc import WorkerStore
 from jobplane.tasks import cancel_and_wait
 from jobplane_worker.attempt import Attempt, run_attempt
@@ -137,6 +137,7 @@ class Worker:
             await wait_until_reachable(
                 self.register, "registration", self.settings.startup_timeout_s, stop
             )
+            freeze_startup_heap()
             consumer = self.bus.consumer(self.id, self.settings.queues)
             side = [
                 asyncio.create_task(self.recorder.record_loop(), name="jobplane-record"),

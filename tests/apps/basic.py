@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import sys
 import time
@@ -207,3 +208,10 @@ def loaded_packages(args: Packages) -> list[str]:
     """Which of ``names`` (top-level packages or dotted modules) this process has imported:
     what a worker carries, seen from inside it."""
     return sorted(name for name in args.names if name in sys.modules)
+
+
+@app.triggered()
+def frozen_heap() -> int:
+    """How many objects this process froze out of the garbage collector's reach
+    (``gc.get_freeze_count()``): a role's process freezes its start-up heap."""
+    return gc.get_freeze_count()
