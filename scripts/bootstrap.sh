@@ -21,3 +21,7 @@ if [ ! -f "$stamp" ] || [ "$lock" -nt "$stamp" ] || [ pyproject.toml -nt "$stamp
     --no-build-isolation -e . 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
   touch "$stamp"
 fi
+# The project's own modules compiled to bytecode, as pip compiles what it installs and the image
+# does (`compileall`): where PYTHONDONTWRITEBYTECODE is set, every process would otherwise
+# compile them from source at start (0.1 s of a worker's start-up, docs/benchmarks.md).
+.venv/bin/python -m compileall -q libs services bench examples > /dev/null
