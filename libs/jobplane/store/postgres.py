@@ -87,8 +87,8 @@ class PostgresStore(PostgresStatsStore, SqlStore):
     async def now(self) -> datetime:
         # One round trip, not three (BEGIN, the read, COMMIT): the leader's cron loop reads
         # the clock before each fire, and its misfire check waits on it.
-        async with self._reachable(), self.engine.connect() as conn:
-            row = await self._read_clock.fetch_row(conn, {})
+        async with self._reachable():
+            row = await self._read_clock.run_row(self.engine, {})
         now: datetime = row["now"]
         return now
 
@@ -195,16 +195,17 @@ class PostgresStore(PostgresStatsStore, SqlStore):
             "skip_reason": new.skip_reason,
             "actor": new.actor,
         }
+        async with self._reachable():
+            row = await self._create_one.run_row(self.engine, params)
+        if row["id"] is not None:
+            return rows.instance_from_row(row)
+        if not row["checked"]:
+            raise StaleDefinitionError(new.job_key, definition.version)
+        # Not inserted at the checked version: its idempotency key was used before. The first
+        # instance is committed (the insert waited for it), so this read finds it.
         async with self._reachable(), self.engine.connect() as conn:
-            row = await self._create_one.fetch_row(conn, params)
-            if row["id"] is not None:
-                return rows.instance_from_row(row)
-            if not row["checked"]:
-                raise StaleDefinitionError(new.job_key, definition.version)
-            # Not inserted at the checked version: its idempotency key was used before. The
-            # first instance is committed (the insert waited for it), so this read finds it.
             [instance] = await self._resolve_created(conn, [new], {})
-            return instance
+        return instance
 
     async def _next_tokens(self, conn: AsyncConnection, count: int) -> list[int]:
         result = await conn.execute(
@@ -221,9 +222,9 @@ class PostgresStore(PostgresStatsStore, SqlStore):
         # One statement, outside any transaction: it is its own (no BEGIN/COMMIT round trips
         # before a job can start); its row locks last until it ends, as before. On the driver
         # (DriverStatement), as the single trigger: the claim is on every job's path to start.
-        async with self._reachable(), self.engine.connect() as conn:
-            found = await self._claim.fetch(
-                conn,
+        async with self._reachable():
+            found = await self._claim.run(
+                self.engine,
                 {
                     "ids": list(dict.fromkeys(ids)),
                     "jobs": list(jobs),
