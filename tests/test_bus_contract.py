@@ -16,7 +16,7 @@ from jobplane.bus.envelope import Envelope, Event, EventKind
 from jobplane.bus.factory import open_bus
 from jobplane.bus.keys import Keys, band_of
 from jobplane.bus.memory import MemoryBus
-from jobplane.bus.redis import RedisBus
+from jobplane.bus.redis import RedisBus, _hash_tag
 from jobplane.errors import BusUnavailableError, EnvelopeError
 
 
@@ -82,6 +82,35 @@ async def test_publish_read_ack_round_trip(bus: Bus) -> None:
     assert await consumer.read(10, 50) == []
     assert await consumer.reclaim(0, 10) == []  # acked entries are gone, not pending
     assert sum((await bus.stream_lengths("default")).values()) == 0
+
+
+async def test_a_large_batch_over_queues_bands_and_a_worker_arrives_whole_and_in_order(
+    bus: Bus,
+) -> None:
+    """One publish of entries for several streams (two queues of one hash slot each, their
+    bands, a worker's stream), more than one script call's worth for the main queue: every
+    entry lands once, on its stream, in the order it was given."""
+    many = [envelope(p) for p in (9, 5, 1) for _ in range(1100)]  # three bands, > 1 chunk
+    pinned = [envelope(5, pinned="w1") for _ in range(3)]
+    elsewhere = [envelope(5) for _ in range(4)]
+    batch = [("default", e) for e in many] + [("default", e) for e in pinned]
+    await bus.publish(batch + [("other", e) for e in elsewhere])
+    consumer = bus.consumer("w1", ["default"])
+    got: list[Envelope] = []
+    while chunk := await consumer.read(1000, 50):
+        got += [d.envelope for d in chunk]
+        await consumer.ack(chunk)
+    # Pinned first, then band by band, each in publication order.
+    assert got == pinned + many
+    other = bus.consumer("w2", ["other"])
+    assert [d.envelope for d in await other.read(10, 50)] == elsewhere
+
+
+def test_a_key_s_hash_tag_is_what_redis_cluster_hashes() -> None:
+    assert _hash_tag("jp:q:{default}:1") == "default"
+    assert _hash_tag("jp:w:{worker-1}") == "worker-1"
+    assert _hash_tag("jp:{}:{x}") == "jp:{}:{x}"  # an empty first tag: the whole key
+    assert _hash_tag("plain") == "plain"
 
 
 async def test_stream_stats_count_entries_lag_and_pending_per_band(bus: Bus) -> None:

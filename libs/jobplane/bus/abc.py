@@ -106,7 +106,9 @@ class Bus(Protocol):
 
     async def publish(self, envelopes: Sequence[tuple[str, Envelope]]) -> None:
         """Append ``(queue, envelope)`` pairs: to the queue's band stream, or to the pinned
-        worker's stream when ``envelope.pinned_worker`` is set. One round trip."""
+        worker's stream when ``envelope.pinned_worker`` is set, each stream's in the order
+        given. One round trip for the entries of one queue or one worker (Redis: two when they
+        span several)."""
 
     async def queued(
         self, envelopes: Sequence[tuple[str, Envelope]], *, stuck_after_ms: int | None = None

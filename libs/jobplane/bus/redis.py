@@ -45,6 +45,27 @@ return 0
 """
 
 
+# Append one entry per key: KEYS[i] gets ARGV[i] as its field "d" (never MAXLEN: unread stays).
+APPEND_LUA = """
+for i = 1, #KEYS do
+    redis.call('XADD', KEYS[i], '*', 'd', ARGV[i])
+end
+return #KEYS
+"""
+#: Entries appended by one call of the script (Redis runs a script alone: ~1 ms per 1,000).
+PUBLISH_CHUNK = 1000
+
+
+def _hash_tag(key: str) -> str:
+    """What Redis Cluster hashes of ``key``: its first non-empty ``{…}``, else the key."""
+    start = key.find("{")
+    if start >= 0:
+        end = key.find("}", start + 1)
+        if end > start + 1:
+            return key[start + 1 : end]
+    return key
+
+
 @asynccontextmanager
 async def _translated(what: str) -> AsyncIterator[None]:
     """Connection failures become :class:`BusUnavailableError` (one line, no driver types)."""
@@ -65,6 +86,7 @@ class RedisBus:
         self._owns_client = owns_client
         self._closed = False
         self._clear_pending = client.register_script(CLEAR_PENDING_LUA)
+        self._append = client.register_script(APPEND_LUA)
         #: The pending-update marks as last read whole, and the hash's (edit count, length)
         #: then (see :meth:`get_pending_updates`).
         self._marks: dict[str, int] = {}
@@ -106,10 +128,29 @@ class RedisBus:
                     self.keys.stream_of(queue, envelope), {"d": envelope.encode()}
                 )
                 return
-            pipe = self.client.pipeline(transaction=False)
+            # Several: appended by a script, one command for up to PUBLISH_CHUNK entries of
+            # one hash slot, rather than a pipeline of one XADD each, whose replies redis-py
+            # parses one by one (a cron tick of 1,000 instances spent 44 ms of the leader's CPU
+            # in the pipeline). The keys of one script call share a hash tag (a queue's
+            # streams, or a worker's), as Redis Cluster requires.
+            slots: dict[str, tuple[list[str], list[bytes]]] = {}
             for queue, envelope in envelopes:
-                # never MAXLEN: unread stays
-                pipe.xadd(self.keys.stream_of(queue, envelope), {"d": envelope.encode()})
+                key = self.keys.stream_of(queue, envelope)
+                keys, data = slots.setdefault(_hash_tag(key), ([], []))
+                keys.append(key)
+                data.append(envelope.encode())
+            calls = [
+                (keys[i : i + PUBLISH_CHUNK], data[i : i + PUBLISH_CHUNK])
+                for keys, data in slots.values()
+                for i in range(0, len(keys), PUBLISH_CHUNK)
+            ]
+            if len(calls) == 1:
+                [(keys, data)] = calls
+                await self._append(keys=keys, args=data)
+                return
+            pipe = self.client.pipeline(transaction=False)
+            for keys, data in calls:
+                await self._append(keys=keys, args=data, client=pipe)
             await pipe.execute()
 
     async def queued(
