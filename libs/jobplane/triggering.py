@@ -16,7 +16,7 @@ from jobplane.idempotency import fingerprint
 
 #: Validators built, by the ``id`` of their schema, each beside the schema itself: a dispatcher
 #: keeps the definitions it read, so every trigger of a job hands in the same schema object,
-#: and building its validator cost as much as the validation (6 % of a trigger's CPU). The
+#: and building its validator was 4 of the 9 µs a validation of a small schema took. The
 #: schema is held, so its ``id`` cannot be reused by another object while it is cached; the
 #: cache is checked by identity (``is``), never by equality. The oldest is dropped past the size.
 _VALIDATORS: dict[int, tuple[dict[str, Any], Any]] = {}
