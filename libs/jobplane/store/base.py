@@ -23,6 +23,7 @@ from sqlalchemy import (
     func,
     literal,
     select,
+    text,
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
@@ -203,6 +204,22 @@ def unindexed_state(columns: Any, *states: InstanceState) -> ColumnElement[bool]
     if len(states) == 1:
         return state == states[0].value
     return state.in_([s.value for s in states])
+
+
+async def plan_for_these_ids(conn: AsyncConnection) -> None:
+    """Plan the rest of this transaction's statements for their own values each time, never
+    from a cached generic plan (Postgres; a no-op elsewhere). For a statement that names a
+    list of instances by id: prepared once per list length, after five runs Postgres may keep
+    a generic plan made with the table's size of that moment, and once a burst has grown a
+    table analyzed small it read every row and compared each with every id of the list (the
+    ids are parameters, not a constant array, so they are not hashed). A custom plan sees the
+    table's current size and a constant list: a primary-key lookup per id. Costs one round
+    trip and a planning per run: for the publication marks, whose generic plans went wrong
+    (docs/benchmarks.md, "Cached generic plans"). Not for a worker's lease renewals: their
+    generic plans held (about 30 ms for 512 leases at 20,000 to 200,000 rows), and custom
+    ones took longer (about 43 ms, planning a list of 512 pairs each time)."""
+    if conn.dialect.name == "postgresql":
+        await conn.execute(text("SET LOCAL plan_cache_mode = force_custom_plan"))
 
 
 def locked_in_id_order(

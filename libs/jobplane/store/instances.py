@@ -14,7 +14,6 @@ from sqlalchemy import (
     and_,
     func,
     select,
-    text,
     update,
 )
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -39,7 +38,13 @@ from jobplane.errors import (
 from jobplane.idempotency import fingerprint_of, replayed
 from jobplane.ids import id_floor
 from jobplane.store import rows
-from jobplane.store.base import SqlBase, locked_in_id_order, retry_conflicts, unindexed_state
+from jobplane.store.base import (
+    SqlBase,
+    locked_in_id_order,
+    plan_for_these_ids,
+    retry_conflicts,
+    unindexed_state,
+)
 from jobplane.store.creation import (
     history_values,
     insert_history,
@@ -309,17 +314,10 @@ async def _set_published(
     no mark; a row left with the wrong mark is only republished by the sweep. So this
     bookkeeping never waits on, nor deadlocks with, a claim."""
     ordered = sorted(ids)
-    if conn.dialect.name == "postgresql":
-        # Planned for its own ids each time, never from a cached generic plan. The statement
-        # is prepared once per slice length, and after five runs Postgres may keep a generic
-        # plan made with the table's size at that moment: after a burst into a new or quiet
-        # table it read every row and compared each with every id of the list (its ids are
-        # parameters, not a constant array, so not hashed). Marking 1,000 instances then took
-        # 0.41 to 0.43 s at 100,000 rows, and a burst of batch triggers slowed from 15,000 to
-        # 1,100 instances/s as it grew (docs/benchmarks.md). A custom plan sees the table's
-        # current size and a constant list: a primary-key lookup per id. (One round trip more
-        # per mark, in its transaction; a single trigger's mark is in its insert.)
-        await conn.execute(text("SET LOCAL plan_cache_mode = force_custom_plan"))
+    # Planned for these ids (see plan_for_these_ids): from a generic plan cached on a small
+    # table, a mark of 1,000 took 0.41 to 0.43 s at 100,000 rows, and a burst of batch
+    # triggers slowed from 15,000 to 1,100 instances/s as the table grew.
+    await plan_for_these_ids(conn)
     # In slices, in id order: a statement takes at most 32,767 parameters (asyncpg; SQLite
     # 32,766), and a batch trigger of the Python API may name more instances than that.
     for start in range(0, len(ordered), PUBLISHED_SLICE):
