@@ -24,7 +24,7 @@ from jobplane.settings import SessionLimits
 from jobplane.store.base import unindexed_state
 from jobplane.store.driver import DriverStatement
 from jobplane.store.factory import open_store
-from jobplane.store.postgres_sql import CLAIM, COMPLETE, UNPUBLISHED
+from jobplane.store.postgres_sql import CLAIM, COMPLETE, RENEW, UNPUBLISHED
 from jobplane.store.sql import SqlStore
 from jobplane.store.sweeps import enqueued_page, orphaned_pins
 from jobplane.store.tables import job_instances
@@ -122,6 +122,27 @@ async def test_outcomes_recorded_after_a_burst_find_their_attempts_by_primary_ke
     plan = await _explain(pg_store, statement.sql, [params[name] for name in statement.names])
     assert _by_primary_key(_scans(plan, "locked")), _scans(plan, "locked")
     assert _by_primary_key(_scans(plan, "done")), _scans(plan, "done")
+
+
+async def test_lease_renewals_after_a_burst_find_their_attempts_by_primary_key(
+    pg_store: SqlStore,
+) -> None:
+    await _finished_history(pg_store)
+    ids = await _backlog(pg_store, 3000)
+    claimed = []
+    for start in range(0, len(ids), 500):
+        claimed += (await pg_store.claim(ids[start : start + 500], "w1", 30, ["job"])).claimed
+    attempts = [claim.instance for claim in claimed[:512]]
+    statement = DriverStatement(RENEW, pg_store.engine.dialect)
+    params = {
+        "ids": [a.id for a in attempts],
+        "tokens": [a.claim_token for a in attempts],
+        "lease": 30.0,
+    }
+    plan = await _explain(pg_store, statement.sql, [params[name] for name in statement.names])
+    locked, renewed = _scans(plan, "locked"), _scans(plan)
+    assert _by_primary_key(locked), locked
+    assert _by_primary_key(renewed), renewed
 
 
 async def test_a_statement_built_with_the_rule_reads_by_primary_key(pg_store: SqlStore) -> None:

@@ -195,38 +195,49 @@ class LifecycleStore(SqlBase):
         if not leases:
             return {}
         progress = progress or {}
+        tokens = dict(leases)
         async with self._write() as conn:
-            now = await self._now(conn)
-            fenced = and_(
-                tuple_(job_instances.c.id, job_instances.c.claim_token).in_(list(leases)),
-                unindexed_state(job_instances.c, InstanceState.PROCESSING),
-            )
-            # Locked in id order, as the outcome statement locks them: a heartbeat and the
-            # recording of outcomes of the same attempts never deadlock.
-            pairs = list(leases)
-            result = await conn.execute(
-                update(job_instances)
-                .where(
-                    fenced,
-                    locked_in_id_order(
-                        lambda c: (
-                            tuple_(c.id, c.claim_token).in_(pairs)
-                            & unindexed_state(c, InstanceState.PROCESSING)
-                        )
-                    ),
-                )
-                .values(lease_expires_at=now + timedelta(seconds=lease_s))
-                .returning(job_instances.c.id, job_instances.c.cancel_requested)
-            )
-            kept = {r.id: r.cancel_requested for r in result}
+            kept = await self._renew(conn, list(leases), lease_s)
             for instance_id, (fraction, message) in progress.items():
                 if instance_id in kept:  # the lease (and so the token) was just checked
                     await conn.execute(
                         update(job_instances)
-                        .where(job_instances.c.id == instance_id, fenced)
+                        .where(
+                            job_instances.c.id == instance_id,
+                            job_instances.c.claim_token == tokens[instance_id],
+                            unindexed_state(job_instances.c, InstanceState.PROCESSING),
+                        )
                         .values(progress=fraction, progress_message=message)
                     )
             return kept
+
+    async def _renew(
+        self, conn: AsyncConnection, leases: list[tuple[UUID, int]], lease_s: float
+    ) -> dict[UUID, bool]:
+        """Extend the leases still held (the instance Processing under that claim token) to
+        ``lease_s`` from the transaction's time: ``{id: cancel_requested}`` of those renewed."""
+        now = await self._now(conn)
+        fenced = and_(
+            tuple_(job_instances.c.id, job_instances.c.claim_token).in_(leases),
+            unindexed_state(job_instances.c, InstanceState.PROCESSING),
+        )
+        # Locked in id order, as the outcome statement locks them: a heartbeat and the
+        # recording of outcomes of the same attempts never deadlock.
+        result = await conn.execute(
+            update(job_instances)
+            .where(
+                fenced,
+                locked_in_id_order(
+                    lambda c: (
+                        tuple_(c.id, c.claim_token).in_(leases)
+                        & unindexed_state(c, InstanceState.PROCESSING)
+                    )
+                ),
+            )
+            .values(lease_expires_at=now + timedelta(seconds=lease_s))
+            .returning(job_instances.c.id, job_instances.c.cancel_requested)
+        )
+        return {r.id: r.cancel_requested for r in result}
 
     @retry_conflicts
     async def save_checkpoint(self, instance_id: UUID, claim_token: int, data: Any) -> bool:

@@ -46,6 +46,7 @@ from jobplane.store.postgres_sql import (
     CREATE_ONE,
     FIRE,
     NOW,
+    RENEW,
     UNPUBLISHED,
 )
 from jobplane.store.postgres_stats import PostgresStatsStore
@@ -212,6 +213,20 @@ class PostgresStore(PostgresStatsStore, SqlStore):
             text("SELECT nextval('claim_token_seq') FROM generate_series(1, :n)"), {"n": count}
         )
         return list(result.scalars())
+
+    async def _renew(
+        self, conn: AsyncConnection, leases: list[tuple[UUID, int]], lease_s: float
+    ) -> dict[UUID, bool]:
+        # One statement over arrays of ids and tokens (RENEW_SQL), not a list of pairs.
+        result = await conn.execute(
+            RENEW,
+            {
+                "ids": [instance_id for instance_id, _ in leases],
+                "tokens": [token for _, token in leases],
+                "lease": float(lease_s),
+            },
+        )
+        return {r.id: r.cancel_requested for r in result}
 
     @retry_conflicts
     async def claim(
