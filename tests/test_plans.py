@@ -75,6 +75,16 @@ async def _backlog(store: SqlStore, count: int) -> list[Any]:
     return [instance.id for instance in made]
 
 
+async def _attempts_after_a_burst(store: SqlStore) -> list[Any]:
+    """3,000 running attempts, claimed from a burst behind an analyzed finished history."""
+    await _finished_history(store)
+    ids = await _backlog(store, 3000)
+    claimed = []
+    for start in range(0, len(ids), 500):
+        claimed += (await store.claim(ids[start : start + 500], "w1", 30, ["job"])).claimed
+    return [claim.instance for claim in claimed]
+
+
 def _by_primary_key(scans: list[dict[str, Any]]) -> bool:
     """No candidate scan reads the whole table, and the only index any of them reads is the
     primary key."""
@@ -102,12 +112,7 @@ async def test_a_claim_after_a_burst_the_statistics_missed_reads_by_primary_key(
 async def test_outcomes_recorded_after_a_burst_find_their_attempts_by_primary_key(
     pg_store: SqlStore,
 ) -> None:
-    await _finished_history(pg_store)
-    ids = await _backlog(pg_store, 3000)
-    claimed = []
-    for start in range(0, len(ids), 500):
-        claimed += (await pg_store.claim(ids[start : start + 500], "w1", 30, ["job"])).claimed
-    attempts = [claim.instance for claim in claimed[:5]]
+    attempts = (await _attempts_after_a_burst(pg_store))[:5]
     statement = DriverStatement(COMPLETE, pg_store.engine.dialect)
     params = {
         "ids": [a.id for a in attempts],
@@ -127,12 +132,7 @@ async def test_outcomes_recorded_after_a_burst_find_their_attempts_by_primary_ke
 async def test_lease_renewals_after_a_burst_find_their_attempts_by_primary_key(
     pg_store: SqlStore,
 ) -> None:
-    await _finished_history(pg_store)
-    ids = await _backlog(pg_store, 3000)
-    claimed = []
-    for start in range(0, len(ids), 500):
-        claimed += (await pg_store.claim(ids[start : start + 500], "w1", 30, ["job"])).claimed
-    attempts = [claim.instance for claim in claimed[:512]]
+    attempts = (await _attempts_after_a_burst(pg_store))[:512]
     statement = DriverStatement(RENEW, pg_store.engine.dialect)
     params = {
         "ids": [a.id for a in attempts],
