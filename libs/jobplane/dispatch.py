@@ -221,7 +221,7 @@ class Dispatcher:
         trigger is acknowledged by its commit, and its caller need not wait for the bus too.
         The send then overlaps the caller's next database round trip, and the messages of
         triggers made while a send is under way (requests in flight in the API) go out
-        together, in one pipeline, next.
+        together, in one call, next.
 
         Nothing is lost if this process dies before the send: the instance is committed and
         marked, and the sweep republishes a marked, unclaimed instance once its mark is older
