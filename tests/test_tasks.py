@@ -10,7 +10,7 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from jobplane import tasks
-from jobplane.bus.redis import _translated
+from jobplane.bus.redis_calls import translated
 from jobplane.errors import BusUnavailableError
 from jobplane.tasks import being_cancelled, cancel_and_wait, run_together
 
@@ -114,7 +114,7 @@ async def test_a_cancel_reported_as_a_connection_error_stays_a_cancel() -> None:
             raise RedisConnectionError("Connection closed by server.") from None
 
     async def through_the_bus() -> None:
-        async with _translated("events"):
+        async with translated("events"):
             await command()
 
     task = asyncio.create_task(through_the_bus())
@@ -123,7 +123,7 @@ async def test_a_cancel_reported_as_a_connection_error_stays_a_cancel() -> None:
     assert not being_cancelled()  # this task is not
 
     async def outage() -> None:
-        async with _translated("events"):
+        async with translated("events"):
             raise RedisConnectionError("Connection refused")
 
     with pytest.raises(BusUnavailableError):

@@ -7,30 +7,26 @@ as soon as its claim has committed in Postgres.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Collection, Sequence
-from contextlib import aclosing, asynccontextmanager
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Collection, Sequence
+from contextlib import aclosing
+from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from jobplane.bus.abc import BusEpoch, DeadLetter, Delivery, StreamStats
+from jobplane.bus.abc import BusEpoch, DeadLetter, StreamStats
 from jobplane.bus.envelope import Envelope, Event
 from jobplane.bus.keys import BANDS, GROUP, Keys
+from jobplane.bus.redis_calls import as_text, translated
+from jobplane.bus.redis_consumer import RedisConsumer
 from jobplane.errors import BusUnavailableError, EnvelopeError
-from jobplane.tasks import being_cancelled
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 #: Entries read per XRANGE call when looking for messages still in a stream.
 XRANGE_PAGE = 1000
-DEAD_LETTER_MAXLEN = 10_000
 
 #: A field of the pending-update hash that no job key can be (keys start with a letter or a
 #: digit): how many edits were marked, so a reader knows the hash changed without reading it.
@@ -66,17 +62,6 @@ def _hash_tag(key: str) -> str:
     return key
 
 
-@asynccontextmanager
-async def _translated(what: str) -> AsyncIterator[None]:
-    """Connection failures become :class:`BusUnavailableError` (one line, no driver types)."""
-    try:
-        yield
-    except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-        if being_cancelled():
-            raise asyncio.CancelledError from exc  # the cancel, as the driver reported it
-        raise BusUnavailableError(f"Redis unavailable ({what}): {exc}") from exc
-
-
 class RedisBus:
     """Redis Streams bus. Closes ``client`` on :meth:`close` only if ``owns_client``."""
 
@@ -98,28 +83,28 @@ class RedisBus:
             await self.client.aclose()
 
     async def ping(self) -> None:
-        async with _translated("ping"):
+        async with translated("ping"):
             await self.client.ping()
 
     async def epoch(self) -> BusEpoch:
         # A restart changes the run_id; a FLUSHALL/FLUSHDB on a live server does not, but it
         # deletes the marker key.
-        async with _translated("epoch"):
+        async with translated("epoch"):
             pipe = self.client.pipeline(transaction=False)
             pipe.info("server")
             pipe.get(self.keys.epoch_marker())
             info, marker = await pipe.execute()
-        return BusEpoch(str(info["run_id"]), None if marker is None else _text(marker))
+        return BusEpoch(str(info["run_id"]), None if marker is None else as_text(marker))
 
     async def mark_epoch(self) -> BusEpoch:
-        async with _translated("mark epoch"):
+        async with translated("mark epoch"):
             await self.client.set(self.keys.epoch_marker(), uuid.uuid4().hex, nx=True)
         return await self.epoch()
 
     async def publish(self, envelopes: Sequence[tuple[str, Envelope]]) -> None:
         if not envelopes:
             return
-        async with _translated("publish"):
+        async with translated("publish"):
             if len(envelopes) == 1:
                 # A single trigger's message: the command alone, without a pipeline's
                 # bookkeeping (a quarter of the publish's CPU; the same one round trip).
@@ -170,7 +155,7 @@ class RedisBus:
             # the whole stream each sweep cost a second per 100,000 entries.
             async with aclosing(self._entries(key)) as entries:
                 async for entry_id, instance_id in entries:
-                    if instance_id in missing and _text(entry_id) not in stuck:
+                    if instance_id in missing and as_text(entry_id) not in stuck:
                         missing.discard(instance_id)
                         if not missing:
                             break
@@ -182,7 +167,7 @@ class RedisBus:
         first, read a page at a time (an undecodable one is the reader's to dead-letter)."""
         start = "-"
         while True:
-            async with _translated("xrange"):
+            async with translated("xrange"):
                 page: Any = await self.client.xrange(key, min=start, count=XRANGE_PAGE)
             for entry_id, fields in page or []:
                 try:
@@ -191,7 +176,7 @@ class RedisBus:
                     continue
             if len(page or []) < XRANGE_PAGE:
                 return
-            start = "(" + _text(page[-1][0])
+            start = "(" + as_text(page[-1][0])
 
     async def drop_pinned(self, worker_id: str, instance_ids: Collection[uuid.UUID]) -> int:
         key, wanted = self.keys.worker_stream(worker_id), set(instance_ids)
@@ -203,7 +188,7 @@ class RedisBus:
         pipe = self.client.pipeline(transaction=False)
         pipe.xack(key, GROUP, *doomed)  # 0 when the worker never read: no group, no error
         pipe.xdel(key, *doomed)
-        async with _translated("xdel"):
+        async with translated("xdel"):
             await pipe.execute()
         return len(doomed)
 
@@ -213,38 +198,38 @@ class RedisBus:
         start = "-"
         while True:
             try:
-                async with _translated("xpending"):
+                async with translated("xpending"):
                     page: Any = await self.client.xpending_range(
                         key, GROUP, min=start, max="+", count=XRANGE_PAGE, idle=idle_ms
                     )
             except ResponseError:
                 return stuck  # no such stream or group yet: nothing delivered
-            stuck.update(_text(p["message_id"]) for p in page or [])
+            stuck.update(as_text(p["message_id"]) for p in page or [])
             if len(page or []) < XRANGE_PAGE:
                 return stuck
-            start = "(" + _text(page[-1]["message_id"])
+            start = "(" + as_text(page[-1]["message_id"])
 
     def consumer(self, worker_id: str, queues: Sequence[str]) -> RedisConsumer:
         return RedisConsumer(self, worker_id, queues)
 
     async def dead_letters(self, queue: str, count: int = 100) -> list[DeadLetter]:
-        async with _translated("xrange"):
+        async with translated("xrange"):
             entries: Any = await self.client.xrange(self.keys.dead_letter(queue), count=count)
         out = []
         for _, fields in entries or []:
             out.append(
                 DeadLetter(
-                    stream=_text(fields.get(b"stream", b"")),
-                    entry_id=_text(fields.get(b"id", b"")),
+                    stream=as_text(fields.get(b"stream", b"")),
+                    entry_id=as_text(fields.get(b"id", b"")),
                     raw=bytes(fields.get(b"d", b"")),
-                    error=_text(fields.get(b"error", b"")),
+                    error=as_text(fields.get(b"error", b"")),
                 )
             )
         return out
 
     async def stream_lengths(self, queue: str) -> dict[str, int]:
         keys = self.keys.queue_streams(queue)
-        async with _translated("xlen"):
+        async with translated("xlen"):
             pipe = self.client.pipeline(transaction=False)
             for key in keys:
                 pipe.xlen(key)
@@ -253,7 +238,7 @@ class RedisBus:
 
     async def stream_stats(self, queues: Collection[str]) -> list[StreamStats]:
         streams = [(q, band) for q in sorted(set(queues)) for _, band in BANDS]
-        async with _translated("xinfo"):
+        async with translated("xinfo"):
             pipe = self.client.pipeline(transaction=False)
             for queue, band in streams:
                 key = self.keys.queue_stream(queue, band)
@@ -269,7 +254,7 @@ class RedisBus:
                 groups = []  # no such stream yet
             elif isinstance(groups, Exception):
                 raise BusUnavailableError(f"Redis refused XINFO: {groups}") from groups
-            group = next((g for g in groups if _text(g["name"]) == GROUP), None)
+            group = next((g for g in groups if as_text(g["name"]) == GROUP), None)
             pending = int(group["pending"]) if group is not None else 0
             # Redis 7 reports the lag; it is unknown after some deletions (and on Redis 6),
             # but every entry in a queue stream is either undelivered or pending (an
@@ -281,7 +266,7 @@ class RedisBus:
 
     async def set_pending_updates(self, versions: dict[str, int]) -> None:
         if versions:
-            async with _translated("hset"):
+            async with translated("hset"):
                 # The marks and the hash's edit count change together (one key: one slot).
                 pipe = self.client.pipeline(transaction=True)
                 pipe.hset(self.keys.pending_updates(), mapping=versions)  # type: ignore[arg-type]
@@ -294,7 +279,7 @@ class RedisBus:
         leader asks before every fire, for every job of the tick, and the hash rarely
         changes (two O(1) reads, not a thousand fields)."""
         name = self.keys.pending_updates()
-        async with _translated("hget"):
+        async with translated("hget"):
             pipe = self.client.pipeline(transaction=False)
             pipe.hget(name, EDITS_FIELD)
             pipe.hlen(name)
@@ -303,7 +288,7 @@ class RedisBus:
             if seen != self._marks_seen:
                 raw = await self.client.hgetall(name)
                 edits = raw.pop(EDITS_FIELD.encode(), None)
-                self._marks = {_text(k): int(v) for k, v in raw.items()}
+                self._marks = {as_text(k): int(v) for k, v in raw.items()}
                 # (As read with the marks: a newer edit count makes the next call read again.)
                 self._marks_seen = (edits, len(raw) + (edits is not None))
         if keys is None:
@@ -311,23 +296,23 @@ class RedisBus:
         return {k: self._marks[k] for k in keys if k in self._marks}
 
     async def clear_pending_update(self, key: str, version: int) -> bool:
-        async with _translated("clear pending"):
+        async with translated("clear pending"):
             removed = await self._clear_pending(
                 keys=[self.keys.pending_updates()], args=[key, str(version)]
             )
         return bool(removed)
 
     async def publish_event(self, event: Event) -> None:
-        async with _translated("publish event"):
+        async with translated("publish event"):
             await self.client.publish(self.keys.events_channel(), event.encode())
 
     async def subscribe(self) -> AsyncIterator[Event]:
         pubsub = self.client.pubsub(ignore_subscribe_messages=True)
         try:
-            async with _translated("subscribe"):
+            async with translated("subscribe"):
                 await pubsub.subscribe(self.keys.events_channel())
             while not self._closed:
-                async with _translated("events"):
+                async with translated("events"):
                     message = await pubsub.get_message(timeout=1.0)
                 if message is None or message.get("type") != "message":
                     continue
@@ -339,196 +324,3 @@ class RedisBus:
                     )
         finally:
             await pubsub.aclose()  # type: ignore[no-untyped-call]
-
-
-class RedisConsumer:
-    """One worker's consumer: its stable name is the worker id, so a restarted worker finds
-    its pending entries again."""
-
-    def __init__(self, bus: RedisBus, worker_id: str, queues: Sequence[str]) -> None:
-        self.bus = bus
-        self.client = bus.client
-        self.name = worker_id
-        # Highest priority first: the worker's pinned stream, then each queue's bands.
-        self._dead_of = bus.keys.consumer_streams(worker_id, queues)
-        self.streams = list(self._dead_of)
-        self._groups_ready = False
-
-    async def _ensure_groups(self) -> None:
-        for key in self.streams:
-            try:
-                await self.client.xgroup_create(key, GROUP, id="0", mkstream=True)
-            except ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
-        self._groups_ready = True
-
-    async def _call(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
-        """Run ``op``; if the group vanished (Redis restarted empty, stream deleted), recreate
-        the groups and retry once."""
-        async with _translated(what):
-            if not self._groups_ready:
-                await self._ensure_groups()
-            try:
-                return await op()
-            except ResponseError as exc:
-                # NOGROUP: the stream or its group is gone; UNBLOCKED: it vanished while
-                # this read blocked on it (FLUSHALL, restart). Both: recreate, read again.
-                if "NOGROUP" not in str(exc) and "UNBLOCKED" not in str(exc):
-                    raise
-                logger.warning(
-                    "consumer group missing on %s; recreating it",
-                    what,
-                    extra={"action": "bus.nogroup"},
-                )
-                await self._ensure_groups()
-                return await op()
-
-    async def read(self, count: int, block_ms: int) -> list[Delivery]:
-        found = await self._read_each(count)
-        if found:
-            return found
-        # Nothing anywhere: block on all streams at once, for one entry (one per stream would
-        # overshoot ``count`` when several fill at once). What woke the read is returned as it
-        # is, not topped up: a fill took a round trip between the wake-up and the claim of
-        # every job that finds a worker idle, and entries that arrived meanwhile are found by
-        # the next read's first pass.
-        streams: dict[Any, Any] = dict.fromkeys(self.streams, ">")
-        reply = await self._call(
-            "xreadgroup",
-            lambda: self.client.xreadgroup(GROUP, self.name, streams, count=1, block=block_ms),
-        )
-        found = await self._deliveries(reply)
-        if len(found) > count:
-            # Several streams filled between the first pass and the block, and Redis hands one
-            # entry per stream: beyond ``count`` (the reader's free capacity) the entries go
-            # back to the end of their streams rather than overrun it. (Should that fail, the
-            # error stops this read and every entry it took stays pending, to be reclaimed.)
-            found, surplus = found[:count], found[count:]
-            await self.requeue(surplus)
-        return found
-
-    async def _read_each(self, count: int) -> list[Delivery]:
-        """Non-blocking reads, stream by stream in priority order, never more than ``count``."""
-        out: list[Delivery] = []
-        for key in self.streams:
-            remaining = count - len(out)
-            if remaining <= 0:
-                break
-            reply = await self._call(
-                "xreadgroup",
-                lambda key=key, n=remaining: self.client.xreadgroup(  # type: ignore[misc]
-                    GROUP, self.name, {key: ">"}, count=n
-                ),
-            )
-            out += await self._deliveries(reply)
-        return out
-
-    async def _deliveries(self, reply: Any) -> list[Delivery]:
-        out: list[Delivery] = []
-        for stream, entries in _by_stream(reply):
-            for entry_id, fields in entries:
-                delivery = await self._decode(stream, entry_id, fields, 1)
-                if delivery is not None:
-                    out.append(delivery)
-        return out
-
-    async def _decode(
-        self, stream: str, entry_id: bytes | str, fields: dict[bytes, bytes] | None, count: int
-    ) -> Delivery | None:
-        entry = _text(entry_id)
-        raw = (fields or {}).get(b"d")
-        try:
-            if raw is None:
-                raise EnvelopeError("entry has no 'd' field")
-            envelope = Envelope.decode(raw)
-        except EnvelopeError as exc:
-            await self._dead_letter(stream, entry, raw or b"", str(exc))
-            return None
-        return Delivery(stream=stream, entry_id=entry, envelope=envelope, times_delivered=count)
-
-    async def _dead_letter(self, stream: str, entry_id: str, raw: bytes, error: str) -> None:
-        dead = self._dead_of[stream]
-        pipe = self.client.pipeline(transaction=False)
-        pipe.xadd(
-            dead,
-            {"d": raw, "stream": stream, "id": entry_id, "error": error},
-            maxlen=DEAD_LETTER_MAXLEN,
-            approximate=True,
-        )
-        pipe.xack(stream, GROUP, entry_id)
-        pipe.xdel(stream, entry_id)
-        async with _translated("dead letter"):
-            await pipe.execute()
-        logger.warning(
-            "undecodable entry %s on %s moved to %s: %s",
-            entry_id,
-            stream,
-            dead,
-            error,
-            extra={"action": "bus.dead_letter", "stream": stream},
-        )
-
-    async def ack(self, deliveries: Sequence[Delivery]) -> None:
-        if not deliveries:
-            return
-        by_stream: dict[str, list[str]] = {}
-        for d in deliveries:
-            by_stream.setdefault(d.stream, []).append(d.entry_id)
-        pipe = self.client.pipeline(transaction=False)
-        for stream, ids in by_stream.items():  # two commands per stream, whatever the batch
-            pipe.xack(stream, GROUP, *ids)
-            pipe.xdel(stream, *ids)
-        async with _translated("ack"):
-            await pipe.execute()
-
-    async def reclaim(self, min_idle_ms: int, count: int) -> list[Delivery]:
-        out: list[Delivery] = []
-        for key in self.streams:
-            remaining = count - len(out)
-            if remaining <= 0:
-                break
-            reply = await self._call(
-                "xautoclaim",
-                lambda key=key, n=remaining: self.client.xautoclaim(  # type: ignore[misc]
-                    key, GROUP, self.name, min_idle_ms, "0-0", count=n
-                ),
-            )
-            for entry_id, fields in reply[1]:
-                if fields is None:
-                    continue  # deleted while pending
-                delivery = await self._decode(key, entry_id, fields, 2)
-                if delivery is not None:
-                    out.append(delivery)
-        return out
-
-    async def requeue(self, deliveries: Sequence[Delivery]) -> None:
-        await self._move(deliveries, None)
-
-    async def forward(self, deliveries: Sequence[Delivery], worker_id: str) -> None:
-        await self._move(deliveries, self.bus.keys.worker_stream(worker_id))
-
-    async def _move(self, deliveries: Sequence[Delivery], target: str | None) -> None:
-        if not deliveries:
-            return
-        pipe = self.client.pipeline(transaction=False)
-        for d in deliveries:
-            # The copy is added before the original goes: a crash in between duplicates the
-            # message (harmless: the claim is a compare-and-set) but never loses it.
-            pipe.xadd(target or d.stream, {"d": d.envelope.encode()})
-            pipe.xack(d.stream, GROUP, d.entry_id)
-            pipe.xdel(d.stream, d.entry_id)
-        async with _translated("requeue"):
-            await pipe.execute()
-
-
-def _by_stream(reply: Any) -> list[tuple[str, list[tuple[bytes, dict[bytes, bytes]]]]]:
-    """XREADGROUP replies are a list (RESP2) or a dict (RESP3) of stream → entries."""
-    if not reply:
-        return []
-    items = reply.items() if isinstance(reply, dict) else reply
-    return [(_text(stream), entries) for stream, entries in items]
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,29 @@
+"""What the Redis bus and its consumers share: driver failures translated into
+:class:`~jobplane.errors.BusUnavailableError`, and replies' bytes read as text."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from jobplane.errors import BusUnavailableError
+from jobplane.tasks import being_cancelled
+
+
+@asynccontextmanager
+async def translated(what: str) -> AsyncIterator[None]:
+    """Connection failures become :class:`BusUnavailableError` (one line, no driver types)."""
+    try:
+        yield
+    except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        if being_cancelled():
+            raise asyncio.CancelledError from exc  # the cancel, as the driver reported it
+        raise BusUnavailableError(f"Redis unavailable ({what}): {exc}") from exc
+
+
+def as_text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
