@@ -5,20 +5,16 @@ reaches the application."""
 
 from __future__ import annotations
 
-import json
-
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from jobplane_api.problems import PROBLEM_JSON
+from jobplane_api.problems import PROBLEM_JSON, problem
 
 
 class ProblemHttpProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         # As uvicorn's own (its default headers, then close the connection: what follows the
         # unparsable request cannot be trusted), with a problem for a body.
-        body = json.dumps(
-            {"type": "about:blank", "title": "Bad Request", "status": 400, "detail": msg}
-        ).encode()
+        body = bytes(problem(400, "Bad Request", msg).body)
         content = [STATUS_LINE[400]]
         for name, value in self.server_state.default_headers:
             content.extend([name, b": ", value, b"\r\n"])
