@@ -48,6 +48,15 @@ async def _explain(store: SqlStore, sql: str, args: list[Any]) -> dict[str, Any]
     return top
 
 
+async def _explain_statement(
+    store: SqlStore, statement: Any, params: dict[str, Any]
+) -> dict[str, Any]:
+    """The plan of one of the store's ``text()`` statements, compiled as the store runs it on
+    the driver, for ``params`` by name."""
+    compiled = DriverStatement(statement, store.engine.dialect)
+    return await _explain(store, compiled.sql, [params[name] for name in compiled.names])
+
+
 def _scans(node: dict[str, Any], cte: str | None = None) -> list[dict[str, Any]]:
     """The plan nodes that read ``job_instances`` (under the CTE ``cte`` if given)."""
     if cte is not None:
@@ -57,7 +66,6 @@ def _scans(node: dict[str, Any], cte: str | None = None) -> list[dict[str, Any]]
 
 async def _claim_scans(store: SqlStore, ids: list[Any]) -> list[dict[str, Any]]:
     """The plan nodes that read ``job_instances`` for the claim's candidates (CTE ``cand``)."""
-    statement = DriverStatement(CLAIM, store.engine.dialect)
     params = {
         "ids": ids,
         "jobs": ["job"],
@@ -66,7 +74,7 @@ async def _claim_scans(store: SqlStore, ids: list[Any]) -> list[dict[str, Any]]:
         "limit_reason": "limit",
         "cancel_reason": "cancel",
     }
-    plan = await _explain(store, statement.sql, [params[name] for name in statement.names])
+    plan = await _explain_statement(store, CLAIM, params)
     return _scans(plan, "cand")
 
 
@@ -113,7 +121,6 @@ async def test_outcomes_recorded_after_a_burst_find_their_attempts_by_primary_ke
     pg_store: SqlStore,
 ) -> None:
     attempts = (await _attempts_after_a_burst(pg_store))[:5]
-    statement = DriverStatement(COMPLETE, pg_store.engine.dialect)
     params = {
         "ids": [a.id for a in attempts],
         "tokens": [a.claim_token for a in attempts],
@@ -124,7 +131,7 @@ async def test_outcomes_recorded_after_a_burst_find_their_attempts_by_primary_ke
         "holds": [False] * 5,
         "cancel_reason": "cancel",
     }
-    plan = await _explain(pg_store, statement.sql, [params[name] for name in statement.names])
+    plan = await _explain_statement(pg_store, COMPLETE, params)
     assert _by_primary_key(_scans(plan, "locked")), _scans(plan, "locked")
     assert _by_primary_key(_scans(plan, "done")), _scans(plan, "done")
 
@@ -133,13 +140,12 @@ async def test_lease_renewals_after_a_burst_find_their_attempts_by_primary_key(
     pg_store: SqlStore,
 ) -> None:
     attempts = (await _attempts_after_a_burst(pg_store))[:512]
-    statement = DriverStatement(RENEW, pg_store.engine.dialect)
     params = {
         "ids": [a.id for a in attempts],
         "tokens": [a.claim_token for a in attempts],
         "lease": 30.0,
     }
-    plan = await _explain(pg_store, statement.sql, [params[name] for name in statement.names])
+    plan = await _explain_statement(pg_store, RENEW, params)
     locked, renewed = _scans(plan, "locked"), _scans(plan)
     assert _by_primary_key(locked), locked
     assert _by_primary_key(renewed), renewed
@@ -185,9 +191,8 @@ async def test_the_republish_sweep_reads_the_stale_rows_of_each_job_in_index_ord
     await _finished_history(pg_store)
     ids = await _backlog(pg_store, 3000)
     await pg_store.mark_published(ids)
-    statement = DriverStatement(UNPUBLISHED, pg_store.engine.dialect)
     params = {"older": 30.0, "grace": 0.5, "limit": 1000}
-    plan = await _explain(pg_store, statement.sql, [params[name] for name in statement.names])
+    plan = await _explain_statement(pg_store, UNPUBLISHED, params)
     scans = _scans(plan)
     assert {n.get("Index Name") for n in scans} == {"ix_job_instances_unpublished"}, scans
     # One sort: the merge of the jobs' rows; each job's are read in the index's order.
