@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import ipaddress
 import json
 import signal
 import sqlite3
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -19,6 +21,41 @@ from tests.cli_helpers import (
     run_cli,
     wait_http_ok,
 )
+
+
+def test_the_command_loads_without_collections_and_freezes_what_it_loaded() -> None:
+    """The installed command starts from ``jobplane_cli.launch``: the command line (SQLAlchemy,
+    pydantic, the core library) loads with the cyclic collector off, what it made is frozen,
+    and the collector is on again for the command itself. Loaded the usual way, the same
+    import runs the collector about 190 times."""
+    [entry] = [
+        e for e in importlib.metadata.entry_points(group="console_scripts") if e.name == "jobplane"
+    ]
+    assert entry.value == "jobplane_cli.launch:main"
+    probe = (
+        "import gc, sys\n"
+        "from jobplane_cli.launch import load\n"
+        "runs = []\n"
+        "gc.callbacks.append(lambda phase, info: phase == 'start' and runs.append(1))\n"
+        "main = load()\n"
+        "print(json.dumps([len(runs), gc.get_freeze_count(), gc.isenabled(),\n"
+        "                  main.__module__, 'sqlalchemy' in sys.modules]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", "import json\n" + probe],
+        cwd=ROOT,
+        env=jobplane_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    runs, frozen, enabled, module, loaded = json.loads(done.stdout)
+    assert runs == 0
+    assert frozen > 50_000  # the command line's modules and what they made
+    assert enabled
+    assert module == "jobplane_cli.main"
+    assert loaded
 
 
 def test_migrate_creates_the_schema_and_is_idempotent(tmp_path: Path) -> None:
