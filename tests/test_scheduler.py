@@ -106,6 +106,27 @@ async def test_delayed_instance_is_promoted_when_due(store: SqlStore, memory_bus
     assert promoted.at >= instance.run_at
 
 
+async def test_a_lease_is_released_when_it_ends_not_at_the_next_sweep(
+    store: SqlStore, memory_bus: Bus
+) -> None:
+    # A worker claimed the instance and died (it never renews). With sweeps 30 s apart, the
+    # leader still releases the attempt just after its lease ends: it woke for that end.
+    await define(store, "job")
+    [instance] = await store.create_instances([NewInstance(job_key="job")])
+    [claim] = (await store.claim([instance.id], "dead", 1.5, ["job"])).claimed
+    async with running_scheduler(store, memory_bus, sweep_interval_s=30.0, reap_grace_s=0):
+
+        async def released() -> bool:
+            return (await store.get_instance(instance.id)).state is S.ENQUEUED
+
+        await wait_for(released, timeout_s=15, what="the release")
+    lease_end = claim.instance.lease_expires_at
+    release = (await store.transitions(instance.id))[-1]
+    assert release.from_state is S.PROCESSING and release.to_state is S.ENQUEUED
+    assert lease_end is not None and release.at > lease_end
+    assert (release.at - lease_end).total_seconds() < 5  # the next sweep: 30 s after the first
+
+
 async def test_edited_cron_applies_on_the_next_fire(store: SqlStore, memory_bus: Bus) -> None:
     opts = await define(store, "tick", cron="0 0 1 1 *")  # once a year
     clock = DrivenClock(store)

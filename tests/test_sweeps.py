@@ -92,6 +92,21 @@ async def test_promote_due_enqueues_only_what_is_due(store: SqlStore) -> None:
     assert steps == [(None, S.SCHEDULED), (S.SCHEDULED, S.ENQUEUED)]
 
 
+async def test_lease_ends_within_a_horizon_are_listed_once_each(store: SqlStore) -> None:
+    await define(store, "job", max_concurrency=10)
+    first, second, third, later = await enqueue(store, n=4)
+    two = (await store.claim([first.id, second.id], "w1", 0.5, ["job"])).claimed
+    [alone] = (await store.claim([third.id], "w2", 0.8, ["job"])).claimed
+    await store.claim([later.id], "w3", 60, ["job"])  # ends beyond the horizon
+    running = [await store.get_instance(i.id) for i in (first, second, third)]
+    end_of = {i.id: i.lease_expires_at for i in running}
+    # One claim of two: both leases end at the claim's time plus the lease, listed once.
+    assert len(two) == 2 and end_of[first.id] == end_of[second.id]
+    assert await store.leases_ending_within(1.0) == [end_of[first.id], end_of[third.id]]
+    await store.complete([Outcome(third.id, alone.token, S.SUCCEEDED)])  # no longer running
+    assert await store.leases_ending_within(1.0) == [end_of[first.id]]
+
+
 async def test_expired_leases_are_released_then_terminated(store: SqlStore) -> None:
     await define(store, "job", max_unexpected_retries=1)
     lease = await _lead(store)

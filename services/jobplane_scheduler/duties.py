@@ -41,6 +41,9 @@ logger = logging.getLogger("jobplane_scheduler.scheduler")
 
 #: While the database is away, the enqueued-notifications listener listens again this often.
 ENQUEUED_RELISTEN_S = 1.0
+#: The leader wakes this long after a lease's end to release it: the release takes leases
+#: that ended strictly before the database's time.
+LEASE_END_MARGIN = timedelta(milliseconds=5)
 
 
 class LeaderDuties(CronFiring):
@@ -72,6 +75,8 @@ class LeaderDuties(CronFiring):
         self._wake = asyncio.Event()
         self._epoch: BusEpoch | None = None
         self._delayed: list[datetime] = []
+        #: Ends of running attempts' leases before the next sweep (see _sleep_until_sweep).
+        self._lease_ends: list[datetime] = []
         #: Jobs whose missed ticks are still being recorded in batches (see catch_up).
         self._backfill: set[str] = set()
         self._prepared = {}
@@ -213,7 +218,7 @@ class LeaderDuties(CronFiring):
             ):
                 last_retention = datetime.now()
                 await self._retention()
-            await self._sleep_for_delayed()
+            await self._sleep_until_sweep()
 
     async def _sweep_once(self) -> None:
         """Find what no event announced: definitions edited, due instances, expired leases,
@@ -222,11 +227,7 @@ class LeaderDuties(CronFiring):
             await self._load_definitions()
         with self._refused("promote"):
             await self._promote()
-        if time.monotonic() >= self._reap_from:
-            with self._refused("expired leases"):
-                released = await self.store.release_expired(self.lease)
-                self.metrics.count(SweepStep.EXPIRED_LEASES, released)
-                await self._publish(released)
+        await self._release_expired()
         with self._refused("bus epoch"):
             # Its marker is written only after the republish: a refused one is tried again.
             await self._check_bus_epoch()
@@ -249,6 +250,16 @@ class LeaderDuties(CronFiring):
             await self._publish([i for i, _ in unpinned])
             await self._drop_old_pins(unpinned)
         self._delayed = await self.store.scheduled_due_within(self.settings.sweep_interval_s)
+        self._lease_ends = await self.store.leases_ending_within(self.settings.sweep_interval_s)
+
+    async def _release_expired(self) -> None:
+        """Release the attempts whose lease has ended (none during the start-up grace)."""
+        if time.monotonic() < self._reap_from:
+            return
+        with self._refused("expired leases"):
+            released = await self.store.release_expired(self.lease)
+            self.metrics.count(SweepStep.EXPIRED_LEASES, released)
+            await self._publish(released)
 
     async def _promote(self) -> None:
         """Promote due instances; a batch the database refuses goes one by one, so a poison
@@ -315,17 +326,27 @@ class LeaderDuties(CronFiring):
         except UnavailableError:
             return
 
-    async def _sleep_for_delayed(self) -> None:
-        """Sleep until the next sweep, waking at each delayed instance's run_at on the way so
-        delayed instances start to the millisecond, not to the sweep interval."""
+    async def _sleep_until_sweep(self) -> None:
+        """Sleep until the next sweep, waking on the way at each delayed instance's run_at (to
+        promote it) and just after each lease's end (to release the attempt if its worker did
+        not renew it), so that delayed instances start to the millisecond and a dead worker's
+        attempts are taken over when their leases end, not up to a sweep interval later
+        (docs/benchmarks.md, "Worker takeover"). The times are the store's: promotion and
+        expiry are decided against its clock in SQL."""
         loop = asyncio.get_running_loop()
         end = loop.time() + self.settings.sweep_interval_s
-        for run_at in sorted(self._delayed):
-            # The store's clock, not ``self.clock``: promotion is decided against it in SQL.
-            delay = (run_at - await self.store.now()).total_seconds()
+        wakes = sorted(
+            [(at, False) for at in self._delayed]
+            + [(at + LEASE_END_MARGIN, True) for at in self._lease_ends]
+        )
+        for at, lease_end in wakes:
+            delay = (at - await self.store.now()).total_seconds()
             if loop.time() + max(delay, 0) >= end:
                 break
             await asyncio.sleep(max(delay, 0))
+            if lease_end:
+                await self._release_expired()
+                continue
             with self._refused("promote"):
                 await self._promote()
         await asyncio.sleep(max(0.0, end - loop.time()))

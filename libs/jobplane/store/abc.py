@@ -331,6 +331,9 @@ class LeaderStore(DispatchStore, Protocol):
     async def scheduled_due_within(self, seconds: float) -> list[datetime]:
         """``run_at`` of the Scheduled instances due within ``seconds``."""
 
+    async def leases_ending_within(self, seconds: float) -> list[datetime]:
+        """The distinct ends of running attempts' leases within ``seconds``, earliest first."""
+
     async def unpublished(self, older_than_s: float, limit: int = 1000) -> list[Instance]:
         """Enqueued, unclaimed instances whose message may be lost."""
 
