@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -24,6 +24,7 @@ from jobplane.domain.models import (
 )
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.sql import SqlStore
+from jobplane_scheduler.duties import LEASE_WAKE_WINDOW, _lease_wakes
 from tests.scheduler_helpers import DrivenClock, advance_until, applied, running_scheduler
 from tests.store_helpers import define
 from tests.worker_helpers import wait_for
@@ -125,6 +126,16 @@ async def test_a_lease_is_released_when_it_ends_not_at_the_next_sweep(
     assert release.from_state is S.PROCESSING and release.to_state is S.ENQUEUED
     assert lease_end is not None and release.at > lease_end
     assert (release.at - lease_end).total_seconds() < 5  # the next sweep: 30 s after the first
+
+
+def test_leases_ending_close_together_are_released_by_one_wake() -> None:
+    start = datetime(2030, 1, 1, tzinfo=UTC)
+    ends = [start + timedelta(milliseconds=ms) for ms in (0, 10, 49, 50, 200)]
+    window = LEASE_WAKE_WINDOW
+    # Each end is released within the window after it: 0, 10 and 49 ms by one wake at 50 ms
+    # (they have ended before it), 50 ms by the next, 200 ms by its own.
+    assert _lease_wakes(ends) == [start + window, ends[3] + window, ends[4] + window]
+    assert _lease_wakes([]) == []
 
 
 async def test_edited_cron_applies_on_the_next_fire(store: SqlStore, memory_bus: Bus) -> None:

@@ -41,9 +41,12 @@ logger = logging.getLogger("jobplane_scheduler.scheduler")
 
 #: While the database is away, the enqueued-notifications listener listens again this often.
 ENQUEUED_RELISTEN_S = 1.0
-#: The leader wakes this long after a lease's end to release it: the release takes leases
-#: that ended strictly before the database's time.
-LEASE_END_MARGIN = timedelta(milliseconds=5)
+#: A lease that ends between sweeps is released at most this long after its end: the leader
+#: wakes once for all the leases that end within this of the first (so that many workers
+#: renewing at different moments, with a lease close to the heartbeat, do not wake it for
+#: each), and after the end (the release takes leases that ended strictly before the
+#: database's time).
+LEASE_WAKE_WINDOW = timedelta(milliseconds=50)
 
 
 class LeaderDuties(CronFiring):
@@ -328,16 +331,16 @@ class LeaderDuties(CronFiring):
 
     async def _sleep_until_sweep(self) -> None:
         """Sleep until the next sweep, waking on the way at each delayed instance's run_at (to
-        promote it) and just after each lease's end (to release the attempt if its worker did
-        not renew it), so that delayed instances start to the millisecond and a dead worker's
-        attempts are taken over when their leases end, not up to a sweep interval later
-        (docs/benchmarks.md, "Worker takeover"). The times are the store's: promotion and
-        expiry are decided against its clock in SQL."""
+        promote it) and within ``LEASE_WAKE_WINDOW`` after each lease's end (to release the
+        attempt if its worker did not renew it), so that delayed instances start to the
+        millisecond and a dead worker's attempts are taken over when their leases end, not up
+        to a sweep interval later (docs/benchmarks.md, "Worker takeover"). The times are the
+        store's: promotion and expiry are decided against its clock in SQL."""
         loop = asyncio.get_running_loop()
         end = loop.time() + self.settings.sweep_interval_s
         wakes = sorted(
             [(at, False) for at in self._delayed]
-            + [(at + LEASE_END_MARGIN, True) for at in self._lease_ends]
+            + [(at, True) for at in _lease_wakes(self._lease_ends)]
         )
         for at, lease_end in wakes:
             delay = (at - await self.store.now()).total_seconds()
@@ -438,3 +441,13 @@ def _is_uuid(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _lease_wakes(ends: list[datetime]) -> list[datetime]:
+    """When to wake to release the leases that end at ``ends`` (sorted): each end is released
+    within ``LEASE_WAKE_WINDOW`` after it, by as few wakes as that allows."""
+    wakes: list[datetime] = []
+    for end in ends:
+        if not wakes or end >= wakes[-1]:
+            wakes.append(end + LEASE_WAKE_WINDOW)
+    return wakes
