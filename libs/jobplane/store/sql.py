@@ -13,6 +13,7 @@ from jobplane.store.instances import InstanceStore
 from jobplane.store.lifecycle import LifecycleStore
 from jobplane.store.stats import StatsStore
 from jobplane.store.sweeps import SweepStore
+from jobplane.store.timers import TimerStore
 from jobplane.store.tokens import TokenStore
 from jobplane.store.workload import WorkloadStore
 
@@ -23,6 +24,7 @@ class SqlStore(
     LifecycleStore,
     ClusterStore,
     SweepStore,
+    TimerStore,
     TokenStore,
     StatsStore,
     OperatorStore,
