@@ -226,6 +226,9 @@ OPTIONAL_PACKAGES = [
     "jobplane_api",
     "jobplane_worker.health",
     "jobplane.serving",
+    # The embedded default's store: the worker here is on Postgres.
+    "jobplane.store.sqlite",
+    "sqlite3",
 ]
 PROBE_PACKAGES = ["jobplane.serving", "jobplane_worker.health", "starlette", "uvicorn"]
 

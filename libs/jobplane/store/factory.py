@@ -13,7 +13,6 @@ from jobplane.errors import ConfigurationError
 from jobplane.settings import SessionLimits, normalise_database_url
 from jobplane.store.postgres import PostgresStore
 from jobplane.store.sql import SqlStore
-from jobplane.store.sqlite import SqliteStore, sqlite_engine
 
 #: Settings of every Postgres session. No JIT compilation: Jobplane's statements are short,
 #: but the planner's cost of a few passes the threshold at which Postgres compiles a
@@ -45,6 +44,9 @@ def make_engine(
         event.listen(engine.sync_engine, "checkout", _replace_closed)
         return engine
     if url.startswith("sqlite+aiosqlite://"):
+        # Imported for SQLite only: a role on Postgres never loads sqlite3 (nor its library).
+        from jobplane.store.sqlite import sqlite_engine
+
         return sqlite_engine(url)
     raise ConfigurationError(
         f"unsupported database URL {redact(url)!r}: use postgresql://… or sqlite:///path"
@@ -91,6 +93,8 @@ def open_store(url: str, *, pool_size: int = 10, limits: SessionLimits | None = 
     engine = make_engine(url, pool_size=pool_size, limits=limits)
     if engine.dialect.name == "postgresql":
         return PostgresStore(engine)
+    from jobplane.store.sqlite import SqliteStore
+
     return SqliteStore(engine)
 
 
