@@ -335,15 +335,26 @@ class LeaderDuties(CronFiring):
         attempt if its worker did not renew it), so that delayed instances start to the
         millisecond and a dead worker's attempts are taken over when their leases end, not up
         to a sweep interval later (docs/benchmarks.md, "Worker takeover"). The times are the
-        store's: promotion and expiry are decided against its clock in SQL."""
+        store's: promotion and expiry are decided against its clock in SQL. The store's clock
+        is read once, and the loop's clock counts from there: the read's way back makes every
+        wake a little late, never early."""
         loop = asyncio.get_running_loop()
         end = loop.time() + self.settings.sweep_interval_s
         wakes = sorted(
             [(at, False) for at in self._delayed]
             + [(at, True) for at in _lease_wakes(self._lease_ends)]
         )
+        if wakes:
+            await self._wake_for(wakes, end)
+        await asyncio.sleep(max(0.0, end - loop.time()))
+
+    async def _wake_for(self, wakes: list[tuple[datetime, bool]], end: float) -> None:
+        """Promote or release at each of ``wakes`` (store time, whether a lease end) before
+        ``end`` (the loop's time)."""
+        loop = asyncio.get_running_loop()
+        store_now, read_at = await self.store.now(), loop.time()
         for at, lease_end in wakes:
-            delay = (at - await self.store.now()).total_seconds()
+            delay = (at - store_now).total_seconds() - (loop.time() - read_at)
             if loop.time() + max(delay, 0) >= end:
                 break
             await asyncio.sleep(max(delay, 0))
@@ -352,7 +363,6 @@ class LeaderDuties(CronFiring):
                 continue
             with self._refused("promote"):
                 await self._promote()
-        await asyncio.sleep(max(0.0, end - loop.time()))
 
     async def _republish_all(self) -> None:
         after: UUID | None = None
