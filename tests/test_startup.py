@@ -15,9 +15,11 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+from sqlalchemy import text
 
 from jobplane.errors import StoreUnavailableError
 from jobplane.settings import SessionLimits
+from jobplane.store import schema
 from jobplane.store.factory import open_store
 from tests.cli_helpers import (
     free_port,
@@ -187,3 +189,23 @@ async def test_a_server_that_never_answers_is_unavailable_within_the_connect_tim
         await store.close()
         silent.close()
     assert time.monotonic() - started < 5
+
+
+async def test_a_connection_lost_while_the_schema_is_checked_is_an_outage(
+    pg_database_url: str,
+) -> None:
+    """A role checks the schema revision as it starts. On a loaded machine its session can
+    pass its idle-in-transaction limit between the check's two reads, and Postgres closes
+    it: that is an outage the start waits out (``StoreUnavailableError``), not a crash with
+    the driver's error."""
+    store = open_store(pg_database_url, pool_size=1)
+    try:
+        async with store.engine.connect() as conn:  # the pool's one connection
+            pid = (await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+        with psycopg.connect(pg_database_url) as pg:
+            pg.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        with pytest.raises(StoreUnavailableError):
+            await store.schema_revision()
+        assert await store.schema_revision() == schema.head_revision()  # reconnected
+    finally:
+        await store.close()

@@ -16,6 +16,7 @@ from jobplane.errors import ConfigurationError, SchemaBehindError, StoreUnavaila
 from jobplane.settings import CommonSettings
 from jobplane.startup import wait_until_reachable
 from jobplane.store import schema
+from jobplane.store.base import reachable
 from jobplane.store.factory import make_engine, open_store, redact
 from jobplane.store.sql import SqlStore
 
@@ -30,10 +31,9 @@ async def migrate_database(
 
         async def reach() -> None:
             try:
-                await schema.current_revision(engine)
-            except StoreUnavailableError:
-                raise
-            except OSError as exc:
+                async with reachable():
+                    await schema.current_revision(engine)
+            except StoreUnavailableError as exc:
                 raise StoreUnavailableError(f"cannot reach {redact(url)}: {exc}") from exc
 
         await wait_until_reachable(reach, "the database", startup_timeout_s, stop)
@@ -97,7 +97,7 @@ async def open_checked_store(settings: CommonSettings) -> AsyncIterator[SqlStore
 async def _check_store(store: SqlStore, url: str) -> None:
     try:
         await store.ping()
-        revision = await schema.current_revision(store.engine)
+        revision = await store.schema_revision()
     except StoreUnavailableError as exc:
         raise StoreUnavailableError(f"cannot reach the database {redact(url)}: {exc}") from exc
     head = schema.head_revision()

@@ -35,6 +35,7 @@ from jobplane.domain.states import InstanceState
 from jobplane.errors import NotLeaderError as NotLeaderError  # re-exported
 from jobplane.errors import StoreConflictError as StoreConflictError  # re-exported
 from jobplane.errors import StoreRefusedError, StoreUnavailableError, first_line
+from jobplane.store import schema
 from jobplane.store.tables import counters, job_instances, scheduler_leases
 from jobplane.tasks import being_cancelled
 
@@ -101,7 +102,7 @@ class SqlBase:
     async def _write(self) -> AsyncIterator[AsyncConnection]:
         """A write transaction; driver errors that mean "unreachable" become
         :class:`StoreUnavailableError`."""
-        async with self._reachable(), self.engine.begin() as conn:
+        async with reachable(), self.engine.begin() as conn:
             yield conn
 
     _read = _write
@@ -111,27 +112,9 @@ class SqlBase:
         """A connection in autocommit: each statement is a transaction of its own, so a write
         that is one statement costs one round trip (no BEGIN, no COMMIT). Only for writes that
         are a single statement; reads after it see what it committed."""
-        async with self._reachable(), self.engine.connect() as conn:
+        async with reachable(), self.engine.connect() as conn:
             await conn.execution_options(isolation_level="AUTOCOMMIT")
             yield conn
-
-    @asynccontextmanager
-    async def _reachable(self) -> AsyncIterator[None]:
-        try:
-            yield
-        except (DBAPIError, OSError) as exc:
-            if isinstance(exc, DBAPIError) and _sqlstate(exc) in CONFLICT_SQLSTATES:
-                if being_cancelled():
-                    raise asyncio.CancelledError from exc
-                raise StoreConflictError(f"transaction conflict: {first_line(exc)}") from exc
-            # (a bare DBAPIError too: asyncpg's "the database system is shutting down" while
-            # connecting is neither an OperationalError nor an InterfaceError)
-            if isinstance(exc, DBAPIError) and not _is_disconnect(exc):
-                # Translated here, at the store's edge: the roles never see the driver's errors.
-                raise StoreRefusedError(first_line(exc), _sqlstate(exc)) from exc
-            if being_cancelled():
-                raise asyncio.CancelledError from exc  # the cancel, as the driver reported it
-            raise StoreUnavailableError(f"metadata store unavailable: {first_line(exc)}") from exc
 
     async def notifications(self, channel: str) -> AsyncIterator[list[str]]:
         """Batches of payloads notified on ``channel`` by committed transactions. This store
@@ -142,6 +125,14 @@ class SqlBase:
     async def ping(self) -> None:
         async with self._read() as conn:
             await conn.execute(select(literal(1)))
+
+    async def schema_revision(self) -> str | None:
+        """The schema revision the database is at (``None``: never migrated). A connection
+        lost on the way is :class:`StoreUnavailableError`, as for every other read: a role
+        starting on a loaded machine can outlive its session's idle-in-transaction limit
+        between the two reads, and must wait that out, not exit."""
+        async with reachable():
+            return await schema.current_revision(self.engine)
 
     def _clock(self) -> ColumnElement[datetime]:
         """The database's current time, as an SQL expression."""
@@ -255,6 +246,28 @@ _DISCONNECT_NAMES = frozenset(
         "InterfaceError",
     }
 )
+
+
+@asynccontextmanager
+async def reachable() -> AsyncIterator[None]:
+    """Driver errors raised inside become the store's: a lost or refused connection
+    :class:`StoreUnavailableError` (waited out, retried), a transaction that lost to another
+    :class:`StoreConflictError`, any other refusal :class:`StoreRefusedError`."""
+    try:
+        yield
+    except (DBAPIError, OSError) as exc:
+        if isinstance(exc, DBAPIError) and _sqlstate(exc) in CONFLICT_SQLSTATES:
+            if being_cancelled():
+                raise asyncio.CancelledError from exc
+            raise StoreConflictError(f"transaction conflict: {first_line(exc)}") from exc
+        # (a bare DBAPIError too: asyncpg's "the database system is shutting down" while
+        # connecting is neither an OperationalError nor an InterfaceError)
+        if isinstance(exc, DBAPIError) and not _is_disconnect(exc):
+            # Translated here, at the store's edge: the roles never see the driver's errors.
+            raise StoreRefusedError(first_line(exc), _sqlstate(exc)) from exc
+        if being_cancelled():
+            raise asyncio.CancelledError from exc  # the cancel, as the driver reported it
+        raise StoreUnavailableError(f"metadata store unavailable: {first_line(exc)}") from exc
 
 
 def _is_disconnect(exc: DBAPIError) -> bool:

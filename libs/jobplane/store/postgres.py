@@ -36,7 +36,7 @@ from jobplane.errors import (
 )
 from jobplane.idempotency import fingerprint_of
 from jobplane.store import rows
-from jobplane.store.base import retry_conflicts
+from jobplane.store.base import reachable, retry_conflicts
 from jobplane.store.driver import DriverStatement
 from jobplane.store.lifecycle import log_fenced
 from jobplane.store.postgres_sql import (
@@ -88,7 +88,7 @@ class PostgresStore(PostgresStatsStore, SqlStore):
     async def now(self) -> datetime:
         # One round trip, not three (BEGIN, the read, COMMIT): the leader's cron loop reads
         # the clock before each fire, and its misfire check waits on it.
-        async with self._reachable():
+        async with reachable():
             row = await self._read_clock.run_row(self.engine, {})
         now: datetime = row["now"]
         return now
@@ -105,7 +105,7 @@ class PostgresStore(PostgresStatsStore, SqlStore):
         def lost(_conn: Any) -> None:
             queue.put_nowait(None)
 
-        async with self._reachable(), self.engine.connect() as conn:
+        async with reachable(), self.engine.connect() as conn:
             raw = await conn.get_raw_connection()
             driver = raw.driver_connection
             assert driver is not None
@@ -162,7 +162,7 @@ class PostgresStore(PostgresStatsStore, SqlStore):
         # On the driver (one statement, a transaction of its own): SQLAlchemy's processing of
         # a 1,000-row result cost the leader more CPU than the rows' own conversion, and the
         # publish waits for it (docs/benchmarks.md, "Cron fire lag").
-        async with self._reachable(), self.engine.connect() as conn:
+        async with reachable(), self.engine.connect() as conn:
             result = await self._fire.fetch(conn, params)
             if not result[0]["live"]:
                 raise NotLeaderError(f"term {lease.term} of shard {lease.shard} is over")
@@ -196,7 +196,7 @@ class PostgresStore(PostgresStatsStore, SqlStore):
             "skip_reason": new.skip_reason,
             "actor": new.actor,
         }
-        async with self._reachable():
+        async with reachable():
             row = await self._create_one.run_row(self.engine, params)
         if row["id"] is not None:
             return rows.instance_from_row(row)
@@ -204,7 +204,7 @@ class PostgresStore(PostgresStatsStore, SqlStore):
             raise StaleDefinitionError(new.job_key, definition.version)
         # Not inserted at the checked version: its idempotency key was used before. The first
         # instance is committed (the insert waited for it), so this read finds it.
-        async with self._reachable(), self.engine.connect() as conn:
+        async with reachable(), self.engine.connect() as conn:
             [instance] = await self._resolve_created(conn, [new], {})
         return instance
 
@@ -237,7 +237,7 @@ class PostgresStore(PostgresStatsStore, SqlStore):
         # One statement, outside any transaction: it is its own (no BEGIN/COMMIT round trips
         # before a job can start); its row locks last until it ends, as before. On the driver
         # (DriverStatement), as the single trigger: the claim is on every job's path to start.
-        async with self._reachable():
+        async with reachable():
             found = await self._claim.run(
                 self.engine,
                 {
