@@ -159,14 +159,23 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in worker slice {_worker_index()}")
 
 
-def wait_http_ok(url: str, timeout_s: float = 60) -> None:
+def wait_http_ok(
+    url: str, timeout_s: float = 60, proc: subprocess.Popen[str] | None = None
+) -> None:
     """Wait until ``url`` answers 200 (a server process starting up: a minute, since a
-    start takes tens of seconds on a loaded machine)."""
+    start takes tens of seconds on a loaded machine). With ``proc`` (the server's process),
+    its exit ends the wait at once, with the end of its output."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(
+                f"the server of {url} exited with status {proc.returncode} before answering:\n"
+                + output_of(proc, limit=0)[-3000:]
+            )
         try:
             if httpx.get(url, timeout=1).status_code == 200:
                 return
         except httpx.TransportError:
-            time.sleep(0.1)
+            pass
+        time.sleep(0.1)
     raise AssertionError(f"{url} did not answer in {timeout_s:g} s")

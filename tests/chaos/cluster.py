@@ -132,7 +132,7 @@ class Cluster:
         self._procs.append((role.name, role.proc))
         url = f"http://127.0.0.1:{role.port}/healthz"
         # Generous: six processes importing at once on a busy machine can take over a minute.
-        await asyncio.to_thread(wait_http_ok, url, 150)
+        await asyncio.to_thread(wait_http_ok, url, 150, role.proc)
         role.ready_at = time.monotonic()
 
     def send(self, role: Role, sig: signal.Signals) -> None:

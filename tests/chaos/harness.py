@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import secrets
 import signal
@@ -173,10 +172,10 @@ class Harness:
             rate_per_s,
         )
         faults = Faults(self.cluster, self.db, random.Random(rng.random()))
-        stop_load, stop_faults = asyncio.Event(), asyncio.Event()
+        stop_load, stop_faults, stop_sampling = asyncio.Event(), asyncio.Event(), asyncio.Event()
         watching = asyncio.create_task(self._watch())
         streams = StreamWatch(self.redis.port, self.db, self.cluster.up_for)
-        sampling = asyncio.create_task(streams.run())
+        sampling = asyncio.create_task(streams.run(stop_sampling))
         loading = asyncio.create_task(load.run(stop_load))
         await asyncio.sleep(2)  # some work in flight before the first fault
         faulting = asyncio.create_task(faults.run(stop_faults, fault_every_s))
@@ -185,9 +184,8 @@ class Harness:
         await faulting
         stop_load.set()
         await loading
-        sampling.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await sampling
+        stop_sampling.set()
+        await sampling
         drained, diverged = await self._quiet(quiet_s)
         watching.cancel()
         self.cluster.check_alive()

@@ -69,11 +69,17 @@ class StreamWatch:
     max_not_enqueued: int = 0
     violations: list[tuple[str, str]] = field(default_factory=list)
 
-    async def run(self) -> None:
+    async def run(self, stop: asyncio.Event) -> None:
+        """Sample every :data:`EVERY_S` until ``stop`` is set. Stopped by the event, not by a
+        cancel: a cancel that reaches the database driver mid-read can come out as its
+        connection error, which this loop takes for a server restarting and goes on."""
         client = aioredis.Redis(port=self.redis_port, socket_timeout=3)
         try:
             while True:
-                await asyncio.sleep(EVERY_S)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), EVERY_S)
+                if stop.is_set():
+                    return
                 try:
                     await self.sample(client)
                 except (aioredis.RedisError, OSError, SQLAlchemyError):
