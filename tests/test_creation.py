@@ -11,7 +11,7 @@ from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
-from jobplane.domain.models import Instance, NewInstance
+from jobplane.domain.models import Instance, InstanceSource, NewInstance
 from jobplane.domain.states import InstanceState as S
 from jobplane.enqueue import enqueue_async
 from jobplane.store.sql import SqlStore
@@ -129,3 +129,31 @@ async def test_a_batch_of_mixed_requests_creates_each_as_alone(store: SqlStore) 
         for (name, _), instance in zip(REQUESTS, made, strict=True):
             assert _row(instance) == alone[name], name
             assert instance == await store.get_instance(instance.id)
+
+
+async def test_the_fire_answers_each_instance_as_it_stored_it(store: SqlStore) -> None:
+    # The fire's statement returns only the columns the insert decides; the rest of each
+    # instance comes from its record: every field must still be the stored one.
+    await define(store, "job", queue="mail", priority=3)
+    now = await store.now()
+    lease = await store.acquire_leadership(0, "creation-test", 30)
+    assert lease is not None
+    batch = [
+        NewInstance(job_key="job", source=InstanceSource.CRON, scheduled_at=now, actor="cron"),
+        NewInstance(
+            job_key="job",
+            source=InstanceSource.CRON,
+            scheduled_at=now - timedelta(seconds=1),
+            skip_reason="misfire",
+        ),
+        NewInstance(job_key="job", args={"b": [1, 2.5, "x", None], "a": {"c": True}}),
+        NewInstance(job_key="job", args=[3, "y"], queue="other", priority=9),
+        NewInstance(job_key="job", pinned_worker="w1", run_at=now + timedelta(hours=1)),
+        NewInstance(job_key="job", idempotency_key="once", args={"n": 1}),
+        NewInstance(job_key="job", held=True),
+    ]
+    made = await store.fire(lease, batch)
+    assert [i.id for i in made] == [n.id for n in batch]
+    for instance in made:
+        assert instance == await store.get_instance(instance.id)
+    assert made[5].idempotency_fingerprint is not None

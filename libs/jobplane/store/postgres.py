@@ -168,8 +168,11 @@ class PostgresStore(PostgresStatsStore, SqlStore):
                 raise NotLeaderError(f"term {lease.term} of shard {lease.shard} is over")
             if result[0]["missing_key"] is not None:
                 raise JobNotFoundError(result[0]["missing_key"])
+            records = {n.id: n for n in new}
             by_id = {
-                row["id"]: rows.instance_from_row(row) for row in result if row["id"] is not None
+                row["id"]: rows.fired_instance(records[row["id"]], row)
+                for row in result
+                if row["id"] is not None
             }
             # A tick recorded before (two leaders overlapping) is read, committed, from here.
             return await self._resolve_created(conn, new, by_id)

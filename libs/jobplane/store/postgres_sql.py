@@ -218,9 +218,12 @@ input AS (
 
 
 # ``resolved`` (the input joined to its definitions, with its state) comes before these.
-def _create_insert(published: str, conflict: str = "") -> str:
-    """The ``ins`` and ``history`` CTEs; ``published`` is the ``published_at`` written, and
-    ``conflict`` the one unique index a duplicate may meet (default: any of them)."""
+def _create_insert(
+    published: str, conflict: str = "", returning: str = _cols("job_instances")
+) -> str:
+    """The ``ins`` and ``history`` CTEs; ``published`` is the ``published_at`` written,
+    ``conflict`` the one unique index a duplicate may meet (default: any of them), and
+    ``returning`` the columns ``ins`` returns (default: all; ``history`` needs id and state)."""
     return f"""
 ins AS (
     INSERT INTO job_instances (
@@ -235,7 +238,7 @@ ins AS (
            idempotency_key, idempotency_fingerprint, skip_reason
     FROM resolved
     ON CONFLICT {conflict} DO NOTHING
-    RETURNING {_cols("job_instances")}
+    RETURNING {returning}
 ),
 history AS (
     INSERT INTO instance_transitions (instance_id, from_state, to_state, actor, reason)
@@ -284,6 +287,19 @@ SELECT * FROM ins
 _FIRE_PUBLISHED = "CASE WHEN state = 'enqueued' AND CAST(:published AS boolean) THEN now() END"
 #: The unique index of cron occurrences, as an ``ON CONFLICT`` arbiter.
 _OCCURRENCE = "(job_key, scheduled_at) WHERE source = 'cron'"
+#: The columns of a fired instance the insert decides (the clock, the state, the options'
+#: defaults): the caller has every other column in its records. Returning only these spares
+#: the leader decoding and converting the whole row, 1,000 times a tick, before the publish.
+FIRED_COLUMNS = (
+    "id",
+    "state",
+    "queue",
+    "priority",
+    "created_at",
+    "run_at",
+    "published_at",
+    "finished_at",
+)
 FIRE_SQL = f"""
 WITH fence AS MATERIALIZED (
     SELECT term FROM scheduler_leases
@@ -301,7 +317,7 @@ resolved AS (
     FROM input t JOIN job_definitions d ON d.key = t.job_key
     WHERE EXISTS (SELECT 1 FROM fence) AND (SELECT job_key FROM missing) IS NULL
 ),
-{_create_insert(_FIRE_PUBLISHED, _OCCURRENCE)}
+{_create_insert(_FIRE_PUBLISHED, _OCCURRENCE, ", ".join(FIRED_COLUMNS))}
 SELECT ins.*, EXISTS (SELECT 1 FROM fence) AS live, (SELECT job_key FROM missing) AS missing_key
 FROM (SELECT 1) AS one LEFT JOIN ins ON true
 """
@@ -402,7 +418,7 @@ RETURNING i.id, i.cancel_requested
 # Built once: SQLAlchemy then compiles each of them once per process, not once per call.
 CREATE = text(CREATE_SQL).columns(*job_instances.c)
 FIRE = text(FIRE_SQL).columns(
-    *job_instances.c,
+    *(job_instances.c[name] for name in FIRED_COLUMNS),
     live=job_instances.c.cancel_requested.type,
     missing_key=job_instances.c.job_key.type,
 )

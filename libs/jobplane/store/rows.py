@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,12 +14,14 @@ from jobplane.domain.models import (
     InstanceSource,
     JobDefinition,
     LeaderLease,
+    NewInstance,
     SchedulerReplica,
     Transition,
     WorkerInfo,
 )
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState
+from jobplane.idempotency import fingerprint_of
 
 INSTANCE_FIELDS = tuple(Instance.__dataclass_fields__)
 # By stored value: a dict lookup, where calling the enum goes through its metaclass (a 1,000-row
@@ -76,6 +79,31 @@ def instance_from_row(row: Mapping[Any, Any]) -> Instance:
     if values["error"] is not None:
         values["error"] = ErrorInfo.from_json(values["error"])
     return Instance(**values)
+
+
+def fired_instance(new: NewInstance, row: Mapping[str, Any]) -> Instance:
+    """The instance the fire inserted for record ``new``: the columns the insert decided
+    (``FIRED_COLUMNS``) from ``row``, every other one as the record gave it and the insert
+    wrote it (a contract test compares it with the stored row)."""
+    return Instance(
+        id=new.id,
+        job_key=new.job_key,
+        state=_STATES[row["state"]],
+        source=new.source,
+        queue=row["queue"],
+        priority=row["priority"],
+        args=None if new.args is None else json.loads(json.dumps(new.args)),  # as stored
+        created_at=row["created_at"],
+        scheduled_at=new.scheduled_at,
+        run_at=row["run_at"],
+        published_at=row["published_at"],
+        finished_at=row["finished_at"],
+        pinned_worker=new.pinned_worker,
+        retry_of=new.retry_of,
+        idempotency_key=new.idempotency_key,
+        reason=new.skip_reason,
+        idempotency_fingerprint=fingerprint_of(new),
+    )
 
 
 def transition_from_row(row: Mapping[Any, Any]) -> Transition:
