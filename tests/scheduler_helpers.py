@@ -79,7 +79,7 @@ class DrivenClock:
 
         await wait_for(asleep, timeout_s=10, what=f"the cron loop to pass {at}")
 
-    async def sleep(self, seconds: float, wake: asyncio.Event | None = None) -> None:
+    async def sleep(self, seconds: float, wake: asyncio.Event | None = None) -> float:
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
@@ -92,7 +92,7 @@ class DrivenClock:
             while wake is None or not wake.is_set():
                 passed = loop.time() - started + (self.offset - offset).total_seconds()
                 if passed >= seconds:
-                    return
+                    return passed - seconds
                 if until is not None:
                     self._asleep[task] = (until, wake)
                 waits = [asyncio.ensure_future(self._advanced.wait())]
@@ -107,6 +107,7 @@ class DrivenClock:
                         waiting.cancel()
         finally:
             self._asleep.pop(task, None)
+        return 0.0
 
 
 @asynccontextmanager

@@ -115,6 +115,26 @@ async def test_leader_applies_a_pending_update_before_firing(store: SqlStore, bu
         assert await _fired_count(store) == before
 
 
+async def test_a_pause_whose_event_and_mark_are_both_lost_stops_the_next_tick(
+    store: SqlStore, bus: Bus
+) -> None:
+    """Neither the event nor the mark reaches the leader (Redis restarted in between), and
+    the version check is a minute away: the fire itself finds the job stored at a newer
+    version than its tick was planned under, writes nothing of it, and the job is read again
+    (paused: no tick after it)."""
+    await define(store, "tick", cron="* * * * * *")
+    clock = DrivenClock(store)
+    async with running_scheduler(store, bus, clock=clock, sweep_interval_s=60):
+        await advance_until(clock, lambda: _fired_count(store), 1, what="a first tick")
+        await store.set_paused("tick", True, "test")  # no announce: no event, no mark
+        settled = await _fired_count(store)
+        await clock.passed(await clock.advance(2.5))
+        assert await _fired_count(store) <= settled + 1  # the one being fired, at most
+        before = await _fired_count(store)
+        await clock.passed(await clock.advance(1.5))
+        assert await _fired_count(store) == before
+
+
 async def _fired_count(store: SqlStore) -> int:
     page = await store.list_instances(InstanceFilter(job_key="tick"), limit=1000)
     return len(page.items)

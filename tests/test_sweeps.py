@@ -15,7 +15,7 @@ from jobplane.domain.models import (
     WorkerInfo,
 )
 from jobplane.domain.states import InstanceState as S
-from jobplane.errors import JobNotFoundError
+from jobplane.errors import DefinitionsChangedError, JobNotFoundError
 from jobplane.store.base import NotLeaderError
 from jobplane.store.sql import SqlStore
 from jobplane.store.sweeps import NEVER_PUBLISHED_GRACE_S
@@ -258,3 +258,27 @@ async def test_a_fire_naming_a_deleted_job_writes_nothing(store: SqlStore) -> No
     with pytest.raises(JobNotFoundError):
         await store.fire(lease, records)
     assert await store.count_by_state() == {}
+
+
+async def test_a_fire_planned_under_an_older_version_writes_nothing(store: SqlStore) -> None:
+    """A job paused (or edited) after the leader planned its tick, its event not yet applied:
+    the fire names the version each job was planned under, and writes nothing while one of
+    them is stored at another; the jobs that changed come back. At the planned versions the
+    same fire writes every tick."""
+    await define(store, "kept", cron="* * * * * *")
+    await define(store, "paused", cron="* * * * * *")
+    planned = {d.key: d.version for d in await store.list_definitions(["kept", "paused"])}
+    await store.set_paused("paused", True, "test")
+    lease = await _lead(store)
+    tick = (await store.now()).replace(microsecond=0)
+    records = [
+        NewInstance(job_key=key, source=InstanceSource.CRON, scheduled_at=tick)
+        for key in ("kept", "paused")
+    ]
+    with pytest.raises(DefinitionsChangedError) as refused:
+        await store.fire(lease, records, planned=planned)
+    assert refused.value.keys == {"paused"}
+    assert await store.count_by_state() == {}
+    current = {d.key: d.version for d in await store.list_definitions(["kept", "paused"])}
+    fired = await store.fire(lease, records[:1], planned={"kept": current["kept"]})
+    assert [i.job_key for i in fired] == ["kept"]

@@ -23,9 +23,10 @@ class Clock(Protocol):
         :class:`~jobplane.errors.StoreUnavailableError` when it is read from a store that
         does not answer."""
 
-    async def sleep(self, seconds: float, wake: asyncio.Event | None = None) -> None:
+    async def sleep(self, seconds: float, wake: asyncio.Event | None = None) -> float:
         """Return once ``seconds`` have passed on this clock (at once if not positive), or as
-        soon as ``wake`` is set. Does not clear ``wake``."""
+        soon as ``wake`` is set. Does not clear ``wake``. Returns how many seconds past the
+        requested time it returned on this clock (0 when it returned before: woken)."""
 
 
 class StoreClock:
@@ -38,9 +39,14 @@ class StoreClock:
     async def now(self) -> datetime:
         return await self.store.now()
 
-    async def sleep(self, seconds: float, wake: asyncio.Event | None = None) -> None:
+    async def sleep(self, seconds: float, wake: asyncio.Event | None = None) -> float:
+        # Late by what the event loop's clock says (the monotonic clock, which a SIGSTOP of
+        # the process does not stop): the store's clock runs at the same rate.
+        loop = asyncio.get_running_loop()
+        until = loop.time() + max(0.0, seconds)
         if wake is None:
             await asyncio.sleep(max(0.0, seconds))
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(wake.wait(), max(0.0, seconds))
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), max(0.0, seconds))
+        return max(0.0, loop.time() - until)

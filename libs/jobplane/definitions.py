@@ -5,11 +5,14 @@ An edit reaches a cache three ways, fastest first (docs/architecture.md, guarant
 1. the ``DEFINITIONS_CHANGED`` event, which :meth:`DefinitionCache.apply_event` turns into a
    reload of the keys it names;
 2. the pending-update mark (job key → version, in Redis): :meth:`DefinitionCache.refresh`
-   checks it for the keys asked and reloads only those whose cached version is older — this is
-   what the leader runs right before each fire, so a lost event cannot make it fire on stale
-   options;
+   checks it for the keys asked and reloads only those whose cached version is older;
 3. a periodic version check against Postgres (``verify``), and a full reload when the bus is
    seen to have restarted empty (its marks are gone): the backstop if Redis lost both.
+
+The leader's fire does not wait for any of them: it names the version each job's tick was
+planned under, and the store writes nothing while one is stored at another
+(:class:`~jobplane.errors.DefinitionsChangedError`); those jobs are reloaded and re-planned. So
+no tick fires on options replaced before it, whatever reached the cache.
 
 Saving a definition therefore ends with :func:`announce`: mark, then event.
 """

@@ -6,7 +6,7 @@ Driver errors (asyncpg, sqlite3, redis) are translated at the store and bus boun
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 from uuid import UUID
 
@@ -67,6 +67,16 @@ class StaleDefinitionError(JobplaneError):
         super().__init__(f"job {key!r} changed since version {version} was read")
         self.key = key
         self.version = version
+
+
+class DefinitionsChangedError(JobplaneError):
+    """Jobs whose stored definition is no longer the version the caller planned their ticks
+    under (edited, paused, resumed, disabled since): nothing was written. Read them again and
+    plan again."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self.keys = frozenset(keys)
+        super().__init__(f"jobs changed since they were planned: {', '.join(sorted(self.keys))}")
 
 
 class DefinitionVersionNotFoundError(JobplaneError, LookupError):

@@ -154,8 +154,9 @@ class LeaderDuties(CronFiring):
                 # One job whose schedule cannot be computed (an expression stored before
                 # never-firing ones were refused) must not stop the cron of every other job.
                 self._schedule_failed(definition.key)
-        if records:
-            await self._fire(records)
+        changed = await self._fire_as_planned(records)
+        if changed:
+            await self._replan(changed)  # (re-planned under what the fire found stored)
         self._wake.set()
 
     def _plan(

@@ -2,17 +2,21 @@
 
 A tick's lag (its instances recorded Enqueued after the scheduled time) is what happens between
 the wake-up and the insert, so that path is kept short: the records of the next tick are built
-while the loop waits for it (:meth:`CronFiring._prepare`), a sleep that ran its full course to
-the tick counts as having reached it (no clock read in between), the pending-update check and
-the clock read for the misfire grace run concurrently, and the store writes the whole tick in
-one statement, fenced by the lease's term (:meth:`~jobplane.store.abc.LeaderStore.fire`).
+while the loop waits for it (:meth:`CronFiring._prepare`); a sleep that ran its full course to
+the tick counts as having reached it, as late as the sleep says it woke (no clock read: that is
+the time the misfire grace is measured on); and the store writes the whole tick in one
+statement (:meth:`~jobplane.store.abc.LeaderStore.fire`), fenced by the lease's term and by
+the definition version each job's tick was planned under. That last fence is what keeps a tick
+from firing on options edited, or a pause committed, before it, whether or not the edit's
+event has reached this leader yet: the fire itself refuses, and the jobs it names are read
+again and re-planned. No check of pending updates waits in front of the insert.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from jobplane import telemetry
@@ -20,7 +24,7 @@ from jobplane.clock import Clock
 from jobplane.definitions import DefinitionCache
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import Instance, JobDefinition, LeaderLease, NewInstance
-from jobplane.errors import StoreRefusedError, first_line
+from jobplane.errors import DefinitionsChangedError, StoreRefusedError, first_line
 from jobplane.store.abc import LeaderStore
 from jobplane_scheduler.cron_timers import CronTimers, occurrence
 from jobplane_scheduler.metrics import SchedulerMetrics
@@ -61,12 +65,12 @@ class CronFiring:
         reached: datetime | None = None
         while True:
             # A sleep that ran its full course to the next tick has reached it on the clock
-            # (see Clock.sleep): that tick is due without reading the clock again.
+            # (see Clock.sleep), plus the lateness it reported: no need to read the clock.
             now = reached or await self.clock.now()
             async with self._planning:
                 due = self.timers.pop_due(now)
                 if due:
-                    await self._fire_due(due)
+                    await self._fire_due(due, now)
                     reached = None
                     continue
                 if self._backfill:
@@ -82,31 +86,26 @@ class CronFiring:
         self._prepared = {due: occurrence(*due) for due in self.timers.due_at(at)}
         self._prepared_at = at
 
-    async def _fire_due(self, due: list[tuple[str, datetime]]) -> None:
-        """Fire the due ticks, after applying the pending updates of their jobs: an edit whose
-        event is still in flight (or lost) is not fired on stale options. Holds ``_planning``."""
-        # (Two servers, one round trip: the clock read for the grace below does not have to
-        # wait for the pending-update check, nor the check for the read.)
+    async def _fire_due(self, due: list[tuple[str, datetime]], now: datetime) -> None:
+        """Fire the due ticks (``now``: the clock's time, read or reached), each only while its
+        job's stored definition is the version it was planned under. Holds ``_planning``."""
         popped = due[-1][1] if due else None
-        changed, now = await asyncio.gather(
-            self.cache.refresh({key for key, _ in due}), self.clock.now()
-        )
         # A tick later than its job's misfire grace (the leader fell behind: a pause shorter
         # than the lease, overload) follows the misfire policy, as after a failover: the job
         # is re-planned through the catch-up from its last recorded occurrence.
         definitions = self.cache.definitions  # (a copy: taken once, not once per tick)
         late = {key for key, at in due if _late(definitions.get(key), at, now)}
-        if changed or late:
-            # Changed jobs are re-planned from their last occurrence under the new options; a
-            # tick still valid under them fires through the catch-up or on the next turn.
-            await self._replan(changed | late)
-            due = [(key, at) for key, at in due if key not in changed | late]
+        if late:
+            await self._replan(late)
+            due = [(key, at) for key, at in due if key not in late]
         prepared = self._prepared
         records = [prepared.pop(t) if t in prepared else occurrence(*t) for t in due]
         if self._prepared_at is not None and popped is not None and self._prepared_at <= popped:
             self._prepared.clear()  # their tick has come: what is left will not be used
-        if records:
-            await self._fire(records)
+        changed = await self._fire_as_planned(records)
+        if changed:
+            await self._replan(changed)
+            due = [(key, at) for key, at in due if key not in changed]
         for key, at in due:
             try:
                 self.timers.advance(key, at)
@@ -134,30 +133,60 @@ class CronFiring:
         if at is not None and self._prepared_at != at:
             await self.clock.sleep(min(delay - PREPARE_AHEAD_S, 60.0), self._wake)
             return None
-        await self.clock.sleep(min(delay, 60.0), self._wake)
+        late = await self.clock.sleep(min(delay, 60.0), self._wake)
         if at is None or delay > 60.0 or self._wake.is_set():
             return None
-        return at
+        return at + timedelta(seconds=late)
 
-    async def _fire(self, records: list[Any]) -> None:
+    async def _fire_as_planned(self, records: list[NewInstance]) -> set[str]:
+        """Fire ``records``, each job's only while it is stored at the version cached here
+        (the one its ticks were planned under). A job edited, paused or resumed since, its
+        event not applied yet (in flight, or lost), is refused by the fire with nothing
+        written: it is read again, and the others fire. Returns the jobs read again, for the
+        caller to re-plan from their last occurrence under what is stored (a tick still valid
+        under it then fires through the catch-up). Each refusal drops a job, so this ends."""
+        changed: set[str] = set()
+        while records:
+            definitions = self.cache.definitions
+            planned = {
+                r.job_key: definitions[r.job_key].version
+                for r in records
+                if r.job_key in definitions
+            }
+            try:
+                await self._fire(records, planned)
+                break
+            except DefinitionsChangedError as refused:
+                await self.cache.reload(refused.keys)
+                changed |= refused.keys
+                records = [r for r in records if r.job_key not in refused.keys]
+        return changed
+
+    async def _fire(self, records: list[Any], planned: dict[str, int] | None = None) -> None:
+        """Fire ``records`` and publish them; with ``planned`` (job key → the definition
+        version its ticks were planned under), only while every job is stored at it."""
         # A stop (SIGTERM, lost term) cancels the duties, possibly between the insert and the
         # publish. Finish the fire first, so a stored tick is published now rather than when
         # the next leader's sweep finds it unpublished.
-        firing = asyncio.ensure_future(self._fire_and_publish(records))
+        firing = asyncio.ensure_future(self._fire_and_publish(records, planned))
         try:
             await asyncio.shield(firing)
         except asyncio.CancelledError:
             await asyncio.gather(firing, return_exceptions=True)
             raise
 
-    async def _fire_and_publish(self, records: list[Any]) -> None:
+    async def _fire_and_publish(self, records: list[Any], planned: dict[str, int] | None) -> None:
         with telemetry.span("jobplane.trigger", source="cron", instances=len(records)):
             # The publication is recorded by the fire itself (one write less before the
             # messages go out), unless the bus is out of reach (see Dispatcher.publish).
             marks = self.dispatcher.marks_first
             try:
-                instances = await self.store.fire(self.lease, records, published=marks)
+                instances = await self.store.fire(
+                    self.lease, records, published=marks, planned=planned
+                )
             except StoreRefusedError as exc:
+                # (Job by job, without the version fence: the fallback for a poison job; an
+                # edit still in flight then waits for the next sweep's version check.)
                 instances = await self._fire_each_job(records, exc, marks)
             self.metrics.fired(instances, self.cache.definitions)
             await self.dispatcher.publish_created(instances, {r.id for r in records})

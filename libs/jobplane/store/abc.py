@@ -295,13 +295,21 @@ class LeaderStore(DispatchStore, Protocol):
         """Forget replica ``holder`` (it stops cleanly)."""
 
     async def fire(
-        self, lease: LeaderLease, new: Sequence[NewInstance], *, published: bool = False
+        self,
+        lease: LeaderLease,
+        new: Sequence[NewInstance],
+        *,
+        published: bool = False,
+        planned: Mapping[str, int] | None = None,
     ) -> list[Instance]:
         """Create cron occurrences (and misfire records) as leader; a tick already recorded
         is not created again (unique job key + scheduled time). With ``published``, a store
         may record the Enqueued instances it creates as published (``published_at``) in the
         same write, as :meth:`DispatchStore.create_published` does; the caller then sends
-        them (:meth:`~jobplane.dispatch.Dispatcher.publish_created`)."""
+        them (:meth:`~jobplane.dispatch.Dispatcher.publish_created`). With ``planned`` (job
+        key → the definition version its ticks were planned under), nothing is created if a
+        job's stored definition has another version: ``DefinitionsChangedError`` names those
+        jobs. Decided in the write, so an edit committed before it is never missed."""
 
     async def last_occurrences(self, keys: Collection[str]) -> dict[str, datetime]:
         """The latest recorded cron tick of each job: where the next fire is computed from."""

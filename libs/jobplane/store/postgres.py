@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 from uuid import UUID
@@ -29,6 +29,7 @@ from jobplane.domain.options import JobOptions
 from jobplane.domain.reasons import EndReason
 from jobplane.domain.states import InstanceState, check_transition
 from jobplane.errors import (
+    DefinitionsChangedError,
     JobNotFoundError,
     NotLeaderError,
     StaleDefinitionError,
@@ -149,16 +150,23 @@ class PostgresStore(PostgresStatsStore, SqlStore):
 
     @retry_conflicts
     async def fire(
-        self, lease: LeaderLease, new: Sequence[NewInstance], *, published: bool = False
+        self,
+        lease: LeaderLease,
+        new: Sequence[NewInstance],
+        *,
+        published: bool = False,
+        planned: Mapping[str, int] | None = None,
     ) -> list[Instance]:
         """As :meth:`create_instances` with the lease as fence, in one statement (``FIRE``:
-        the fence, the key check and the creation, and with ``published`` the publication
-        mark), so a tick costs one round trip."""
+        the fence, the key and version checks and the creation, and with ``published`` the
+        publication mark), so a tick costs one round trip."""
         if not new:
             return []
         params = creation_params(new)
         params.update(shard=lease.shard, holder=lease.holder, term=lease.term)
         params["published"] = published
+        params["planned_keys"] = list(planned or ())
+        params["planned_versions"] = list((planned or {}).values())
         # On the driver (one statement, a transaction of its own): SQLAlchemy's processing of
         # a 1,000-row result cost the leader more CPU than the rows' own conversion, and the
         # publish waits for it (docs/benchmarks.md, "Cron fire lag").
@@ -168,6 +176,8 @@ class PostgresStore(PostgresStatsStore, SqlStore):
                 raise NotLeaderError(f"term {lease.term} of shard {lease.shard} is over")
             if result[0]["missing_key"] is not None:
                 raise JobNotFoundError(result[0]["missing_key"])
+            if result[0]["changed_keys"] is not None:
+                raise DefinitionsChangedError(result[0]["changed_keys"])
             records = {n.id: n for n in new}
             by_id = {
                 row["id"]: rows.fired_instance(records[row["id"]], row)

@@ -3,7 +3,7 @@ races it closes. Built once per process (SQLAlchemy then compiles each of them o
 
 from __future__ import annotations
 
-from sqlalchemy import text
+from sqlalchemy import ARRAY, text
 
 from jobplane.domain.models import ClaimOutcome
 from jobplane.store.tables import job_instances
@@ -275,6 +275,12 @@ SELECT * FROM ins
 # - a job deleted since the leader read it: nothing of the batch is written and the first
 #   missing key comes back (``missing_key``: the caller raises JobNotFoundError), as the
 #   transaction of separate statements did;
+# - a job edited, paused or resumed since the leader planned its tick (its event or its
+#   pending-update mark still in flight, or lost with a Redis restart): with the versions the
+#   leader planned under (``planned``), nothing of the batch is written and the jobs whose
+#   stored version differs come back (``changed_keys``: the caller raises
+#   DefinitionsChangedError, re-plans them and fires the rest). An edit committed before the
+#   statement began is in its snapshot, so no tick fires on options replaced before it;
 # - two leaders firing one tick (overlap at a failover): the unique index on (job, occurrence)
 #   inserts it once; the caller reads the existing one. It is named as the one arbiter: a fire
 #   writes cron records only (fresh ids, no idempotency key), so it is the only duplicate a
@@ -311,14 +317,25 @@ missing AS MATERIALIZED (
     SELECT min(t.job_key) AS job_key FROM input t
     WHERE NOT EXISTS (SELECT 1 FROM job_definitions d WHERE d.key = t.job_key)
 ),
+planned AS (
+    SELECT * FROM unnest(CAST(:planned_keys AS text[]), CAST(:planned_versions AS integer[]))
+        AS p(job_key, version)
+),
+changed AS MATERIALIZED (
+    SELECT array_agg(p.job_key ORDER BY p.job_key) AS job_keys
+    FROM planned p JOIN job_definitions d ON d.key = p.job_key
+    WHERE d.version <> p.version
+),
 resolved AS (
     SELECT t.*, d.options,
            {_STATE}
     FROM input t JOIN job_definitions d ON d.key = t.job_key
     WHERE EXISTS (SELECT 1 FROM fence) AND (SELECT job_key FROM missing) IS NULL
+      AND (SELECT job_keys FROM changed) IS NULL
 ),
 {_create_insert(_FIRE_PUBLISHED, _OCCURRENCE, ", ".join(FIRED_COLUMNS))}
-SELECT ins.*, EXISTS (SELECT 1 FROM fence) AS live, (SELECT job_key FROM missing) AS missing_key
+SELECT ins.*, EXISTS (SELECT 1 FROM fence) AS live, (SELECT job_key FROM missing) AS missing_key,
+       (SELECT job_keys FROM changed) AS changed_keys
 FROM (SELECT 1) AS one LEFT JOIN ins ON true
 """
 
@@ -421,6 +438,7 @@ FIRE = text(FIRE_SQL).columns(
     *(job_instances.c[name] for name in FIRED_COLUMNS),
     live=job_instances.c.cancel_requested.type,
     missing_key=job_instances.c.job_key.type,
+    changed_keys=ARRAY(job_instances.c.job_key.type),
 )
 CLAIM = text(CLAIM_SQL).columns(*job_instances.c, job_options=job_instances.c.args.type)
 COMPLETE = text(COMPLETE_SQL)

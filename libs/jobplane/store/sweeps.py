@@ -9,7 +9,7 @@ SIGSTOP) finds no live row and writes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
@@ -21,7 +21,7 @@ from jobplane.domain.models import Instance, InstanceSource, LeaderLease, NewIns
 from jobplane.domain.options import JobOptions, PinFallback
 from jobplane.domain.reasons import EndReason
 from jobplane.domain.states import InstanceState
-from jobplane.errors import NotLeaderError, StoreRefusedError
+from jobplane.errors import DefinitionsChangedError, NotLeaderError, StoreRefusedError
 from jobplane.store import rows
 from jobplane.store.base import SqlBase, logger, retry_conflicts, unindexed_state
 from jobplane.store.lifecycle import release_runaway_rows
@@ -50,13 +50,31 @@ class SweepStore(SqlBase):
     """Leader-only operations. Each takes the leader's ``lease`` (its fencing token)."""
 
     async def fire(
-        self, lease: LeaderLease, new: Sequence[NewInstance], *, published: bool = False
+        self,
+        lease: LeaderLease,
+        new: Sequence[NewInstance],
+        *,
+        published: bool = False,
+        planned: Mapping[str, int] | None = None,
     ) -> list[Instance]:
         """Create cron occurrences (and misfire records) as leader. A tick already recorded is
         not created again (unique job key + scheduled time): the existing one is returned.
-        Here ``published`` is not used: the instances come back unmarked, and the caller
-        publishes them as any others."""
-        return await self.create_instances(new, fence=lease)  # type: ignore[attr-defined,no-any-return]
+        With ``planned``, nothing is created if a job's stored version is not the one given
+        (DefinitionsChangedError). Here ``published`` is not used: the instances come back
+        unmarked, and the caller publishes them as any others."""
+        if not new:
+            return []
+        async with self._write() as conn:
+            await self._fence(conn, lease)
+            if planned:
+                d = job_definitions.c
+                stored = await conn.execute(
+                    select(d.key, d.version).where(d.key.in_(list(planned)))
+                )
+                changed = [key for key, version in stored if version != planned[key]]
+                if changed:
+                    raise DefinitionsChangedError(changed)
+            return await self._create(conn, new)  # type: ignore[attr-defined,no-any-return]
 
     async def last_occurrences(self, keys: Collection[str]) -> dict[str, datetime]:
         """The latest recorded cron tick of each job (fired or recorded as missed)."""
