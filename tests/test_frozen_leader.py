@@ -151,7 +151,13 @@ def _wait_for_idle_in_transaction(url: str) -> tuple[str, ...] | None:
     pause. Any such backend will do: the frozen leader may have had two fenced transactions
     waiting on the instance table (a tick's insert and a sweep's update), and when both
     connections count into the same counter shard (backend pid modulo 16) the second waits on
-    the first, which is frozen, until the server ends the first's idle transaction."""
+    the first, which is frozen, until the server ends the first's idle transaction.
+
+    The server ends an idle transaction ``TTL_S / 2`` after it went idle, so the wait lasts
+    that long after the last moment such a backend was still running its statement (on a
+    loaded machine a statement let through by the test can run longer than that), up to 15 s.
+    """
+    hard_deadline = time.monotonic() + 15
     deadline = time.monotonic() + TTL_S / 2  # the server ends the idle transaction then
     with psycopg.connect(_dsn(url), autocommit=True) as probe:
         while True:
@@ -166,7 +172,9 @@ def _wait_for_idle_in_transaction(url: str) -> tuple[str, ...] | None:
             ]
             if ("idle in transaction",) in states:
                 return ("idle in transaction",)
-            if time.monotonic() > deadline:
+            if ("active",) in states:
+                deadline = time.monotonic() + TTL_S / 2
+            if time.monotonic() > min(deadline, hard_deadline):
                 return states[0] if states else None
             time.sleep(0.01)
 
