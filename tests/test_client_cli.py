@@ -173,7 +173,7 @@ def test_sync_client(stack: dict[str, str]) -> None:
 
 async def test_async_client(stack: dict[str, str]) -> None:
     async with AsyncClient(stack["url"], stack["token"]) as jp:
-        made = await jp.trigger("echo", {"value": 5}, delay_s=0.3)
+        made = await jp.trigger("echo", {"value": 5}, delay_s=2)
         assert made["state"] == "scheduled"
         done = await jp.wait(made["id"], timeout_s=30)
         assert done["state"] == "succeeded"
