@@ -109,7 +109,7 @@ async def test_a_leader_frozen_inside_its_fenced_transaction_is_replaced_in_time
         blocker.commit()
     frozen_at = await pg_store.now()
     state = _wait_for_idle_in_transaction(pg_database_url)
-    assert state == ("idle in transaction",), state
+    assert state == ("idle in transaction",), (state, _activity(pg_database_url))
 
     async def second_fired() -> bool:
         lease = await pg_store.get_leader(0)
@@ -177,6 +177,23 @@ def _wait_for_idle_in_transaction(url: str) -> tuple[str, ...] | None:
             if time.monotonic() > min(deadline, hard_deadline):
                 return states[0] if states else None
             time.sleep(0.01)
+
+
+def _activity(url: str) -> list[tuple[object, ...]]:
+    """What every session of the database is doing, with the locks it holds or waits for and
+    who blocks it (shown when the test cannot catch the leader where it means to)."""
+    with psycopg.connect(_dsn(url), autocommit=True) as probe:
+        return [
+            tuple(row)
+            for row in probe.execute(
+                "SELECT a.pid, a.state, a.wait_event_type, a.wait_event, "
+                "a.xact_start < a.query_start, left(a.query, 100), "
+                "(SELECT string_agg(l.locktype || ' ' || coalesce(l.relation::regclass::text, '')"
+                " || ' ' || l.mode || ' ' || l.granted, '; ') FROM pg_locks l "
+                "WHERE l.pid = a.pid), pg_blocking_pids(a.pid) "
+                "FROM pg_stat_activity a WHERE a.datname = current_database()"
+            ).fetchall()
+        ]
 
 
 def _wait_for_backend_waiting_on_a_lock(url: str) -> int:
