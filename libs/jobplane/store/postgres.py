@@ -87,8 +87,8 @@ class PostgresStore(PostgresStatsStore, SqlStore):
         self._read_clock = DriverStatement(NOW, engine.dialect)
 
     async def now(self) -> datetime:
-        # One round trip, not three (BEGIN, the read, COMMIT): the leader's cron loop reads
-        # the clock before each fire, and its misfire check waits on it.
+        # One round trip, not three (BEGIN, the read, COMMIT): the leader reads the clock to
+        # plan each sleep of its cron loop and of its sweep's timers.
         async with reachable():
             row = await self._read_clock.run_row(self.engine, {})
         now: datetime = row["now"]
