@@ -114,9 +114,10 @@ class CronFiring:
 
     async def _sleep_until(self, at: datetime | None, now: datetime) -> datetime | None:
         """Sleep on the clock until ``at`` (or a wake-up): the loop then fires only what is
-        due. Returns ``at`` when the sleep ran its full course to it (the clock has reached
-        it), else None (woken early, or stopped short of it: the loop reads the clock), so
-        waking early never fires early.
+        due. Returns the time reached when the sleep ran its full course to ``at`` (``at``
+        plus how late the sleep says it woke: the time the misfire grace is measured on),
+        else None (woken early, or stopped short of it: the loop reads the clock), so waking
+        early never fires early.
 
         The tick's records are built first, at most ``PREPARE_AHEAD_S`` before it (an
         instance's id carries the time it was made): a farther tick is slept towards until
