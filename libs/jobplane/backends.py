@@ -96,8 +96,7 @@ async def open_checked_store(settings: CommonSettings) -> AsyncIterator[SqlStore
 
 async def _check_store(store: SqlStore, url: str) -> None:
     try:
-        await store.ping()
-        revision = await store.schema_revision()
+        revision = await store.schema_revision()  # (also the reachability check)
     except StoreUnavailableError as exc:
         raise StoreUnavailableError(f"cannot reach the database {redact(url)}: {exc}") from exc
     head = schema.head_revision()

@@ -163,9 +163,9 @@ class CronFiring:
                 records = [r for r in records if r.job_key not in refused.keys]
         return changed
 
-    async def _fire(self, records: list[Any], planned: dict[str, int] | None = None) -> None:
-        """Fire ``records`` and publish them; with ``planned`` (job key → the definition
-        version its ticks were planned under), only while every job is stored at it."""
+    async def _fire(self, records: list[Any], planned: dict[str, int]) -> None:
+        """Fire ``records`` and publish them, only while every job is stored at the version
+        ``planned`` gives it (job key → the definition version its ticks were planned under)."""
         # A stop (SIGTERM, lost term) cancels the duties, possibly between the insert and the
         # publish. Finish the fire first, so a stored tick is published now rather than when
         # the next leader's sweep finds it unpublished.
@@ -176,7 +176,7 @@ class CronFiring:
             await asyncio.gather(firing, return_exceptions=True)
             raise
 
-    async def _fire_and_publish(self, records: list[Any], planned: dict[str, int] | None) -> None:
+    async def _fire_and_publish(self, records: list[Any], planned: dict[str, int]) -> None:
         with telemetry.span("jobplane.trigger", source="cron", instances=len(records)):
             # The publication is recorded by the fire itself (one write less before the
             # messages go out), unless the bus is out of reach (see Dispatcher.publish).

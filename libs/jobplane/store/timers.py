@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import ColumnElement, select
 
 from jobplane.domain.states import InstanceState
 from jobplane.store.base import SqlBase
@@ -17,19 +17,9 @@ class TimerStore(SqlBase):
 
     async def scheduled_due_within(self, seconds: float) -> list[datetime]:
         """``run_at`` of Scheduled instances due within ``seconds`` (the leader's timers)."""
-        async with self._read() as conn:
-            horizon = await self._now(conn) + timedelta(seconds=seconds)
-            result = await conn.execute(
-                select(job_instances.c.run_at)
-                .where(
-                    job_instances.c.state == InstanceState.SCHEDULED.value,
-                    job_instances.c.run_at.is_not(None),
-                    job_instances.c.run_at <= horizon,
-                )
-                .order_by(job_instances.c.run_at)
-                .limit(1000)
-            )
-            return [at for at in result.scalars() if at is not None]
+        return await self._times_within(
+            job_instances.c.run_at, InstanceState.SCHEDULED, seconds, limit=1000
+        )
 
     async def leases_ending_within(self, seconds: float) -> list[datetime]:
         """The distinct ``lease_expires_at`` of Processing instances within ``seconds`` (the
@@ -37,20 +27,33 @@ class TimerStore(SqlBase):
         the next sweep). An attempt renewed since is simply not expired when the leader wakes.
         A batch of leases claimed or renewed together shares one end (the transaction's
         time), so the list is short even for a worker with many attempts."""
+        return await self._times_within(
+            job_instances.c.lease_expires_at,
+            InstanceState.PROCESSING,
+            seconds,
+            limit=100,
+            distinct=True,
+        )
+
+    async def _times_within(
+        self,
+        column: ColumnElement[datetime | None],
+        state: InstanceState,
+        seconds: float,
+        *,
+        limit: int,
+        distinct: bool = False,
+    ) -> list[datetime]:
+        """The values of ``column`` (a time) of instances in ``state`` from now to ``seconds``
+        ahead on the store's clock, earliest first."""
         async with self._read() as conn:
             horizon = await self._now(conn) + timedelta(seconds=seconds)
-            ends = job_instances.c.lease_expires_at
-            result = await conn.execute(
-                select(ends)
-                .where(
-                    job_instances.c.state == InstanceState.PROCESSING.value,
-                    ends.is_not(None),
-                    ends <= horizon,
-                )
-                .group_by(ends)
-                .order_by(ends)
-                .limit(100)
+            query = select(column).where(
+                job_instances.c.state == state.value, column.is_not(None), column <= horizon
             )
+            if distinct:
+                query = query.group_by(column)
+            result = await conn.execute(query.order_by(column).limit(limit))
             return [at for at in result.scalars() if at is not None]
 
 
