@@ -16,7 +16,8 @@ from jobplane.bus.envelope import Envelope, Event, EventKind
 from jobplane.bus.factory import open_bus
 from jobplane.bus.keys import Keys, band_of
 from jobplane.bus.memory import MemoryBus
-from jobplane.bus.redis import RedisBus, _hash_tag
+from jobplane.bus.redis import RedisBus
+from jobplane.bus.redis_calls import hash_tag
 from jobplane.errors import BusUnavailableError, EnvelopeError
 
 
@@ -107,10 +108,10 @@ async def test_a_large_batch_over_queues_bands_and_a_worker_arrives_whole_and_in
 
 
 def test_a_key_s_hash_tag_is_what_redis_cluster_hashes() -> None:
-    assert _hash_tag("jp:q:{default}:1") == "default"
-    assert _hash_tag("jp:w:{worker-1}") == "worker-1"
-    assert _hash_tag("jp:{}:{x}") == "jp:{}:{x}"  # an empty first tag: the whole key
-    assert _hash_tag("plain") == "plain"
+    assert hash_tag("jp:q:{default}:1") == "default"
+    assert hash_tag("jp:w:{worker-1}") == "worker-1"
+    assert hash_tag("jp:{}:{x}") == "jp:{}:{x}"  # an empty first tag: the whole key
+    assert hash_tag("plain") == "plain"
 
 
 async def test_stream_stats_count_entries_lag_and_pending_per_band(bus: Bus) -> None:
@@ -373,6 +374,37 @@ async def test_group_is_recreated_when_its_stream_vanished(redis_bus: Bus) -> No
     if not got:
         got = await consumer.read(1, 100)
     assert [d.envelope for d in got] == [sent]
+
+
+async def test_a_band_that_vanished_does_not_hold_back_what_the_bands_before_it_gave(
+    redis_bus: Bus,
+) -> None:
+    # The first pass reads a queue's bands in one script call. One band's stream deleted
+    # behind the consumer's back (its group with it): the entries of the band read before it
+    # are still handed over, not left pending until a reclaim, and the group comes back.
+    assert isinstance(redis_bus, RedisBus)
+    consumer = redis_bus.consumer("w1", ["default"])
+    await consumer.read(1, 10)  # the groups exist
+    high = envelope(8)
+    await redis_bus.publish([("default", high)])
+    await redis_bus.client.delete(redis_bus.keys.queue_stream("default", band_of(4)))
+    assert [d.envelope for d in await consumer.read(5, 10)] == [high]
+    mid = envelope(4)
+    await redis_bus.publish([("default", mid)])
+    assert [d.envelope for d in await consumer.read(5, 10)] == [mid]
+
+
+async def test_the_first_pass_keeps_priority_and_count_across_a_worker_and_two_queues(
+    bus: Bus,
+) -> None:
+    # The worker's own stream, then each queue's bands, highest first; never over the count,
+    # and what one call leaves is what the next one reads.
+    pinned = envelope(1, pinned="w1")
+    a_high, a_low, b_high, b_mid = envelope(9), envelope(0), envelope(7), envelope(5)
+    await bus.publish([("a", a_low), ("b", b_mid), ("a", a_high), ("b", b_high), ("a", pinned)])
+    consumer = bus.consumer("w1", ["a", "b"])
+    assert [d.envelope for d in await consumer.read(3, 10)] == [pinned, a_high, a_low]
+    assert [d.envelope for d in await consumer.read(5, 10)] == [b_high, b_mid]
 
 
 async def test_entry_read_by_a_killed_process_is_reclaimed(

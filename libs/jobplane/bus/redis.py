@@ -19,7 +19,7 @@ from redis.exceptions import ResponseError
 from jobplane.bus.abc import BusEpoch, DeadLetter, StreamStats
 from jobplane.bus.envelope import Envelope, Event
 from jobplane.bus.keys import BANDS, GROUP, Keys
-from jobplane.bus.redis_calls import as_text, translated
+from jobplane.bus.redis_calls import as_text, hash_tag, translated
 from jobplane.bus.redis_consumer import RedisConsumer
 from jobplane.errors import BusUnavailableError, EnvelopeError
 
@@ -50,16 +50,6 @@ return #KEYS
 """
 #: Entries appended by one call of the script (Redis runs a script alone: ~1 ms per 1,000).
 PUBLISH_CHUNK = 1000
-
-
-def _hash_tag(key: str) -> str:
-    """What Redis Cluster hashes of ``key``: its first non-empty ``{…}``, else the key."""
-    start = key.find("{")
-    if start >= 0:
-        end = key.find("}", start + 1)
-        if end > start + 1:
-            return key[start + 1 : end]
-    return key
 
 
 class RedisBus:
@@ -121,7 +111,7 @@ class RedisBus:
             slots: dict[str, tuple[list[str], list[bytes]]] = {}
             for queue, envelope in envelopes:
                 key = self.keys.stream_of(queue, envelope)
-                keys, data = slots.setdefault(_hash_tag(key), ([], []))
+                keys, data = slots.setdefault(hash_tag(key), ([], []))
                 keys.append(key)
                 data.append(envelope.encode())
             calls = [

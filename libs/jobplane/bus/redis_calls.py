@@ -1,5 +1,6 @@
 """What the Redis bus and its consumers share: driver failures translated into
-:class:`~jobplane.errors.BusUnavailableError`, and replies' bytes read as text."""
+:class:`~jobplane.errors.BusUnavailableError`, replies' bytes read as text, and the hash tag
+that decides which keys one call may touch."""
 
 from __future__ import annotations
 
@@ -27,3 +28,13 @@ async def translated(what: str) -> AsyncIterator[None]:
 
 def as_text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def hash_tag(key: str) -> str:
+    """What Redis Cluster hashes of ``key``: its first non-empty ``{…}``, else the key."""
+    start = key.find("{")
+    if start >= 0:
+        end = key.find("}", start + 1)
+        if end > start + 1:
+            return key[start + 1 : end]
+    return key

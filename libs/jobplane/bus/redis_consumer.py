@@ -13,7 +13,7 @@ from redis.exceptions import ResponseError
 from jobplane.bus.abc import Delivery
 from jobplane.bus.envelope import Envelope
 from jobplane.bus.keys import GROUP
-from jobplane.bus.redis_calls import as_text, translated
+from jobplane.bus.redis_calls import as_text, hash_tag, translated
 from jobplane.errors import EnvelopeError
 
 if TYPE_CHECKING:
@@ -25,6 +25,31 @@ logger = logging.getLogger("jobplane.bus.redis")
 T = TypeVar("T")
 #: Entries kept in a dead-letter stream (approximately: the oldest are trimmed).
 DEAD_LETTER_MAXLEN = 10_000
+
+# The first pass of a read over streams that share a hash tag, in one round trip: KEYS are the
+# streams, highest priority first; ARGV the group, the consumer and the most entries to take.
+# Each stream is read (not blocking) only for what the streams before it left: the same
+# XREADGROUP calls, in the same order, as one call per stream from the client. Returns
+# {{stream, entries}, ...} with entries as XREADGROUP gives them ({id, {field, value, ...}}),
+# then the error that stopped the reads, if one did. (Not raised: what the streams before it
+# handed over is returned, not left pending until reclaimed.)
+READ_FIRST_LUA = """
+local out = {}
+local left = tonumber(ARGV[3])
+for i = 1, #KEYS do
+    if left <= 0 then break end
+    local reply = redis.pcall('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', left,
+                              'STREAMS', KEYS[i], '>')
+    if type(reply) == 'table' and reply.err then
+        return {out, reply.err}
+    end
+    if reply and #reply[1][2] > 0 then
+        out[#out + 1] = {KEYS[i], reply[1][2]}
+        left = left - #reply[1][2]
+    end
+end
+return {out}
+"""
 
 
 class RedisConsumer:
@@ -38,6 +63,15 @@ class RedisConsumer:
         # Highest priority first: the worker's pinned stream, then each queue's bands.
         self._dead_of = bus.keys.consumer_streams(worker_id, queues)
         self.streams = list(self._dead_of)
+        # The streams in runs that share a hash tag (the worker's, then each queue's bands):
+        # the first pass reads each run in one script call, as Redis Cluster allows.
+        self._runs: list[list[str]] = []
+        for key in self.streams:
+            if self._runs and hash_tag(self._runs[-1][0]) == hash_tag(key):
+                self._runs[-1].append(key)
+            else:
+                self._runs.append([key])
+        self._read_first = self.client.register_script(READ_FIRST_LUA)
         self._groups_ready = False
 
     async def _ensure_groups(self) -> None:
@@ -58,17 +92,18 @@ class RedisConsumer:
             try:
                 return await op()
             except ResponseError as exc:
-                # NOGROUP: the stream or its group is gone; UNBLOCKED: it vanished while
-                # this read blocked on it (FLUSHALL, restart). Both: recreate, read again.
-                if "NOGROUP" not in str(exc) and "UNBLOCKED" not in str(exc):
+                if not _group_gone(str(exc)):
                     raise
-                logger.warning(
-                    "consumer group missing on %s; recreating it",
-                    what,
-                    extra={"action": "bus.nogroup"},
-                )
-                await self._ensure_groups()
+                await self._recreate_groups(what)
                 return await op()
+
+    async def _recreate_groups(self, what: str) -> None:
+        logger.warning(
+            "consumer group missing on %s; recreating it",
+            what,
+            extra={"action": "bus.nogroup"},
+        )
+        await self._ensure_groups()
 
     async def read(self, count: int, block_ms: int) -> list[Delivery]:
         found = await self._read_each(count)
@@ -95,19 +130,28 @@ class RedisConsumer:
         return found
 
     async def _read_each(self, count: int) -> list[Delivery]:
-        """Non-blocking reads, stream by stream in priority order, never more than ``count``."""
+        """Non-blocking reads, stream by stream in priority order, never more than ``count``:
+        one script call per run of streams that share a hash tag (a queue's three bands are
+        one round trip, not three; a worker on one queue makes two, not four)."""
         out: list[Delivery] = []
-        for key in self.streams:
-            remaining = count - len(out)
-            if remaining <= 0:
-                break
-            reply = await self._call(
-                "xreadgroup",
-                lambda key=key, n=remaining: self.client.xreadgroup(  # type: ignore[misc]
-                    GROUP, self.name, {key: ">"}, count=n
-                ),
-            )
-            out += await self._deliveries(reply)
+        for run in self._runs:
+            for attempt in range(2):
+                remaining = count - len(out)
+                if remaining <= 0:
+                    return out
+                async with translated("xreadgroup"):
+                    if not self._groups_ready:
+                        await self._ensure_groups()
+                    reply = await self._read_first(keys=run, args=[GROUP, self.name, remaining])
+                for stream, entries in reply[0] or []:
+                    out += await self._deliveries([(stream, _entries(entries))])
+                error = as_text(reply[1]) if len(reply) > 1 and reply[1] else None
+                if error is None:
+                    break
+                if not _group_gone(error) or attempt:
+                    raise ResponseError(error)
+                async with translated("xreadgroup"):
+                    await self._recreate_groups("xreadgroup")
         return out
 
     async def _deliveries(self, reply: Any) -> list[Delivery]:
@@ -206,6 +250,18 @@ class RedisConsumer:
             pipe.xdel(d.stream, d.entry_id)
         async with translated("requeue"):
             await pipe.execute()
+
+
+def _group_gone(error: str) -> bool:
+    """NOGROUP: the stream or its group is gone; UNBLOCKED: it vanished while a read blocked
+    on it (FLUSHALL, restart). Both: recreate the groups, read again."""
+    return "NOGROUP" in error or "UNBLOCKED" in error
+
+
+def _entries(raw: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """A script's XREADGROUP entries ({id, {field, value, ...}}, as Redis gives them to Lua)
+    as redis-py parses a reply of its own: (id, {field: value})."""
+    return [(entry_id, dict(zip(flat[::2], flat[1::2], strict=True))) for entry_id, flat in raw]
 
 
 def _by_stream(reply: Any) -> list[tuple[str, list[tuple[bytes, dict[bytes, bytes]]]]]:
