@@ -122,6 +122,8 @@ class Recorder:
     async def _republish(self, requeued: list[Instance], wait_keys: dict[str, int]) -> None:
         """Publish retries, and as many instances parked by ``on_limit=wait`` as slots were
         freed. WorkerStore writes are retried for a bounded time."""
+        if not requeued and not wait_keys:
+            return  # most batches: no retry, no parked job (and no retry machinery to build)
         deadline = time.monotonic() + SIDE_WRITE_RETRY_S
         for key, freed in wait_keys.items():
             requeued.extend(

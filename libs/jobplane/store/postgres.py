@@ -84,6 +84,7 @@ class PostgresStore(PostgresStatsStore, SqlStore):
         self._create_one = DriverStatement(CREATE_ONE, engine.dialect)
         self._fire = DriverStatement(FIRE, engine.dialect)
         self._claim = DriverStatement(CLAIM, engine.dialect)
+        self._complete_one = DriverStatement(COMPLETE, engine.dialect)
         self._read_clock = DriverStatement(NOW, engine.dialect)
 
     async def now(self) -> datetime:
@@ -318,22 +319,30 @@ class PostgresStore(PostgresStatsStore, SqlStore):
                 failed = [o for o in outcomes if ended.get(o.instance_id) is InstanceState.FAILED]
                 ended.update(await self._after_failure(conn, failed))
             return ended
-        # Nothing follows the statement: in autocommit it is its own transaction. The slot rows
+        # Nothing follows the statement: outside any transaction it is its own. The slot rows
         # it locks are then held until its commit only, not over two more round trips (BEGIN,
         # COMMIT) and this process's turn to send the COMMIT, while claims of the same job key
-        # wait on them.
-        async with self._statement() as conn:
-            return await self._complete(conn, outcomes, params)
+        # wait on them. On the driver (DriverStatement), as the claim: a worker records every
+        # job it runs, and at a few jobs a second each is its own statement.
+        async with reachable():
+            found = await self._complete_one.run(self.engine, params)
+        return _ended(outcomes, [(row["id"], row["state"]) for row in found])
 
     async def _complete(
         self, conn: AsyncConnection, outcomes: Sequence[Outcome], params: dict[str, Any]
     ) -> dict[UUID, InstanceState]:
         result = await conn.execute(COMPLETE, params)
-        ended = {row.id: rows.state_of(row.state) for row in result}
-        for outcome in outcomes:
-            if outcome.instance_id not in ended:
-                log_fenced(outcome)
-        return ended
+        return _ended(outcomes, [(row.id, row.state) for row in result])
+
+
+def _ended(outcomes: Sequence[Outcome], found: list[tuple[UUID, str]]) -> dict[UUID, InstanceState]:
+    """The states the outcome statement recorded, by instance; an outcome it did not record
+    was fenced off (its claim token is no longer the instance's), and is logged."""
+    ended = {instance_id: rows.state_of(state) for instance_id, state in found}
+    for outcome in outcomes:
+        if outcome.instance_id not in ended:
+            log_fenced(outcome)
+    return ended
 
 
 def creation_params(new: Sequence[NewInstance]) -> dict[str, Any]:
