@@ -11,12 +11,16 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import datetime
+from typing import Any
 
 import psycopg
 import pytest
 
 from jobplane.domain.models import InstanceFilter
+from jobplane.errors import StoreConflictError
+from jobplane.store.factory import open_store
 from jobplane.store.sql import SqlStore
 from jobplane_scheduler.settings import SchedulerSettings
 from tests.cli_helpers import spawn_cli, stop_all
@@ -63,6 +67,56 @@ def test_session_limits_are_sized_from_the_lease() -> None:
     assert SchedulerSettings(lease_ttl_s=30).session_limits().idle_in_transaction_timeout_s == 2
 
 
+async def _hold_lease_row_active(url: str, holder: str) -> tuple[psycopg.AsyncConnection, Any]:
+    """A session of ``holder`` inside a fenced transaction (the lease row share-locked, as a
+    leader's fence does), left *active*: a long statement here, as a frozen client after its
+    driver's Parse leaves it too. The server's idle-in-transaction limit never ends it."""
+    conn = await psycopg.AsyncConnection.connect(_dsn(url), application_name=holder)
+    await conn.execute("SELECT term FROM scheduler_leases WHERE shard = 0 FOR SHARE")
+    running = asyncio.ensure_future(conn.execute("SELECT pg_sleep(60)"))
+    await asyncio.sleep(0.2)  # the statement is under way
+    return conn, running
+
+
+async def test_a_takeover_ends_the_expired_leader_s_session_left_active_on_the_lease(
+    pg_store: SqlStore, pg_database_url: str
+) -> None:
+    old = await pg_store.acquire_leadership(0, "frozen-replica", 0.5)
+    assert old is not None
+    conn, running = await _hold_lease_row_active(pg_database_url, "frozen-replica")
+    try:
+        await asyncio.sleep(0.5)  # the lease expires (the database's clock)
+        # Without the end of that session the takeover waits on the row lock for as long as
+        # the session lives (here: no lock timeout on this store).
+        new = await asyncio.wait_for(pg_store.acquire_leadership(0, "standby", 3.0), 10)
+        assert new is not None and (new.holder, new.term) == ("standby", old.term + 1)
+        with pytest.raises(psycopg.OperationalError):
+            await running  # the frozen leader's transaction is gone, written nothing
+    finally:
+        await conn.close()
+
+
+async def test_a_live_leader_s_sessions_are_never_ended(pg_database_url: str) -> None:
+    # The same session, but the lease is live: a standby's try waits out its lock timeout and
+    # takes nothing, and the leader's session goes on.
+    store = open_store(
+        pg_database_url,
+        limits=replace(SchedulerSettings(lease_ttl_s=1.0).session_limits(), application_name="b"),
+    )
+    try:
+        assert await store.acquire_leadership(0, "leader", 60.0) is not None
+        conn, running = await _hold_lease_row_active(pg_database_url, "leader")
+        try:
+            with pytest.raises(StoreConflictError):
+                await store.acquire_leadership(0, "standby", 3.0)
+            assert not running.done()
+            running.cancel()
+        finally:
+            await conn.close()
+    finally:
+        await store.close()
+
+
 async def test_a_leader_frozen_inside_its_fenced_transaction_is_replaced_in_time(
     pg_store: SqlStore,
     pg_database_url: str,
@@ -78,6 +132,8 @@ async def test_a_leader_frozen_inside_its_fenced_transaction_is_replaced_in_time
         return lease is not None and _holder_pid(lease.holder) == first.pid
 
     await wait_for(first_leads, timeout_s=30, what="the first scheduler to lead")
+    leading = await pg_store.get_leader(0)
+    assert leading is not None
     await wait_for(lambda: _some(pg_store), timeout_s=10, what="the first leader's first ticks")
     env = {
         "JOBPLANE_DATABASE_URL": pg_database_url,
@@ -96,20 +152,28 @@ async def test_a_leader_frozen_inside_its_fenced_transaction_is_replaced_in_time
     await wait_for(second_stands_by, timeout_s=30, what="the second scheduler to campaign")
 
     # Catch the leader inside its fenced transaction: hold the instance table against writes
-    # and row locks (plain reads still pass) so that a sweep's locking read, after the fence
-    # took its lock on the lease row, waits; freeze the process there; then let it through. Its
-    # session is now idle in a transaction that holds the fence's lock, with nobody to commit
-    # it - a leader frozen mid-write. (Blocking reads too would also stop the leader's unfenced
-    # reads, each until its lock timeout, and its duties restart with one of them, so it might
-    # never reach a fenced transaction while the table is held.)
+    # and row locks (plain reads still pass) so that a sweep's locking statement, after the
+    # fence took its lock on the lease row, waits; freeze the process there; then let it
+    # through. Its session is now left inside a transaction that holds the fence's lock, with
+    # nobody to commit it - a leader frozen mid-write: idle in the transaction (its statement
+    # ran; the server ends the transaction after the idle limit), or still active, waiting for
+    # the client (the wait was in the statement's parse, which takes the locks: asyncpg
+    # prepares with Parse, Describe and Flush, and the server then waits for the Bind with the
+    # statement active, which no idle limit ends; the takeover ends that session). (Blocking
+    # reads too would also stop the leader's unfenced reads, each until its lock timeout, and
+    # its duties restart with one of them, so it might never reach a fenced transaction while
+    # the table is held.)
     with psycopg.connect(_dsn(pg_database_url), autocommit=False) as blocker:
         blocker.execute("LOCK TABLE job_instances IN EXCLUSIVE MODE")
         _wait_for_backend_waiting_on_a_lock(pg_database_url)
         os.kill(first.pid, signal.SIGSTOP)
         blocker.commit()
     frozen_at = await pg_store.now()
-    state = _wait_for_idle_in_transaction(pg_database_url)
-    assert state == ("idle in transaction",), (state, _activity(pg_database_url))
+    state = _wait_for_frozen_fenced_session(pg_database_url, leading.holder)
+    if state not in FROZEN_STATES:
+        # Every row, one a line (an assertion's message would be cut short).
+        rows = "\n".join(repr(row) for row in _activity(pg_database_url))
+        pytest.fail(f"no fenced session of the frozen leader ({state}); sessions:\n{rows}")
 
     async def second_fired() -> bool:
         lease = await pg_store.get_leader(0)
@@ -145,34 +209,42 @@ async def _created_after(store: SqlStore, at: datetime) -> list[datetime]:
     return [i.created_at for i in page.items if i.created_at > at]
 
 
-def _wait_for_idle_in_transaction(url: str) -> tuple[str, ...] | None:
-    """The state of a backend inside a fenced transaction (holding its lock on the lease table)
-    once its write has gone through, polled: a loaded machine takes longer than any fixed
-    pause. Any such backend will do: the frozen leader may have had two fenced transactions
-    waiting on the instance table (a tick's insert and a sweep's update), and when both
-    connections count into the same counter shard (backend pid modulo 16) the second waits on
-    the first, which is frozen, until the server ends the first's idle transaction.
+#: A fenced session of a frozen leader, once its statement got through: idle in its
+#: transaction, or active and waiting for the client (a prepared statement's Bind).
+FROZEN_STATES = (("idle in transaction", None), ("active", "ClientRead"))
 
-    The server ends an idle transaction ``TTL_S / 2`` after it went idle, so the wait lasts
-    that long after the last moment such a backend was still running its statement (on a
-    loaded machine a statement let through by the test can run longer than that), up to 15 s.
-    """
+
+def _wait_for_frozen_fenced_session(url: str, holder: str) -> tuple[str, str | None] | None:
+    """The (state, wait event) of a session of ``holder`` (its ``application_name``) inside a
+    fenced transaction (holding its lock on the lease table) once its statement has gone
+    through, polled: a loaded machine takes longer than any fixed pause. Any such session will
+    do: the frozen leader may have had two fenced transactions waiting on the instance table
+    (a tick's insert and a sweep's update), and when both connections count into the same
+    counter shard (backend pid modulo 16) the second waits on the first, which is frozen, until
+    the first is ended.
+
+    A session still running its statement (or waiting on a lock) may yet reach one of
+    :data:`FROZEN_STATES`, so the wait lasts ``TTL_S / 2`` after the last moment one was seen
+    running (on a loaded machine a statement let through by the test can run longer than
+    that), up to 15 s."""
     hard_deadline = time.monotonic() + 15
-    deadline = time.monotonic() + TTL_S / 2  # the server ends the idle transaction then
+    deadline = time.monotonic() + TTL_S / 2
     with psycopg.connect(_dsn(url), autocommit=True) as probe:
         while True:
             states = [
-                tuple(row)
-                for row in probe.execute(
-                    "SELECT a.state FROM pg_stat_activity a "
-                    "WHERE a.datname = current_database() AND EXISTS (SELECT 1 FROM pg_locks l "
-                    "WHERE l.pid = a.pid AND l.granted "
-                    "AND l.relation = 'scheduler_leases'::regclass)"
+                (str(state), event)
+                for state, event in probe.execute(
+                    "SELECT a.state, a.wait_event FROM pg_stat_activity a "
+                    "WHERE a.datname = current_database() AND a.application_name = %s "
+                    "AND EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid AND l.granted "
+                    "AND l.relation = 'scheduler_leases'::regclass)",
+                    (holder[:63],),
                 ).fetchall()
             ]
-            if ("idle in transaction",) in states:
-                return ("idle in transaction",)
-            if ("active",) in states:
+            for frozen in FROZEN_STATES:
+                if any(s == frozen[0] and (frozen[1] is None or e == frozen[1]) for s, e in states):
+                    return frozen
+            if any(s == "active" for s, _ in states):
                 deadline = time.monotonic() + TTL_S / 2
             if time.monotonic() > min(deadline, hard_deadline):
                 return states[0] if states else None

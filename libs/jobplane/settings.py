@@ -28,6 +28,9 @@ class SessionLimits:
     #: A connection attempt (TCP, TLS and start-up) that takes longer fails: an unreachable
     #: host that drops packets is an outage now, not after asyncpg's default 60 s.
     connect_timeout_s: float = 10.0
+    #: The sessions' ``application_name`` (a scheduler's replica id: a standby taking over
+    #: ends the sessions of the holder whose lease expired by it; operators see it too).
+    application_name: str | None = None
 
 
 class CommonSettings(BaseSettings):

@@ -93,6 +93,7 @@ class ClusterStore(SqlBase):
 
     @retry_conflicts
     async def acquire_leadership(self, shard: int, holder: str, ttl_s: float) -> LeaderLease | None:
+        await self._end_expired_holder(shard, holder)
         async with self._write() as conn:
             now = await self._now(conn)
             expires = now + timedelta(seconds=ttl_s)
@@ -119,6 +120,10 @@ class ClusterStore(SqlBase):
                 )
             ).first()
         return rows.lease_from_row(row._mapping) if row else None
+
+    async def _end_expired_holder(self, shard: int, holder: str) -> None:
+        """Before another replica takes an expired lease: end what the expired holder still
+        holds on the lease row (Postgres). Nothing to do where writes are serialised."""
 
     async def release_leadership(self, shard: int, holder: str, term: int) -> bool:
         lease = scheduler_leases.c

@@ -82,6 +82,7 @@ def _session_args(limits: SessionLimits) -> dict[str, Any]:
             "tcp_keepalives_idle": str(keepalive),
             "tcp_keepalives_interval": str(max(1, keepalive // 3)),
             "tcp_keepalives_count": "3",
+            **({"application_name": limits.application_name} if limits.application_name else {}),
         },
         "command_timeout": limits.statement_timeout_s + 5,
         "timeout": limits.connect_timeout_s,

@@ -45,6 +45,7 @@ from jobplane.store.postgres_sql import (
     COMPLETE,
     CREATE,
     CREATE_ONE,
+    END_EXPIRED_HOLDER,
     FIRE,
     NOW,
     RENEW,
@@ -86,6 +87,7 @@ class PostgresStore(PostgresStatsStore, SqlStore):
         self._claim = DriverStatement(CLAIM, engine.dialect)
         self._complete_one = DriverStatement(COMPLETE, engine.dialect)
         self._read_clock = DriverStatement(NOW, engine.dialect)
+        self._end_holder = DriverStatement(END_EXPIRED_HOLDER, engine.dialect)
 
     async def now(self) -> datetime:
         # One round trip, not three (BEGIN, the read, COMMIT): the leader reads the clock to
@@ -94,6 +96,23 @@ class PostgresStore(PostgresStatsStore, SqlStore):
             row = await self._read_clock.run_row(self.engine, {})
         now: datetime = row["now"]
         return now
+
+    async def _end_expired_holder(self, shard: int, holder: str) -> None:
+        """End the sessions an expired holder of ``shard``'s lease still holds it with (see
+        ``END_EXPIRED_HOLDER_SQL``): one statement on its own, before the takeover's
+        transaction, which then finds the row free instead of waiting out its lock timeout
+        behind a frozen leader, takeover after takeover."""
+        async with reachable():
+            ended = await self._end_holder.run(self.engine, {"shard": shard, "holder": holder})
+        if ended:
+            logger.warning(
+                "ended %d session(s) of the expired leader of shard %d still holding its lease "
+                "(pids %s): a frozen leader's write under way",
+                len(ended),
+                shard,
+                ", ".join(str(row["pid"]) for row in ended),
+                extra={"action": "store.expired_leader_ended", "shard": shard},
+            )
 
     async def notifications(self, channel: str) -> AsyncIterator[list[str]]:
         """Batches of payloads ``NOTIFY``-ed on ``channel`` (delivered on commit only), over
