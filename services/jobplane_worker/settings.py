@@ -6,10 +6,11 @@ import os
 import re
 import secrets
 import socket
+from dataclasses import replace
 
 from pydantic import Field
 
-from jobplane.settings import CommonSettings
+from jobplane.settings import CommonSettings, SessionLimits
 
 
 def process_worker_id() -> str:
@@ -52,3 +53,9 @@ class WorkerSettings(CommonSettings):
 
     def liveness_lease_s(self) -> float | None:
         return self.lease_s
+
+    def session_limits(self) -> SessionLimits:
+        """The common limits, and the worker id as every session's ``application_name``: the
+        leader marking a silent worker dead ends its sessions still under way (see
+        ``PostgresStore._end_silent_workers``)."""
+        return replace(super().session_limits(), application_name=self.worker_id)

@@ -40,12 +40,12 @@ from jobplane.store import rows
 from jobplane.store.base import reachable, retry_conflicts
 from jobplane.store.driver import DriverStatement
 from jobplane.store.lifecycle import log_fenced
+from jobplane.store.postgres_sessions import END_EXPIRED_HOLDER, END_SILENT_WORKERS
 from jobplane.store.postgres_sql import (
     CLAIM,
     COMPLETE,
     CREATE,
     CREATE_ONE,
-    END_EXPIRED_HOLDER,
     FIRE,
     NOW,
     RENEW,
@@ -88,6 +88,7 @@ class PostgresStore(PostgresStatsStore, SqlStore):
         self._complete_one = DriverStatement(COMPLETE, engine.dialect)
         self._read_clock = DriverStatement(NOW, engine.dialect)
         self._end_holder = DriverStatement(END_EXPIRED_HOLDER, engine.dialect)
+        self._end_workers = DriverStatement(END_SILENT_WORKERS, engine.dialect)
 
     async def now(self) -> datetime:
         # One round trip, not three (BEGIN, the read, COMMIT): the leader reads the clock to
@@ -112,6 +113,20 @@ class PostgresStore(PostgresStatsStore, SqlStore):
                 shard,
                 ", ".join(str(row["pid"]) for row in ended),
                 extra={"action": "store.expired_leader_ended", "shard": shard},
+            )
+
+    async def _end_silent_workers(self, silent_for_s: float) -> None:
+        """End the active sessions of the workers about to be marked dead (see
+        ``END_SILENT_WORKERS_SQL``), one statement before the marking's transaction."""
+        async with reachable():
+            ended = await self._end_workers.run(self.engine, {"silent_for_s": silent_for_s})
+        if ended:
+            logger.warning(
+                "ended %d active session(s) of silent worker(s) %s before marking them dead: "
+                "a frozen worker's statement under way",
+                len(ended),
+                ", ".join(sorted({str(row["worker_id"]) for row in ended})),
+                extra={"action": "store.silent_worker_ended"},
             )
 
     async def notifications(self, channel: str) -> AsyncIterator[list[str]]:

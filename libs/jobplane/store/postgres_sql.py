@@ -451,33 +451,3 @@ CREATE_ONE = text(CREATE_ONE_SQL).columns(
 UNPUBLISHED = text(UNPUBLISHED_SQL).columns(*job_instances.c)
 # The database's clock, read on its own (no transaction around it: one round trip).
 NOW = text("SELECT now() AS now").columns(now=job_instances.c.created_at.type)
-
-# The sessions of a replica whose lease has expired that still hold a lock on the lease table
-# (a fenced write under way), ended (``pg_terminate_backend``) by the replica taking over. A
-# session left idle in its transaction is ended by the server (the role's idle limit), but one
-# left *active* is not: a leader frozen right after its driver prepared a statement inside the
-# transaction (asyncpg's Parse, Describe and Flush: the server then waits for the Bind with the
-# statement still active) or while a result was being sent to it, or one running a long
-# statement. Such a session keeps its share lock on the lease row, so every takeover waits on
-# it and times out, for as long as the process stays frozen. Only the sessions of the same
-# database user are ended (``pg_terminate_backend`` allows no others), only while the lease is
-# expired by the database's clock, and only another replica's: a writer that took its lock in
-# time loses its transaction, never its term's fencing (the term changes with the takeover).
-# ``application_name`` is cut to 63 bytes by the server, as the holder is compared here.
-END_EXPIRED_HOLDER_SQL = """
-SELECT a.pid, pg_terminate_backend(a.pid) AS ended
-FROM scheduler_leases s
-JOIN pg_stat_activity a
-  ON a.datname = current_database()
- AND a.usename = current_user
- AND a.application_name = left(s.holder, 63)
- AND a.pid <> pg_backend_pid()
-WHERE s.shard = :shard
-  AND s.holder <> :holder
-  AND s.expires_at <= now()
-  AND EXISTS (
-      SELECT 1 FROM pg_locks l
-      WHERE l.pid = a.pid AND l.granted AND l.relation = 'scheduler_leases'::regclass
-  )
-"""
-END_EXPIRED_HOLDER = text(END_EXPIRED_HOLDER_SQL)

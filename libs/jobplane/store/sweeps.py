@@ -373,6 +373,7 @@ class SweepStore(SqlBase):
         still held by runaway code of any stopped worker are given back (its process is gone,
         and its threads with it), in the same transaction. With ``fence`` (the leader's
         lease), a deposed leader writes nothing (:class:`NotLeaderError`)."""
+        await self._end_silent_workers(silent_for_s)
         async with self._write() as conn:
             await self._fence(conn, fence)
             cutoff = await self._now(conn) - timedelta(seconds=silent_for_s)
@@ -396,6 +397,10 @@ class SweepStore(SqlBase):
                     extra={"action": "store.runaway_slots_released"},
                 )
             return dead
+
+    async def _end_silent_workers(self, silent_for_s: float) -> None:
+        """Before silent workers are marked dead: end their sessions still under way (Postgres;
+        nothing to do where writes are serialised)."""
 
     @retry_conflicts
     async def delete_finished_before(
