@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from typing import Any
 
 import psycopg
 import pytest
@@ -37,7 +38,7 @@ async def leader_store(pg_database_url: str) -> AsyncIterator[SqlStore]:
 
 async def _frozen_worker_session(
     url: str, worker_id: str
-) -> tuple[psycopg.AsyncConnection, asyncio.Future[object]]:
+) -> tuple[psycopg.AsyncConnection[Any], asyncio.Task[Any]]:
     """A session of ``worker_id`` (its ``application_name``, as a worker's sessions carry it)
     holding its worker row's lock in a statement still active: as a heartbeat or a claim whose
     worker froze right after its driver's Parse (the server then waits for the Bind)."""
