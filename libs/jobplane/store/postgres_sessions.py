@@ -15,6 +15,17 @@ from __future__ import annotations
 
 from sqlalchemy import text
 
+
+def _sessions_named(name: str) -> str:
+    """A join to the other sessions of this database and user whose ``application_name`` is
+    the value of ``name`` (cut to 63 bytes, as the server cuts it)."""
+    return f"""JOIN pg_stat_activity a
+  ON a.datname = current_database()
+ AND a.usename = current_user
+ AND a.application_name = left({name}, 63)
+ AND a.pid <> pg_backend_pid()"""
+
+
 # The sessions of a replica whose lease has expired that still hold a lock on the lease table
 # (a fenced write under way), ended (``pg_terminate_backend``) by the replica taking over. A
 # session left idle in its transaction is ended by the server (the role's idle limit), but one
@@ -26,15 +37,10 @@ from sqlalchemy import text
 # database user are ended (``pg_terminate_backend`` allows no others), only while the lease is
 # expired by the database's clock, and only another replica's: a writer that took its lock in
 # time loses its transaction, never its term's fencing (the term changes with the takeover).
-# ``application_name`` is cut to 63 bytes by the server, as the holder is compared here.
-END_EXPIRED_HOLDER_SQL = """
+END_EXPIRED_HOLDER_SQL = f"""
 SELECT a.pid, pg_terminate_backend(a.pid) AS ended
 FROM scheduler_leases s
-JOIN pg_stat_activity a
-  ON a.datname = current_database()
- AND a.usename = current_user
- AND a.application_name = left(s.holder, 63)
- AND a.pid <> pg_backend_pid()
+{_sessions_named("s.holder")}
 WHERE s.shard = :shard
   AND s.holder <> :holder
   AND s.expires_at <= now()
@@ -53,16 +59,12 @@ END_EXPIRED_HOLDER = text(END_EXPIRED_HOLDER_SQL)
 # job and the dead-worker sweep itself would wait on them until the process resumed. A session
 # idle in a transaction is left to the server's idle limit. Same database user only, as for
 # the leader's lease (``END_EXPIRED_HOLDER_SQL``).
-END_SILENT_WORKERS_SQL = """
+END_SILENT_WORKERS_SQL = f"""
 SELECT a.pid, w.id AS worker_id, pg_terminate_backend(a.pid) AS ended
 FROM workers w
-JOIN pg_stat_activity a
-  ON a.datname = current_database()
- AND a.usename = current_user
- AND a.application_name = left(w.id, 63)
- AND a.pid <> pg_backend_pid()
- AND a.state = 'active'
-WHERE w.stopped_at IS NULL
+{_sessions_named("w.id")}
+WHERE a.state = 'active'
+  AND w.stopped_at IS NULL
   AND w.heartbeat_at < now() - make_interval(secs => :silent_for_s)
 """
 END_SILENT_WORKERS = text(END_SILENT_WORKERS_SQL)
