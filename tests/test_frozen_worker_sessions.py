@@ -15,8 +15,10 @@ import pytest
 from sqlalchemy import text
 
 from jobplane.domain.models import WorkerInfo
+from jobplane.settings import CommonSettings
 from jobplane.store.factory import open_store
 from jobplane.store.sql import SqlStore
+from jobplane_scheduler.settings import SchedulerSettings
 from jobplane_worker.settings import WorkerSettings
 
 pytestmark = pytest.mark.timeout(60)
@@ -89,3 +91,10 @@ async def test_a_live_worker_s_sessions_are_never_ended(
         running.cancel()
     finally:
         await conn.close()
+
+
+def test_a_worker_s_and_a_scheduler_s_sessions_carry_their_ids() -> None:
+    # What the sessions are found by; the api's have no id to be found by.
+    assert WorkerSettings(worker_id="w-1").session_limits().application_name == "w-1"
+    assert SchedulerSettings(scheduler_id="h:1").session_limits().application_name == "h:1"
+    assert CommonSettings().session_limits().application_name is None

@@ -66,6 +66,12 @@ class CommonSettings(BaseSettings):
         """The lease this role's liveness depends on (none for the api)."""
         return None
 
+    def session_name(self) -> str | None:
+        """This process's id as the ``application_name`` of its Postgres sessions (a
+        scheduler's replica id, a worker's id: what takes over from it ends its sessions
+        still under way, ``store/postgres_sessions.py``); none for the api."""
+        return None
+
     def session_limits(self) -> SessionLimits:
         """Limits on every Postgres session of this role, so a paused or partitioned process
         never holds a lock that blocks a takeover: a transaction left idle (the process froze
@@ -80,6 +86,7 @@ class CommonSettings(BaseSettings):
             statement_timeout_s=self.db_statement_timeout_s,
             keepalive_s=max(1.0, (lease or 20.0) / 2),
             connect_timeout_s=self.db_connect_timeout_s,
+            application_name=self.session_name(),
         )
 
     @field_validator("database_url")

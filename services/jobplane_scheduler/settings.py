@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import replace
 
 from pydantic import Field
 
-from jobplane.settings import CommonSettings, SessionLimits
+from jobplane.settings import CommonSettings
 
 
 class SchedulerSettings(CommonSettings):
@@ -43,8 +42,5 @@ class SchedulerSettings(CommonSettings):
     def liveness_lease_s(self) -> float | None:
         return self.lease_ttl_s
 
-    def session_limits(self) -> SessionLimits:
-        """The common limits, and the replica id as every session's ``application_name``: a
-        standby taking the lease over ends the expired holder's sessions that still hold the
-        lease row (see ``PostgresStore.end_expired_holder``)."""
-        return replace(super().session_limits(), application_name=self.scheduler_id)
+    def session_name(self) -> str:
+        return self.scheduler_id

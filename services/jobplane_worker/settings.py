@@ -6,11 +6,10 @@ import os
 import re
 import secrets
 import socket
-from dataclasses import replace
 
 from pydantic import Field
 
-from jobplane.settings import CommonSettings, SessionLimits
+from jobplane.settings import CommonSettings
 
 
 def process_worker_id() -> str:
@@ -54,8 +53,5 @@ class WorkerSettings(CommonSettings):
     def liveness_lease_s(self) -> float | None:
         return self.lease_s
 
-    def session_limits(self) -> SessionLimits:
-        """The common limits, and the worker id as every session's ``application_name``: the
-        leader marking a silent worker dead ends its sessions still under way (see
-        ``PostgresStore._end_silent_workers``)."""
-        return replace(super().session_limits(), application_name=self.worker_id)
+    def session_name(self) -> str:
+        return self.worker_id

@@ -107,15 +107,6 @@ class SqlBase:
 
     _read = _write
 
-    @asynccontextmanager
-    async def _statement(self) -> AsyncIterator[AsyncConnection]:
-        """A connection in autocommit: each statement is a transaction of its own, so a write
-        that is one statement costs one round trip (no BEGIN, no COMMIT). Only for writes that
-        are a single statement; reads after it see what it committed."""
-        async with reachable(), self.engine.connect() as conn:
-            await conn.execution_options(isolation_level="AUTOCOMMIT")
-            yield conn
-
     async def notifications(self, channel: str) -> AsyncIterator[list[str]]:
         """Batches of payloads notified on ``channel`` by committed transactions. This store
         has none (SQLite): it ends at once, and the sweep is what finds the work."""

@@ -44,8 +44,8 @@ class TimerStore(SqlBase):
         limit: int,
         distinct: bool = False,
     ) -> list[datetime]:
-        """The values of ``column`` (a time) of instances in ``state`` from now to ``seconds``
-        ahead on the store's clock, earliest first."""
+        """The values of ``column`` (a time) of instances in ``state`` up to ``seconds`` ahead
+        on the store's clock (those already past included), earliest first."""
         async with self._read() as conn:
             horizon = await self._now(conn) + timedelta(seconds=seconds)
             query = select(column).where(
