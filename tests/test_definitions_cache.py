@@ -6,6 +6,8 @@ import asyncio
 from collections.abc import AsyncGenerator
 
 import pytest
+from sqlalchemy import delete
+from sqlalchemy.exc import IntegrityError
 
 from jobplane.bus.abc import Bus
 from jobplane.bus.envelope import Event, EventKind
@@ -13,6 +15,7 @@ from jobplane.definitions import DefinitionCache, announce
 from jobplane.domain.models import InstanceFilter
 from jobplane.errors import JobNotFoundError
 from jobplane.store.sql import SqlStore
+from jobplane.store.tables import job_definitions, job_instances
 from tests.scheduler_helpers import DrivenClock, advance_until, running_scheduler
 from tests.store_helpers import define
 
@@ -135,6 +138,38 @@ async def test_a_pause_whose_event_and_mark_are_both_lost_stops_the_next_tick(
         assert await _fired_count(store) == before
 
 
-async def _fired_count(store: SqlStore) -> int:
-    page = await store.list_instances(InstanceFilter(job_key="tick"), limit=1000)
+async def _fired_count(store: SqlStore, key: str = "tick") -> int:
+    page = await store.list_instances(InstanceFilter(job_key=key), limit=1000)
     return len(page.items)
+
+
+async def test_a_definition_deleted_behind_the_leader_s_back_is_dropped_not_fatal(
+    store: SqlStore, bus: Bus
+) -> None:
+    """No command deletes a definition, but an operator may, in SQL (its instances first, for
+    the foreign key). The leader's next fire names the job, the database refuses the fire
+    for it: the job is read again, leaves the cache with its timers, and the other jobs keep
+    firing. The fire's error no longer ends the leader's duties (and its process)."""
+    for key in ("kept", "gone"):
+        await define(store, key, cron="* * * * * *")
+    clock = DrivenClock(store)
+    async with running_scheduler(store, bus, clock=clock, sweep_interval_s=60):
+        await advance_until(clock, lambda: _fired_count(store, "gone"), 1, what="a first tick")
+        await _delete_job(store, "gone")
+        kept = await _fired_count(store, "kept")
+        await advance_until(clock, lambda: _fired_count(store, "kept"), kept + 3, what="kept")
+        assert await _fired_count(store, "gone") == 0
+
+
+async def _delete_job(store: SqlStore, key: str) -> None:
+    """Delete a job's instances and its definition in one transaction, as an operator would
+    in SQL; again if a tick fired in between (the foreign key then refuses the delete)."""
+    for _ in range(5):
+        try:
+            async with store.engine.begin() as conn:
+                await conn.execute(delete(job_instances).where(job_instances.c.job_key == key))
+                await conn.execute(delete(job_definitions).where(job_definitions.c.key == key))
+            return
+        except IntegrityError:
+            continue
+    raise AssertionError(f"could not delete job {key}")

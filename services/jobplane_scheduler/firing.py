@@ -24,7 +24,12 @@ from jobplane.clock import Clock
 from jobplane.definitions import DefinitionCache
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import Instance, JobDefinition, LeaderLease, NewInstance
-from jobplane.errors import DefinitionsChangedError, StoreRefusedError, first_line
+from jobplane.errors import (
+    DefinitionsChangedError,
+    JobNotFoundError,
+    StoreRefusedError,
+    first_line,
+)
 from jobplane.store.abc import LeaderStore
 from jobplane_scheduler.cron_timers import CronTimers, occurrence
 from jobplane_scheduler.metrics import SchedulerMetrics
@@ -145,7 +150,8 @@ class CronFiring:
         event not applied yet (in flight, or lost), is refused by the fire with nothing
         written: it is read again, and the others fire. Returns the jobs read again, for the
         caller to re-plan from their last occurrence under what is stored (a tick still valid
-        under it then fires through the catch-up). Each refusal drops a job, so this ends."""
+        under it then fires through the catch-up). A job whose definition is gone is read
+        again too (and so dropped). Each refusal drops a job, so this ends."""
         changed: set[str] = set()
         while records:
             definitions = self.cache.definitions
@@ -158,9 +164,15 @@ class CronFiring:
                 await self._fire(records, planned)
                 break
             except DefinitionsChangedError as refused:
-                await self.cache.reload(refused.keys)
-                changed |= refused.keys
-                records = [r for r in records if r.job_key not in refused.keys]
+                keys: set[str] = set(refused.keys)
+            except JobNotFoundError as gone:
+                # Its definition row was deleted behind the product's back (no command
+                # deletes one): read again, it leaves the cache and its timers are dropped,
+                # rather than this fire's error ending the leader's duties.
+                keys = {gone.key}
+            await self.cache.reload(keys)
+            changed |= keys
+            records = [r for r in records if r.job_key not in keys]
         return changed
 
     async def _fire(self, records: list[Any], planned: dict[str, int]) -> None:
