@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import sys
@@ -480,3 +481,32 @@ def test_envelope_decode_errors(raw: bytes) -> None:
 def test_envelope_round_trip() -> None:
     for sent in (envelope(), envelope(pinned="w-9")):
         assert Envelope.decode(sent.encode()) == sent
+
+
+@pytest.mark.parametrize(
+    ("key", "pinned", "trace"),
+    [
+        ("plain", None, None),
+        ('quo"te\\back\nline\u0001', "w-\u00e9t\u00e9", "00-abc-01"),
+        ("\u96ea-\U0001f600", None, "tp"),
+    ],
+)
+def test_an_envelope_encodes_as_json_dumps_of_its_fields(
+    key: str, pinned: str | None, trace: str | None
+) -> None:
+    """The encoder writes its fields out by hand: the bytes are exactly the compact
+    ``json.dumps`` of the same object (ASCII, escaped), and decode back to the envelope."""
+    sent = Envelope(uuid.uuid4(), key, 7, pinned_worker=pinned, trace=trace)
+    body: dict[str, object] = {
+        "v": 1,
+        "kind": "run",
+        "id": str(sent.instance_id),
+        "job": key,
+        "prio": 7,
+    }
+    if pinned is not None:
+        body["pin"] = pinned
+    if trace is not None:
+        body["tp"] = trace
+    assert sent.encode() == json.dumps(body, separators=(",", ":")).encode()
+    assert Envelope.decode(sent.encode()) == sent
