@@ -201,8 +201,11 @@ class CronFiring:
                 # (Job by job, without the version fence: the fallback for a poison job; an
                 # edit still in flight then waits for the next sweep's version check.)
                 instances = await self._fire_each_job(records, exc, marks)
-            self.metrics.fired(instances, self.cache.definitions)
-            await self.dispatcher.publish_created(instances, {r.id for r in records})
+            try:
+                # Sent before the ticks are counted: the messages wait for nothing else.
+                await self.dispatcher.publish_created(instances, {r.id for r in records})
+            finally:
+                self.metrics.fired(instances, self.cache.definitions)
         fired = [i for i in instances if not i.state.is_terminal]
         if fired:
             logger.debug("fired %d tick(s)", len(fired), extra={"action": "scheduler.fired"})
