@@ -9,6 +9,7 @@ import signal
 import sys
 import textwrap
 import uuid
+from typing import Any
 
 import pytest
 
@@ -72,6 +73,74 @@ async def test_queued_finds_entries_anywhere_in_a_long_stream(bus: Bus) -> None:
     await bus.publish([("default", sent[0])])  # republished: a fresh copy at the end
     assert await bus.queued([("default", sent[0])], stuck_after_ms=50) == {sent[0].instance_id}
     assert delivered.envelope == sent[0]
+
+
+async def test_a_look_for_queued_messages_starts_where_the_last_one_found_its_last(
+    redis_bus: Bus,
+) -> None:
+    """The leader asks, sweep after sweep, for the next instances unclaimed longest: the Redis
+    bus reads on from where its last look found its last one, not from the stream's start
+    each time; round to the start for one that lies before it; the whole stream once for one
+    really gone."""
+    assert isinstance(redis_bus, RedisBus)
+    sent = [envelope() for _ in range(5000)]
+    await redis_bus.publish([("default", e) for e in sent])
+    pages = 0
+    xrange = redis_bus.client.xrange
+
+    async def counted(*args: object, **kwargs: object) -> object:
+        nonlocal pages
+        pages += 1
+        return await xrange(*args, **kwargs)  # type: ignore[arg-type]
+
+    redis_bus.client.xrange = counted  # type: ignore[method-assign,assignment]
+
+    async def look(wanted: list[Envelope]) -> tuple[set[uuid.UUID], int]:
+        nonlocal pages
+        pages = 0
+        found = await redis_bus.queued([("default", e) for e in wanted])
+        return found, pages
+
+    found, read = await look(sent[3000:3100])
+    assert found == {e.instance_id for e in sent[3000:3100]} and read == 4  # from the start
+    found, read = await look(sent[3100:3300])
+    assert found == {e.instance_id for e in sent[3100:3300]} and read == 1  # on from there
+    found, read = await look([sent[5], sent[4999]])
+    assert found == {sent[5].instance_id, sent[4999].instance_id}  # past the end, round
+    gone = envelope()
+    found, read = await look([gone])
+    # The last page to the end, the start up to it, then what was appended meanwhile (none).
+    assert found == set() and read == 7
+
+
+async def test_a_look_for_queued_messages_meets_an_entry_moved_while_it_reads(
+    redis_bus: Bus,
+) -> None:
+    """A worker puts an entry back (a copy at the end, then the original deleted) while the
+    bus reads the part of the stream before where its last look stopped: the original is gone
+    before the read gets there and the copy lies past the end already read; it is still met,
+    in what was appended meanwhile."""
+    assert isinstance(redis_bus, RedisBus)
+    sent = [envelope() for _ in range(3000)]
+    await redis_bus.publish([("default", e) for e in sent])
+    assert await redis_bus.queued([("default", sent[2500])]) == {sent[2500].instance_id}
+    key = keys_of(redis_bus).stream_of("default", sent[10])
+    first: Any = await redis_bus.client.xrange(key, count=11)
+    original = first[-1][0]  # sent[10]'s entry
+    xrange = redis_bus.client.xrange
+    moved = False
+
+    async def moving(name: str, min: str = "-", max: str = "+", count: int | None = None) -> object:
+        nonlocal moved
+        if max.startswith("(") and not moved:  # the read of the start, up to the last stop
+            moved = True
+            await redis_bus.client.xadd(key, {"d": sent[10].encode()})
+            await redis_bus.client.xdel(key, original)
+        return await xrange(name, min=min, max=max, count=count)
+
+    redis_bus.client.xrange = moving  # type: ignore[method-assign,assignment]
+    assert await redis_bus.queued([("default", sent[10])]) == {sent[10].instance_id}
+    assert moved
 
 
 async def test_publish_read_ack_round_trip(bus: Bus) -> None:

@@ -66,6 +66,8 @@ class RedisBus:
         #: then (see :meth:`get_pending_updates`).
         self._marks: dict[str, int] = {}
         self._marks_seen: tuple[Any, int] | None = None
+        #: Per stream, the entry where :meth:`queued` last found the last one it looked for.
+        self._looked: dict[str, str] = {}
 
     async def close(self) -> None:
         self._closed = True
@@ -140,25 +142,57 @@ class RedisBus:
         for key, wanted in by_stream.items():
             stuck = set() if stuck_after_ms is None else await self._stuck(key, stuck_after_ms)
             missing = set(wanted)
-            # Read from the oldest entry until every wanted one is found: the leader asks for
-            # the oldest unclaimed instances, near the head of a backlog's stream, and reading
-            # the whole stream each sweep cost a second per 100,000 entries.
-            async with aclosing(self._entries(key)) as entries:
+            last: str | None = None
+            # Read until every wanted one is found, from where the last look at this stream
+            # found its last one, round to the start and back to there: the whole stream at
+            # most, once (one really lost). The leader asks, sweep after sweep, for the
+            # instances unclaimed longest since their publication; one found is marked
+            # published again, so the next ones asked for lie just past the last found. From
+            # the start each time, a look read further in at every sweep, and in a backlog
+            # older than ``republish_after_s`` it read half the stream a sweep on average.
+            async with aclosing(self._entries_from(key, self._looked.get(key))) as entries:
                 async for entry_id, instance_id in entries:
                     if instance_id in missing and as_text(entry_id) not in stuck:
                         missing.discard(instance_id)
+                        last = as_text(entry_id)
                         if not missing:
                             break
+            if last is not None:
+                self._looked[key] = last
             found |= wanted - missing
         return found
 
-    async def _entries(self, key: str) -> AsyncGenerator[tuple[Any, uuid.UUID], None]:
-        """(entry id, instance id) of every decodable entry of the stream ``key``, oldest
-        first, read a page at a time (an undecodable one is the reader's to dead-letter)."""
-        start = "-"
+    async def _entries_from(
+        self, key: str, start: str | None
+    ) -> AsyncGenerator[tuple[Any, uuid.UUID], None]:
+        """As :meth:`_entries`, from the entry ``start`` (or the first after it) to the end,
+        then from the first entry up to ``start``, then what was appended meanwhile: every
+        entry of the stream. A worker's put-back appends its copy before it deletes the
+        original, so an entry moved while this reads is met once or twice, never missed
+        (from the first entry on, as without ``start``, it is met further on)."""
+        last: str | None = None  # the last entry read from ``start`` on
+        async with aclosing(self._entries(key, "-" if start is None else start)) as tail:
+            async for entry_id, instance_id in tail:
+                last = as_text(entry_id)
+                yield entry_id, instance_id
+        if start is None:
+            return
+        async with aclosing(self._entries(key, "-", "(" + start)) as head:
+            async for entry in head:
+                yield entry
+        async with aclosing(self._entries(key, start if last is None else "(" + last)) as new:
+            async for entry in new:
+                yield entry
+
+    async def _entries(
+        self, key: str, start: str = "-", end: str = "+"
+    ) -> AsyncGenerator[tuple[Any, uuid.UUID], None]:
+        """(entry id, instance id) of every decodable entry of the stream ``key`` from
+        ``start`` to ``end`` (XRANGE bounds), oldest first, read a page at a time (an
+        undecodable one is the reader's to dead-letter)."""
         while True:
             async with translated("xrange"):
-                page: Any = await self.client.xrange(key, min=start, count=XRANGE_PAGE)
+                page: Any = await self.client.xrange(key, min=start, max=end, count=XRANGE_PAGE)
             for entry_id, fields in page or []:
                 try:
                     yield entry_id, Envelope.decode(fields.get(b"d", b"")).instance_id
