@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 from uuid import UUID
 
 import uuid6
+
+#: How far the clock of a process that makes ids may be from the database's: a window on
+#: ``created_at`` (the database's clock) also bounds the time-ordered id, widened by this much.
+ID_CLOCK_SKEW = timedelta(minutes=5)
 
 
 def new_id() -> UUID:

@@ -36,7 +36,7 @@ from jobplane.errors import (
     StaleDefinitionError,
 )
 from jobplane.idempotency import fingerprint_of, replayed
-from jobplane.ids import id_floor
+from jobplane.ids import ID_CLOCK_SKEW, id_floor
 from jobplane.store import rows
 from jobplane.store.base import (
     SqlBase,
@@ -267,9 +267,6 @@ class InstanceStore(SqlBase):
             query = query.where(count_cols.job_key.in_(list(job_keys)))
         async with self._read() as conn:
             return {InstanceState(state): int(count) for state, count in await conn.execute(query)}
-
-
-ID_CLOCK_SKEW = timedelta(minutes=5)
 
 
 def filtered(query: Select[Any], filter: InstanceFilter) -> Select[Any]:

@@ -10,8 +10,8 @@ from sqlalchemy import text
 
 from jobplane.domain.models import Bucket, JobSummary, Lags
 from jobplane.domain.states import InstanceState
-from jobplane.ids import id_floor
-from jobplane.store.stats import DAY_S, HOUR_S, ID_SKEW, TERMINAL, StatsStore
+from jobplane.ids import ID_CLOCK_SKEW, id_floor
+from jobplane.store.stats import DAY_S, HOUR_S, TERMINAL, StatsStore
 
 _TERMINAL = ", ".join(f"'{s}'" for s in TERMINAL)
 
@@ -167,7 +167,7 @@ class PostgresStatsStore(StatsStore):
     async def lags(self, window_s: float = HOUR_S) -> Lags:
         async with self._read() as conn:
             since = await self._now(conn) - timedelta(seconds=window_s)
-            params = {"since": since, "id_floor": id_floor(since - ID_SKEW)}
+            params = {"since": since, "id_floor": id_floor(since - ID_CLOCK_SKEW)}
             row = (await conn.execute(LAGS, params)).one()
         return Lags(
             fire_p95_s=float(row.fire_p95) if row.fire_p95 is not None else None,

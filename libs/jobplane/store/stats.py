@@ -27,7 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobplane.domain.models import Bucket, JobSummary, Lags
 from jobplane.domain.states import TERMINAL_STATES, InstanceState
-from jobplane.ids import id_floor
+from jobplane.ids import ID_CLOCK_SKEW, id_floor
 from jobplane.store.base import SqlBase
 from jobplane.store.tables import (
     instance_counts,
@@ -48,9 +48,6 @@ transition_cols = instance_transitions.c
 DAY_S = 24 * 3600.0
 #: The window of the Overview's lag figures.
 HOUR_S = 3600.0
-#: Instance ids come from the creating process's clock: a window on ``created_at`` also
-#: bounds the (time-ordered) id, widened by this much (as the instance listings do).
-ID_SKEW = timedelta(minutes=5)
 
 
 def percentile_cont(values: Sequence[float], fraction: float) -> float | None:
@@ -257,7 +254,7 @@ def _fire_pairs(since: datetime) -> Select[Any]:
     """(created, scheduled) of the cron ticks created since ``since``: a range of the primary
     key (time-ordered ids), not a scan."""
     return select(job_instances.c.created_at, job_instances.c.scheduled_at).where(
-        job_instances.c.id >= id_floor(since - ID_SKEW),
+        job_instances.c.id >= id_floor(since - ID_CLOCK_SKEW),
         job_instances.c.created_at >= since,
         job_instances.c.source == "cron",
         job_instances.c.state
