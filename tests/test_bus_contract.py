@@ -79,9 +79,9 @@ async def test_a_look_for_queued_messages_starts_where_the_last_one_found_its_la
     redis_bus: Bus,
 ) -> None:
     """The leader asks, sweep after sweep, for the next instances unclaimed longest: the Redis
-    bus reads on from where its last look found its last one, not from the stream's start
-    each time; round to the start for one that lies before it; the whole stream once for one
-    really gone."""
+    bus reads a few pages on from the furthest entry its last look found, not from the
+    stream's start each time; then from the start for those that lie before it (not the rest
+    of the stream first); the whole stream once for one really gone."""
     assert isinstance(redis_bus, RedisBus)
     sent = [envelope() for _ in range(5000)]
     await redis_bus.publish([("default", e) for e in sent])
@@ -105,11 +105,15 @@ async def test_a_look_for_queued_messages_starts_where_the_last_one_found_its_la
     assert found == {e.instance_id for e in sent[3000:3100]} and read == 4  # from the start
     found, read = await look(sent[3100:3300])
     assert found == {e.instance_id for e in sent[3100:3300]} and read == 1  # on from there
+    found, read = await look(sent[100:200])
+    # Two pages on (to the end here), then from the start: not the rest of a longer stream.
+    assert found == {e.instance_id for e in sent[100:200]} and read == 3
     found, read = await look([sent[5], sent[4999]])
-    assert found == {sent[5].instance_id, sent[4999].instance_id}  # past the end, round
+    # Two pages on from sent[199], the start up to it (sent[5]), then on to the end.
+    assert found == {sent[5].instance_id, sent[4999].instance_id} and read == 6
     gone = envelope()
     found, read = await look([gone])
-    # The last page to the end, the start up to it, then what was appended meanwhile (none).
+    # Two pages on (one, at the end), the start up to there, then what came meanwhile (none).
     assert found == set() and read == 7
 
 

@@ -66,7 +66,7 @@ class RedisBus:
         #: then (see :meth:`get_pending_updates`).
         self._marks: dict[str, int] = {}
         self._marks_seen: tuple[Any, int] | None = None
-        #: Per stream, the entry where :meth:`queued` last found the last one it looked for.
+        #: Per stream, the furthest entry in which :meth:`queued` last found one it looked for.
         self._looked: dict[str, str] = {}
 
     async def close(self) -> None:
@@ -142,57 +142,67 @@ class RedisBus:
         for key, wanted in by_stream.items():
             stuck = set() if stuck_after_ms is None else await self._stuck(key, stuck_after_ms)
             missing = set(wanted)
-            last: str | None = None
-            # Read until every wanted one is found, from where the last look at this stream
-            # found its last one, round to the start and back to there: the whole stream at
-            # most, once (one really lost). The leader asks, sweep after sweep, for the
-            # instances unclaimed longest since their publication; one found is marked
-            # published again, so the next ones asked for lie just past the last found. From
-            # the start each time, a look read further in at every sweep, and in a backlog
-            # older than ``republish_after_s`` it read half the stream a sweep on average.
-            async with aclosing(self._entries_from(key, self._looked.get(key))) as entries:
+            furthest: str | None = None
+            # Read until every wanted one is found: a few pages on from the furthest entry the
+            # last look at this stream found, then from the start up to there, then on to the
+            # end: the whole stream at most, once (one really lost). The leader asks, sweep
+            # after sweep, for the instances unclaimed longest since their publication, and
+            # marks those it finds published again: the next ones asked for lie just past the
+            # furthest found, or back at the start once those marked first are old again.
+            # From the start each time, a look read further in at every sweep: in a backlog
+            # older than ``republish_after_s``, half the stream a sweep on average.
+            probe = len(wanted) // XRANGE_PAGE + 2
+            entries = self._entries_from(key, self._looked.get(key), probe)
+            async with aclosing(entries):
                 async for entry_id, instance_id in entries:
                     if instance_id in missing and as_text(entry_id) not in stuck:
                         missing.discard(instance_id)
-                        last = as_text(entry_id)
+                        if furthest is None or _later(as_text(entry_id), furthest):
+                            furthest = as_text(entry_id)
                         if not missing:
                             break
-            if last is not None:
-                self._looked[key] = last
+            if furthest is not None:
+                self._looked[key] = furthest
             found |= wanted - missing
         return found
 
     async def _entries_from(
-        self, key: str, start: str | None
+        self, key: str, start: str | None, pages: int
     ) -> AsyncGenerator[tuple[Any, uuid.UUID], None]:
-        """As :meth:`_entries`, from the entry ``start`` (or the first after it) to the end,
-        then from the first entry up to ``start``, then what was appended meanwhile: every
-        entry of the stream. A worker's put-back appends its copy before it deletes the
-        original, so an entry moved while this reads is met once or twice, never missed
-        (from the first entry on, as without ``start``, it is met further on)."""
-        last: str | None = None  # the last entry read from ``start`` on
-        async with aclosing(self._entries(key, "-" if start is None else start)) as tail:
-            async for entry_id, instance_id in tail:
+        """As :meth:`_entries`: from the entry ``start`` (or the first after it) at most
+        ``pages`` pages, then from the first entry up to ``start``, then on from the first
+        part to the end: every entry of the stream. A worker's put-back appends its copy before
+        it deletes the original, and every part reads forward, so an entry moved while this
+        reads is met once or twice, never missed (the copy lies past everything read before
+        the move, and the last part reads to the end)."""
+        if start is None:
+            async with aclosing(self._entries(key)) as every:
+                async for entry in every:
+                    yield entry
+            return
+        last: str | None = None  # the last entry the first part read
+        async with aclosing(self._entries(key, start, pages=pages)) as near:
+            async for entry_id, instance_id in near:
                 last = as_text(entry_id)
                 yield entry_id, instance_id
-        if start is None:
-            return
         async with aclosing(self._entries(key, "-", "(" + start)) as head:
             async for entry in head:
                 yield entry
-        async with aclosing(self._entries(key, start if last is None else "(" + last)) as new:
-            async for entry in new:
+        async with aclosing(self._entries(key, start if last is None else "(" + last)) as rest:
+            async for entry in rest:
                 yield entry
 
     async def _entries(
-        self, key: str, start: str = "-", end: str = "+"
+        self, key: str, start: str = "-", end: str = "+", *, pages: int | None = None
     ) -> AsyncGenerator[tuple[Any, uuid.UUID], None]:
         """(entry id, instance id) of every decodable entry of the stream ``key`` from
-        ``start`` to ``end`` (XRANGE bounds), oldest first, read a page at a time (an
-        undecodable one is the reader's to dead-letter)."""
-        while True:
+        ``start`` to ``end`` (XRANGE bounds), oldest first, read a page at a time (at most
+        ``pages`` pages; an undecodable entry is the reader's to dead-letter)."""
+        read = 0
+        while pages is None or read < pages:
             async with translated("xrange"):
                 page: Any = await self.client.xrange(key, min=start, max=end, count=XRANGE_PAGE)
+            read += 1
             for entry_id, fields in page or []:
                 try:
                     yield entry_id, Envelope.decode(fields.get(b"d", b"")).instance_id
@@ -348,3 +358,10 @@ class RedisBus:
                     )
         finally:
             await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+
+def _later(entry_id: str, than: str) -> bool:
+    """Whether stream entry ``entry_id`` comes after ``than`` (ids are ``<ms>-<seq>``)."""
+    ms, _, seq = entry_id.partition("-")
+    other_ms, _, other_seq = than.partition("-")
+    return (int(ms), int(seq or 0)) > (int(other_ms), int(other_seq or 0))
