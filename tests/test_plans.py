@@ -26,7 +26,7 @@ from jobplane.store.driver import DriverStatement
 from jobplane.store.factory import open_store
 from jobplane.store.postgres_sql import CLAIM, COMPLETE, RENEW, UNPUBLISHED
 from jobplane.store.sql import SqlStore
-from jobplane.store.sweeps import enqueued_page, orphaned_pins
+from jobplane.store.sweeps import FIRST_PUBLISHED, enqueued_page, orphaned_pins
 from jobplane.store.tables import job_instances
 from tests.store_helpers import define
 
@@ -186,17 +186,29 @@ async def test_the_republish_sweep_reads_the_stale_rows_of_each_job_in_index_ord
     pg_store: SqlStore,
 ) -> None:
     # Every second the leader asks for the Enqueued instances whose message may be lost: read
-    # per job from ix_job_instances_unpublished, in its order, up to the limit, never the
-    # whole backlog.
+    # per job from ix_job_instances_unpublished, in its order, from where the last page ended,
+    # up to the limit, never the whole backlog.
     await _finished_history(pg_store)
     ids = await _backlog(pg_store, 3000)
     await pg_store.mark_published(ids)
-    params = {"older": 30.0, "grace": 0.5, "limit": 1000}
-    plan = await _explain_statement(pg_store, UNPUBLISHED, params)
-    scans = _scans(plan)
-    assert {n.get("Index Name") for n in scans} == {"ix_job_instances_unpublished"}, scans
-    # One sort: the merge of the jobs' rows; each job's are read in the index's order.
-    assert len([n for n in _nodes(plan) if n["Node Type"] == "Sort"]) == 1, plan
+    middle = await pg_store.get_instance(ids[1500])
+    assert middle.published_at is not None
+    for after_at, after_id in (FIRST_PUBLISHED, (middle.published_at, middle.id)):
+        # The first page, and one that starts in the middle: from there in the index.
+        params = {
+            "older": 30.0,
+            "grace": 0.5,
+            "limit": 1000,
+            "after_at": after_at,
+            "after_id": after_id,
+        }
+        plan = await _explain_statement(pg_store, UNPUBLISHED, params)
+        scans = _scans(plan)
+        assert {n.get("Index Name") for n in scans} == {"ix_job_instances_unpublished"}, scans
+        # The page starts in the index (published_at, id), not by filtering what precedes it.
+        assert any("ROW(published_at, id) >" in n.get("Index Cond", "") for n in scans), scans
+        # One sort: the merge of the jobs' rows; each job's are read in the index's order.
+        assert len([n for n in _nodes(plan) if n["Node Type"] == "Sort"]) == 1, plan
 
 
 async def test_the_orphaned_pins_sweep_reads_only_the_pinned_enqueued(pg_store: SqlStore) -> None:

@@ -8,11 +8,15 @@ from __future__ import annotations
 import itertools
 import time
 from datetime import UTC, datetime, timedelta
+from typing import Any
+from uuid import UUID
 
 import pytest
+from sqlalchemy import select
 
 from jobplane.bus.abc import Bus
 from jobplane.bus.envelope import Envelope
+from jobplane.bus.redis import RedisBus
 from jobplane.definitions import announce
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import (
@@ -24,6 +28,7 @@ from jobplane.domain.models import (
 )
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.sql import SqlStore
+from jobplane.store.tables import job_instances
 from jobplane_scheduler.duties import LEASE_WAKE_WINDOW, _lease_wakes
 from tests.scheduler_helpers import DrivenClock, advance_until, applied, running_scheduler
 from tests.store_helpers import define
@@ -392,3 +397,39 @@ async def test_a_gone_workers_stream_keeps_no_entry_of_what_was_given_away(
     assert (await store.get_instance(made.id)).pinned_worker is None
     [delivery] = await bus.consumer("w1", ["default"]).read(10, 50)
     assert delivery.envelope.instance_id == made.id and delivery.envelope.pinned_worker is None
+
+
+async def test_the_republish_sweep_walks_a_backlog_and_finds_a_message_lost_deep_in_it(
+    store: SqlStore, redis_bus: Bus
+) -> None:
+    """2,500 instances wait, published long enough ago to be looked for, and the message of
+    one deep in the stream is lost. The sweep walks the backlog a page (1,000) at a time,
+    publishes that one again within a round, and rewrites nothing it found in place: the
+    others' publication times do not move, and the stream grows by that one copy only."""
+    assert isinstance(redis_bus, RedisBus)
+    await define(store, "job", max_concurrency=10_000)
+    async with Dispatcher(store, redis_bus) as dispatcher:
+        made = await dispatcher.trigger_many([NewInstance(job_key="job") for _ in range(2500)])
+    lost = made[2200].id
+    envelope = Envelope(lost, "job", made[2200].priority)
+    key = redis_bus.keys.stream_of("default", envelope)
+    entries: Any = await redis_bus.client.xrange(key, count=3000)
+    [entry] = [e for e, fields in entries if str(lost) in fields[b"d"].decode()]
+    assert await redis_bus.client.xdel(key, entry) == 1
+    before = await _published_times(store)
+
+    async def republished() -> bool:
+        return (await _published_times(store))[lost] != before[lost]
+
+    async with running_scheduler(store, redis_bus, republish_after_s=0.5):
+        await wait_for(republished, timeout_s=15, what="the lost message published again")
+        after = await _published_times(store)
+    assert {i for i in before if after[i] != before[i]} == {lost}
+    assert await redis_bus.queued([("default", envelope)]) == {lost}
+    assert sum((await redis_bus.stream_lengths("default")).values()) == 2500
+
+
+async def _published_times(store: SqlStore) -> dict[UUID, datetime | None]:
+    async with store.engine.connect() as conn:
+        found = await conn.execute(select(job_instances.c.id, job_instances.c.published_at))
+        return {row.id: row.published_at for row in found}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
+from uuid import UUID
 
 import pytest
 
@@ -176,6 +177,37 @@ async def test_the_sweep_takes_the_never_published_then_the_oldest_publication(
     order = [never[0].id, first.id, *sorted(i.id for i in second)]
     assert [i.id for i in await store.unpublished(0.1)] == order
     assert [i.id for i in await store.unpublished(0.1, limit=2)] == order[:2]
+
+
+async def test_the_sweep_pages_through_the_published_after_the_last_one_it_saw(
+    store: SqlStore,
+) -> None:
+    """A page of published instances starts after ``after`` (publication time, id): through
+    ties of one publication time (a batch is marked at once) in id order, across jobs. The
+    never published come first on every page: they are not part of the walk."""
+    await define(store, "a")
+    await define(store, "b")
+    [first] = await enqueue(store, "b")
+    await store.mark_published([first.id])
+    await asyncio.sleep(0.05)
+    batch = [*await enqueue(store, "a", n=3), *await enqueue(store, "b", n=2)]
+    await store.mark_published([i.id for i in batch])  # five ties
+    never = await enqueue(store, "a")
+    await asyncio.sleep(NEVER_PUBLISHED_GRACE_S + 0.1)
+    walk = [first.id, *sorted(i.id for i in batch)]
+    seen: list[UUID] = []
+    after = None
+    for _ in range(4):
+        page = await store.unpublished(0.1, limit=3, after=after)
+        assert page[0].id == never[0].id
+        published = [i for i in page if i.published_at is not None]
+        seen += [i.id for i in published]
+        if len(page) < 3:
+            break
+        last = published[-1]
+        assert last.published_at is not None
+        after = (last.published_at, last.id)
+    assert seen == walk
 
 
 async def test_every_enqueued_instance_is_paged_once_in_id_order(store: SqlStore) -> None:

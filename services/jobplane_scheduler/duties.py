@@ -27,7 +27,7 @@ from jobplane.errors import (
     first_line,
 )
 from jobplane.events import Outage, listen
-from jobplane.store.abc import LeaderStore
+from jobplane.store.abc import LeaderStore, PublishedKey
 from jobplane.store.creation import ENQUEUED_CHANNEL
 from jobplane.tasks import run_together
 from jobplane.triggering import envelope_for
@@ -47,6 +47,8 @@ ENQUEUED_RELISTEN_S = 1.0
 #: each), and after the end (the release takes leases that ended strictly before the
 #: database's time).
 LEASE_WAKE_WINDOW = timedelta(milliseconds=50)
+#: Instances the republish sweep looks for at each sweep, at most.
+UNPUBLISHED_PAGE = 1000
 
 
 class LeaderDuties(CronFiring):
@@ -86,6 +88,8 @@ class LeaderDuties(CronFiring):
         self._prepared_at = None
         #: Expired leases are released from this (monotonic) time on (see ``reap_grace_s``).
         self._reap_from = 0.0
+        #: Where the republish sweep's next page of published instances starts (see _stale).
+        self._stale_after: PublishedKey | None = None
 
     async def run(self) -> None:
         deposed = False
@@ -236,8 +240,7 @@ class LeaderDuties(CronFiring):
             # Its marker is written only after the republish: a refused one is tried again.
             await self._check_bus_epoch()
         with self._refused("republish"):
-            stale = await self.store.unpublished(self.settings.republish_after_s)
-            await self._republish(await self._lost(stale))
+            await self._republish(await self._lost(await self._stale()))
         with self._refused("unknown jobs"):
             terminated = await self.store.terminate_unknown_jobs(
                 self.lease, self.settings.unknown_job_timeout_s
@@ -275,11 +278,29 @@ class LeaderDuties(CronFiring):
         self.metrics.count(SweepStep.PROMOTED, promoted)
         await self._publish(promoted)
 
+    async def _stale(self) -> list[Instance]:
+        """The next page of Enqueued instances whose message may be lost: those never
+        published, then published ones by (publication time, id), on from where the last page
+        ended, so that a sweep after another walks a backlog from its oldest publication to
+        its newest and starts again (each waiting instance is looked for once a round, about
+        every ``backlog / UNPUBLISHED_PAGE`` sweeps, and never written to when its message is
+        still there). Marking those found published again, as this sweep did, rewrote 1,000
+        rows a second while a backlog waited, and spread the next ones asked for across the
+        stream, each look reading it from the start up to the last of them."""
+        stale = await self.store.unpublished(
+            self.settings.republish_after_s, UNPUBLISHED_PAGE, after=self._stale_after
+        )
+        published = [(i.published_at, i.id) for i in stale if i.published_at is not None]
+        if len(stale) < UNPUBLISHED_PAGE:
+            self._stale_after = None  # the round is done: the next page starts again
+        elif published:
+            self._stale_after = max(published)
+        return stale
+
     async def _lost(self, stale: list[Instance]) -> list[Instance]:
         """Those of ``stale`` (unclaimed long after publication) whose message is really gone.
         One still in its stream (unread, or delivered less than ``republish_after_s`` ago and
-        not yet acknowledged) is not published again — a backlog must not grow the stream —
-        but marked published now, so it is looked for again only after ``republish_after_s``.
+        not yet acknowledged) is not published again: a backlog must not grow the stream.
         An entry delivered longer ago and still unacknowledged counts as lost (its consumer
         may be gone): the copy goes out now rather than at the next reclaim."""
         if not stale:
@@ -291,8 +312,6 @@ class LeaderDuties(CronFiring):
             )
         except UnavailableError:
             return stale  # the publish fails too, and the next sweep looks again
-        if present:
-            await self.store.mark_published(present, fence=self.lease)
         return [i for i in stale if i.id not in present]
 
     async def _check_bus_epoch(self) -> None:

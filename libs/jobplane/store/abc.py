@@ -39,6 +39,9 @@ from jobplane.domain.models import (
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState
 
+#: A published Enqueued instance's place in the republish sweep's order: (publication time, id).
+PublishedKey = tuple[datetime, UUID]
+
 
 class StoreConnection(Protocol):
     """The connection every role holds."""
@@ -342,8 +345,12 @@ class LeaderStore(DispatchStore, Protocol):
     async def leases_ending_within(self, seconds: float) -> list[datetime]:
         """The distinct ends of running attempts' leases within ``seconds``, earliest first."""
 
-    async def unpublished(self, older_than_s: float, limit: int = 1000) -> list[Instance]:
-        """Enqueued, unclaimed instances whose message may be lost."""
+    async def unpublished(
+        self, older_than_s: float, limit: int = 1000, *, after: PublishedKey | None = None
+    ) -> list[Instance]:
+        """Enqueued, unclaimed instances whose message may be lost: never published, then
+        published longer than ``older_than_s`` ago, in (publication time, id) order; of
+        those, only the ones after ``after`` (the last one of the previous page)."""
 
     async def unpublished_among(self, ids: Collection[UUID]) -> list[Instance]:
         """Those of ``ids`` still Enqueued and never published (announced by a notification

@@ -37,6 +37,7 @@ from jobplane.errors import (
 )
 from jobplane.idempotency import fingerprint_of
 from jobplane.store import rows
+from jobplane.store.abc import PublishedKey
 from jobplane.store.base import reachable, retry_conflicts
 from jobplane.store.driver import DriverStatement
 from jobplane.store.lifecycle import log_fenced
@@ -53,7 +54,7 @@ from jobplane.store.postgres_sql import (
 )
 from jobplane.store.postgres_stats import PostgresStatsStore
 from jobplane.store.sql import SqlStore
-from jobplane.store.sweeps import never_published_grace
+from jobplane.store.sweeps import FIRST_PUBLISHED, never_published_grace
 
 logger = logging.getLogger(__name__)
 
@@ -159,12 +160,17 @@ class PostgresStore(PostgresStatsStore, SqlStore):
                 driver.remove_termination_listener(lost)
                 await _stop_listening(conn, driver, channel, received)
 
-    async def unpublished(self, older_than_s: float, limit: int = 1000) -> list[Instance]:
+    async def unpublished(
+        self, older_than_s: float, limit: int = 1000, *, after: PublishedKey | None = None
+    ) -> list[Instance]:
         # The generic statement's conditions, read job by job (``UNPUBLISHED``).
+        after_at, after_id = after or FIRST_PUBLISHED
         params = {
             "older": float(older_than_s),
             "grace": float(never_published_grace(older_than_s)),
             "limit": limit,
+            "after_at": after_at,
+            "after_id": after_id,
         }
         async with self._read() as conn:
             result = await conn.execute(UNPUBLISHED, params)

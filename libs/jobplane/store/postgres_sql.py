@@ -382,10 +382,12 @@ FROM (SELECT 1) AS one LEFT JOIN ins ON true
 # The leader's republish sweep, every second: Enqueued instances whose message may be lost
 # (published longer than ``:older`` seconds ago and still unclaimed, or never published
 # ``:grace`` seconds after their creation) of jobs with a free slot (a full job's parked
-# instances wait for a release), oldest publication first. Read job by job from
-# ix_job_instances_unpublished (job key, publication time), in its order and up to the limit,
-# so a sweep reads about the rows it returns: over all Enqueued rows at once, ordered by
-# priority, it read the whole backlog every second, however little of it was stale.
+# instances wait for a release), by (publication time, id) after ``(:after_at, :after_id)``:
+# the sweep walks a backlog a page at a time. Read job by job from
+# ix_job_instances_unpublished (job key, publication time, id), from the page's start in its
+# order and up to the limit, so a sweep reads about the rows it returns: over all Enqueued rows
+# at once, ordered by priority, it read the whole backlog every second, however little of it
+# was stale. (The first page starts at the earliest time and the nil id.)
 UNPUBLISHED_SQL = f"""
 SELECT {_cols("i")}
 FROM job_definitions d
@@ -399,7 +401,8 @@ CROSS JOIN LATERAL (
     (SELECT * FROM job_instances
      WHERE job_key = d.key AND state = 'enqueued'
        AND published_at < now() - make_interval(secs => :older)
-     ORDER BY published_at
+       AND (published_at, id) > (CAST(:after_at AS timestamptz), CAST(:after_id AS uuid))
+     ORDER BY published_at, id
      LIMIT :limit)
 ) i
 ORDER BY i.published_at NULLS FIRST, i.id

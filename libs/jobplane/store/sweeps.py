@@ -10,11 +10,11 @@ SIGSTOP) finds no live row and writes nothing.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import UUID
 
-from sqlalchemy import Select, and_, delete, func, literal, or_, select, tuple_, update
+from sqlalchemy import Select, and_, delete, func, literal, or_, select, true, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobplane.domain.models import Instance, InstanceSource, LeaderLease, NewInstance
@@ -23,6 +23,7 @@ from jobplane.domain.reasons import EndReason
 from jobplane.domain.states import InstanceState
 from jobplane.errors import DefinitionsChangedError, NotLeaderError, StoreRefusedError
 from jobplane.store import rows
+from jobplane.store.abc import PublishedKey
 from jobplane.store.base import SqlBase, logger, retry_conflicts, unindexed_state
 from jobplane.store.lifecycle import release_runaway_rows
 from jobplane.store.moves import move_instances, unpin
@@ -44,6 +45,12 @@ def never_published_grace(older_than_s: float) -> float:
     lost (a publisher normally records its publication within milliseconds): the grace, or
     the sweep's own ``older_than_s`` if that is shorter."""
     return min(older_than_s, NEVER_PUBLISHED_GRACE_S)
+
+
+#: The republish sweep's order of published instances (a page starts after a PublishedKey).
+PUBLISHED_ORDER = (job_instances.c.published_at, job_instances.c.id)
+#: Before every published instance in that order: where the first page starts.
+FIRST_PUBLISHED: PublishedKey = (datetime(1, 1, 1, tzinfo=UTC), UUID(int=0))
 
 
 class SweepStore(SqlBase):
@@ -311,17 +318,21 @@ class SweepStore(SqlBase):
                 {},
             )
 
-    async def unpublished(self, older_than_s: float, limit: int = 1000) -> list[Instance]:
+    async def unpublished(
+        self, older_than_s: float, limit: int = 1000, *, after: PublishedKey | None = None
+    ) -> list[Instance]:
         """Enqueued instances whose message may be gone: never published (half a second after
         creation), or published longer ago than ``older_than_s`` and still unclaimed.
         Instances parked by ``on_limit=wait`` (unpublished on purpose) are included only while
         their job has a free slot, so a full job is not republished on every sweep. Never
-        published first, then the oldest publication. (Postgres reads them job by job:
-        ``UNPUBLISHED`` in :mod:`jobplane.store.postgres_sql`.)"""
+        published first, then by (publication time, id), after ``after`` if given: the sweep
+        walks a backlog page by page without rewriting what it finds in place. (Postgres
+        reads them job by job: ``UNPUBLISHED`` in :mod:`jobplane.store.postgres_sql`.)"""
         async with self._read() as conn:
             now = await self._now(conn)
             cutoff = now - timedelta(seconds=older_than_s)
             fresh = now - timedelta(seconds=never_published_grace(older_than_s))
+            past = true() if after is None else tuple_(*PUBLISHED_ORDER) > tuple_(*after)
             result = await conn.execute(
                 select(job_instances)
                 .join(job_slots, job_slots.c.job_key == job_instances.c.job_key)
@@ -335,7 +346,7 @@ class SweepStore(SqlBase):
                             job_instances.c.published_at.is_(None),
                             job_instances.c.created_at < fresh,
                         ),
-                        job_instances.c.published_at < cutoff,
+                        and_(job_instances.c.published_at < cutoff, past),
                     ),
                     job_slots.c.used < job_definitions.c.max_concurrency,
                 )

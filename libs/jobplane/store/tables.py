@@ -223,6 +223,7 @@ job_instances = Table(
         "ix_job_instances_unpublished",
         "job_key",
         "published_at",
+        "id",  # (ties: a batch is published at one time; the sweep pages by both)
         postgresql_where=text("state = 'enqueued'"),
         sqlite_where=text("state = 'enqueued'"),
     ),

@@ -1,0 +1,47 @@
+"""the unpublished index orders by id after the publication time
+
+Revision ID: 0022
+Revises: 0021
+Create Date: 2026-11-27
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0022"
+down_revision = "0021"
+branch_labels = None
+depends_on = None
+
+NAME = "ix_job_instances_unpublished"
+WHERE = sa.text("state = 'enqueued'")
+
+
+def upgrade() -> None:
+    # The leader's republish sweep walks the Enqueued instances a page at a time in
+    # (publication time, id) order, from where the last page ended. A batch is published at
+    # one time, so the id decides among thousands of ties; in the index, each page starts where
+    # it should and needs no sort (without it, every page sorted a job's whole backlog). The
+    # previous release's query reads the first two columns as before. (The build reads the
+    # instance table once; writes to it wait meanwhile: docs/deploy.md.)
+    op.drop_index(NAME, table_name="job_instances", postgresql_where=WHERE, sqlite_where=WHERE)
+    op.create_index(
+        NAME,
+        "job_instances",
+        ["job_key", "published_at", "id"],
+        postgresql_where=WHERE,
+        sqlite_where=WHERE,
+    )
+
+
+def downgrade() -> None:
+    op.drop_index(NAME, table_name="job_instances", postgresql_where=WHERE, sqlite_where=WHERE)
+    op.create_index(
+        NAME,
+        "job_instances",
+        ["job_key", "published_at"],
+        postgresql_where=WHERE,
+        sqlite_where=WHERE,
+    )
