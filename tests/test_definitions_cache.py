@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator
+from datetime import timedelta
 
 import pytest
 from sqlalchemy import delete
@@ -12,12 +13,13 @@ from sqlalchemy.exc import IntegrityError
 from jobplane.bus.abc import Bus
 from jobplane.bus.envelope import Event, EventKind
 from jobplane.definitions import DefinitionCache, announce
-from jobplane.domain.models import InstanceFilter
-from jobplane.errors import JobNotFoundError
+from jobplane.domain.models import InstanceFilter, InstanceSource, NewInstance
+from jobplane.errors import JobNotFoundError, StoreRefusedError
 from jobplane.store.sql import SqlStore
 from jobplane.store.tables import job_definitions, job_instances
 from tests.scheduler_helpers import DrivenClock, advance_until, running_scheduler
 from tests.store_helpers import define
+from tests.worker_helpers import wait_for
 
 
 async def _edit(store: SqlStore, key: str, **changes: object) -> int:
@@ -159,6 +161,33 @@ async def test_a_definition_deleted_behind_the_leader_s_back_is_dropped_not_fata
         kept = await _fired_count(store, "kept")
         await advance_until(clock, lambda: _fired_count(store, "kept"), kept + 3, what="kept")
         assert await _fired_count(store, "gone") == 0
+
+
+async def test_a_job_gone_while_a_refused_batch_is_fired_job_by_job_is_skipped(
+    store: SqlStore, bus: Bus, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The database refused a tick's batch (a poison job) and the leader fires it job by job,
+    without the version fence: a job whose definition is gone by then is skipped with a
+    line, and the others fire. (Its error does not end the leader's duties.)"""
+    await define(store, "kept", cron="0 0 1 1 *")
+    async with running_scheduler(store, bus, sweep_interval_s=60) as scheduler:
+
+        async def leading() -> bool:
+            return scheduler._leader is not None
+
+        await wait_for(leading, timeout_s=10, what="leadership")
+        duties = scheduler._leader
+        assert duties is not None
+        tick = (await store.now()).replace(microsecond=0) + timedelta(days=1)
+        records = [
+            NewInstance(job_key=key, source=InstanceSource.CRON, scheduled_at=tick)
+            for key in ("kept", "gone")
+        ]
+        refused = StoreRefusedError("the batch was refused", "23514")
+        fired = await duties._fire_each_job(records, refused, marks=True)
+    assert [i.job_key for i in fired] == ["kept"]
+    gone = [r for r in caplog.records if getattr(r, "action", "") == "scheduler.job_gone"]
+    assert [getattr(r, "job_key", None) for r in gone] == ["gone"]
 
 
 async def _delete_job(store: SqlStore, key: str) -> None:

@@ -215,8 +215,8 @@ class CronFiring:
     ) -> list[Instance]:
         """The database refused a batch of ticks (a poison job: data or a constraint it
         rejects; outages and conflicts are other errors). Fire each job's ticks on
-        their own: a job still refused is logged with its key and its ticks skipped, and every
-        other job fires."""
+        their own: a job still refused is logged with its key and its ticks skipped (as are those
+        of a job deleted meanwhile), and every other job fires."""
         by_job: dict[str, list[Any]] = {}
         for record in records:
             by_job.setdefault(record.job_key, []).append(record)
@@ -233,6 +233,15 @@ class CronFiring:
                     key,
                     first_line(refused),
                     extra={"action": "scheduler.fire_refused", "job_key": key},
+                )
+            except JobNotFoundError:
+                # Its definition row was deleted in SQL since the batch was planned: its ticks
+                # go, and the next fire that names it drops its timers (_fire_as_planned).
+                logger.warning(
+                    "job %s no longer exists; %d tick(s) skipped",
+                    key,
+                    len(ticks),
+                    extra={"action": "scheduler.job_gone", "job_key": key},
                 )
         return fired
 
