@@ -145,12 +145,10 @@ class RedisBus:
             furthest: str | None = None
             # Read until every wanted one is found: a few pages on from the furthest entry the
             # last look at this stream found, then from the start up to there, then on to the
-            # end: the whole stream at most, once (one really lost). The leader asks, sweep
-            # after sweep, for the instances unclaimed longest since their publication, and
-            # marks those it finds published again: the next ones asked for lie just past the
-            # furthest found, or back at the start once those marked first are old again.
-            # From the start each time, a look read further in at every sweep: in a backlog
-            # older than ``republish_after_s``, half the stream a sweep on average.
+            # end: the whole stream at most, once (one really lost). The leader's sweep walks
+            # the unclaimed instances a page at a time in publication order: the next ones
+            # asked for lie just past the furthest found, or back at the start when its walk
+            # starts again. From the start each time, a look read the whole walk so far.
             probe = len(wanted) // XRANGE_PAGE + 2
             entries = self._entries_from(key, self._looked.get(key), probe)
             async with aclosing(entries):
