@@ -12,7 +12,7 @@ from typing import Any
 from uuid import UUID
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from jobplane.bus.abc import Bus
 from jobplane.bus.envelope import Envelope
@@ -29,8 +29,15 @@ from jobplane.domain.models import (
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.sql import SqlStore
 from jobplane.store.tables import job_instances
-from jobplane_scheduler.duties import LEASE_WAKE_WINDOW, _lease_wakes
-from tests.scheduler_helpers import DrivenClock, advance_until, applied, running_scheduler
+from jobplane_scheduler.duties import LEASE_WAKE_WINDOW, LeaderDuties, _lease_wakes
+from jobplane_scheduler.settings import SchedulerSettings
+from tests.scheduler_helpers import (
+    FAST,
+    DrivenClock,
+    advance_until,
+    applied,
+    running_scheduler,
+)
 from tests.store_helpers import define
 from tests.worker_helpers import wait_for
 
@@ -433,3 +440,38 @@ async def _published_times(store: SqlStore) -> dict[UUID, datetime | None]:
     async with store.engine.connect() as conn:
         found = await conn.execute(select(job_instances.c.id, job_instances.c.published_at))
         return {row.id: row.published_at for row in found}
+
+
+async def test_the_republish_walk_waits_at_the_newest_until_its_round_is_due(
+    store: SqlStore, bus: Bus
+) -> None:
+    """Once the walk has looked at every stale instance it waits at the newest: the next
+    sweeps take only the instances newly stale, at once, until ``republish_after_s`` has
+    passed since the walk began; then it begins again from the oldest. (A small backlog that
+    waits is looked for once per ``republish_after_s``, not at every sweep.)"""
+    await define(store, "job", max_concurrency=1000)
+
+    async def published_ago(count: int, minutes: int) -> list[UUID]:
+        made = await store.create_instances([NewInstance(job_key="job") for _ in range(count)])
+        ids = [i.id for i in made]
+        at = await store.now() - timedelta(minutes=minutes)
+        async with store.engine.begin() as conn:
+            await conn.execute(
+                update(job_instances).where(job_instances.c.id.in_(ids)).values(published_at=at)
+            )
+        return sorted(ids)
+
+    old = await published_ago(3, 60)
+    lease = await store.acquire_leadership(0, "s-walk", 30)
+    assert lease is not None
+    values: dict[str, Any] = {**FAST, "scheduler_id": "s-walk", "republish_after_s": 60.0}
+    settings = SchedulerSettings(**values)
+    duties = LeaderDuties(store, bus, settings, lease)
+    assert [i.id for i in await duties._stale()] == old
+    assert await duties._stale() == []  # at the newest: waits
+    newer = await published_ago(1, 30)
+    assert [i.id for i in await duties._stale()] == newer  # newly stale: at once
+    assert await duties._stale() == []
+    duties._walk_began -= 61  # its round is due: the next page begins from the oldest
+    assert await duties._stale() == []
+    assert [i.id for i in await duties._stale()] == [*old, *newer]

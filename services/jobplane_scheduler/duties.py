@@ -88,8 +88,10 @@ class LeaderDuties(CronFiring):
         self._prepared_at = None
         #: Expired leases are released from this (monotonic) time on (see ``reap_grace_s``).
         self._reap_from = 0.0
-        #: Where the republish sweep's next page of published instances starts (see _stale).
+        #: Where the republish sweep's next page of published instances starts, and when
+        #: (monotonic) its walk last started from the oldest (see _stale).
         self._stale_after: PublishedKey | None = None
+        self._walk_began = time.monotonic()
 
     async def run(self) -> None:
         deposed = False
@@ -281,20 +283,24 @@ class LeaderDuties(CronFiring):
     async def _stale(self) -> list[Instance]:
         """The next page of Enqueued instances whose message may be lost: those never
         published, then published ones by (publication time, id), on from where the last page
-        ended, so that a sweep after another walks a backlog from its oldest publication to
-        its newest and starts again (each waiting instance is looked for once a round, about
-        every ``backlog / UNPUBLISHED_PAGE`` sweeps, and never written to when its message is
-        still there). Marking those found published again, as this sweep did, rewrote 1,000
-        rows a second while a backlog waited, and spread the next ones asked for across the
-        stream, each look reading it from the start up to the last of them."""
+        ended. Once the walk has reached the newest stale instance it waits there, taking
+        each one that becomes stale as it does, until ``republish_after_s`` has passed since
+        it began; then it begins again from the oldest. So every waiting instance is looked
+        for about once per ``republish_after_s`` (or per ``backlog / UNPUBLISHED_PAGE``
+        sweeps, if longer), one newly stale at once, and nothing found is written. Marking
+        those found published again, as this sweep did, rewrote 1,000 rows a second while a
+        backlog waited, and spread the next ones asked for across the stream, each look
+        reading it from the start up to the last of them."""
         stale = await self.store.unpublished(
             self.settings.republish_after_s, UNPUBLISHED_PAGE, after=self._stale_after
         )
         published = [(i.published_at, i.id) for i in stale if i.published_at is not None]
-        if len(stale) < UNPUBLISHED_PAGE:
-            self._stale_after = None  # the round is done: the next page starts again
-        elif published:
+        if published:
             self._stale_after = max(published)
+        at_newest = len(stale) < UNPUBLISHED_PAGE
+        if at_newest and time.monotonic() - self._walk_began >= self.settings.republish_after_s:
+            self._stale_after = None  # the next sweep begins again from the oldest
+            self._walk_began = time.monotonic()
         return stale
 
     async def _lost(self, stale: list[Instance]) -> list[Instance]:
