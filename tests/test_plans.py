@@ -25,8 +25,9 @@ from jobplane.store.base import unindexed_state
 from jobplane.store.driver import DriverStatement
 from jobplane.store.factory import open_store
 from jobplane.store.postgres_sql import CLAIM, COMPLETE, RENEW, UNPUBLISHED
+from jobplane.store.publication import FIRST_PUBLISHED, enqueued_page
 from jobplane.store.sql import SqlStore
-from jobplane.store.sweeps import FIRST_PUBLISHED, enqueued_page, orphaned_pins
+from jobplane.store.sweeps import orphaned_pins
 from jobplane.store.tables import job_instances
 from tests.store_helpers import define
 

@@ -30,8 +30,8 @@ from jobplane.errors import (
     StaleDefinitionError,
 )
 from jobplane.ids import new_id
+from jobplane.store.publication import NEVER_PUBLISHED_GRACE_S
 from jobplane.store.sql import SqlStore
-from jobplane.store.sweeps import NEVER_PUBLISHED_GRACE_S
 from jobplane.store.tables import job_instances
 from tests.store_helpers import define, enqueue, slots_used
 

@@ -18,8 +18,8 @@ from jobplane.domain.models import (
 from jobplane.domain.states import InstanceState as S
 from jobplane.errors import DefinitionsChangedError, JobNotFoundError
 from jobplane.store.base import NotLeaderError
+from jobplane.store.publication import NEVER_PUBLISHED_GRACE_S
 from jobplane.store.sql import SqlStore
-from jobplane.store.sweeps import NEVER_PUBLISHED_GRACE_S
 from tests.store_helpers import define, enqueue
 
 

@@ -53,8 +53,8 @@ from jobplane.store.postgres_sql import (
     UNPUBLISHED,
 )
 from jobplane.store.postgres_stats import PostgresStatsStore
+from jobplane.store.publication import FIRST_PUBLISHED, never_published_grace
 from jobplane.store.sql import SqlStore
-from jobplane.store.sweeps import FIRST_PUBLISHED, never_published_grace
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
 """The leader's duties in the store: fire cron ticks, promote due instances, release expired
-leases, find what to republish, mark dead workers, apply retention.
+leases, mark dead workers, apply retention (what to republish is read in
+:mod:`jobplane.store.publication`).
 
 Every write made as leader runs in a transaction that first takes a share lock on the live
 lease row of its term (:meth:`SweepStore._fence`). A takeover must update that row, so it waits
@@ -10,11 +11,11 @@ SIGSTOP) finds no live row and writes nothing.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
-from sqlalchemy import Select, and_, delete, func, literal, or_, select, true, tuple_, update
+from sqlalchemy import Select, and_, delete, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobplane.domain.models import Instance, InstanceSource, LeaderLease, NewInstance
@@ -22,38 +23,21 @@ from jobplane.domain.options import JobOptions, PinFallback
 from jobplane.domain.reasons import EndReason
 from jobplane.domain.states import InstanceState
 from jobplane.errors import DefinitionsChangedError, NotLeaderError, StoreRefusedError
-from jobplane.store import rows
-from jobplane.store.abc import PublishedKey
-from jobplane.store.base import SqlBase, logger, retry_conflicts, unindexed_state
+from jobplane.store.base import logger, retry_conflicts
 from jobplane.store.lifecycle import release_runaway_rows
 from jobplane.store.moves import move_instances, unpin
+from jobplane.store.publication import PublicationStore
 from jobplane.store.tables import (
     instance_counts,
     instance_transitions,
     job_definitions,
     job_instances,
-    job_slots,
     runaway_slots,
     workers,
 )
 
-NEVER_PUBLISHED_GRACE_S = 0.5
 
-
-def never_published_grace(older_than_s: float) -> float:
-    """How long after its creation the republish sweep takes an instance never published as
-    lost (a publisher normally records its publication within milliseconds): the grace, or
-    the sweep's own ``older_than_s`` if that is shorter."""
-    return min(older_than_s, NEVER_PUBLISHED_GRACE_S)
-
-
-#: The republish sweep's order of published instances (a page starts after a PublishedKey).
-PUBLISHED_ORDER = (job_instances.c.published_at, job_instances.c.id)
-#: Before every published instance in that order: where the first page starts.
-FIRST_PUBLISHED: PublishedKey = (datetime(1, 1, 1, tzinfo=UTC), UUID(int=0))
-
-
-class SweepStore(SqlBase):
+class SweepStore(PublicationStore):
     """Leader-only operations. Each takes the leader's ``lease`` (its fencing token)."""
 
     async def fire(
@@ -318,64 +302,6 @@ class SweepStore(SqlBase):
                 {},
             )
 
-    async def unpublished(
-        self, older_than_s: float, limit: int = 1000, *, after: PublishedKey | None = None
-    ) -> list[Instance]:
-        """Enqueued instances whose message may be gone: never published (half a second after
-        creation), or published longer ago than ``older_than_s`` and still unclaimed.
-        Instances parked by ``on_limit=wait`` (unpublished on purpose) are included only while
-        their job has a free slot, so a full job is not republished on every sweep. Never
-        published first, then by (publication time, id), after ``after`` if given: the sweep
-        walks a backlog page by page without rewriting what it finds in place. (Postgres
-        reads them job by job: ``UNPUBLISHED`` in :mod:`jobplane.store.postgres_sql`.)"""
-        async with self._read() as conn:
-            now = await self._now(conn)
-            cutoff = now - timedelta(seconds=older_than_s)
-            fresh = now - timedelta(seconds=never_published_grace(older_than_s))
-            past = true() if after is None else tuple_(*PUBLISHED_ORDER) > tuple_(*after)
-            result = await conn.execute(
-                select(job_instances)
-                .join(job_slots, job_slots.c.job_key == job_instances.c.job_key)
-                .join(job_definitions, job_definitions.c.key == job_instances.c.job_key)
-                .where(
-                    job_instances.c.state == InstanceState.ENQUEUED.value,
-                    or_(
-                        # Never published: enqueued in the application's own transaction,
-                        # or its publisher died between commit and publish.
-                        and_(
-                            job_instances.c.published_at.is_(None),
-                            job_instances.c.created_at < fresh,
-                        ),
-                        and_(job_instances.c.published_at < cutoff, past),
-                    ),
-                    job_slots.c.used < job_definitions.c.max_concurrency,
-                )
-                .order_by(job_instances.c.published_at.nulls_first(), job_instances.c.id)
-                .limit(limit)
-            )
-            return [rows.instance_from_row(r._mapping) for r in result]
-
-    async def unpublished_among(self, ids: Collection[UUID]) -> list[Instance]:
-        """Those of ``ids`` still Enqueued and never published (announced by a notification
-        from an in-transaction enqueue)."""
-        if not ids:
-            return []
-        async with self._read() as conn:
-            result = await conn.execute(
-                select(job_instances).where(
-                    job_instances.c.id.in_(list(ids)),
-                    unindexed_state(job_instances.c, InstanceState.ENQUEUED),
-                    job_instances.c.published_at.is_(None),
-                )
-            )
-            return [rows.instance_from_row(r._mapping) for r in result]
-
-    async def all_enqueued(self, after: UUID | None, limit: int = 1000) -> list[Instance]:
-        """Every Enqueued instance, in id order (republished after the bus lost everything)."""
-        async with self._read() as conn:
-            result = await conn.execute(enqueued_page(after, limit))
-            return [rows.instance_from_row(r._mapping) for r in result]
-
     @retry_conflicts
     async def mark_dead_workers(
         self, silent_for_s: float, *, fence: LeaderLease | None = None
@@ -450,36 +376,6 @@ class SweepStore(SqlBase):
             return len(ids)
 
 
-#: Above every instance id: the end of the range of :func:`enqueued_page`.
-_LAST_ID = UUID(int=(1 << 128) - 1)
-
-
-def enqueued_page(after: UUID | None, limit: int) -> Select[Any]:
-    """The Enqueued instances with an id above ``after``, the first ``limit`` in id order.
-
-    Written as a range of (state, id) pairs, which only ``ix_job_instances_state_id`` answers,
-    and in its order: a page reads its rows and stops. Written as ``state = 'enqueued' AND id >
-    :after``, it let the planner take the index of the Enqueued rows of each job whenever its
-    statistics missed the backlog (that is, when the bus lost everything during a burst): every
-    page then read and sorted the whole backlog, and the republication cost its square."""
-    columns = job_instances.c
-    pair = tuple_(columns.state, columns.id)
-
-    def at(instance_id: UUID) -> Any:
-        return tuple_(
-            literal(InstanceState.ENQUEUED.value, columns.state.type),
-            literal(instance_id, columns.id.type),
-        )
-
-    first = pair >= at(UUID(int=0)) if after is None else pair > at(after)
-    return (
-        select(job_instances)
-        .where(first, pair <= at(_LAST_ID))
-        .order_by(job_instances.c.state, job_instances.c.id)
-        .limit(limit)
-    )
-
-
 def orphaned_pins(limit: int = 1000) -> Select[Any]:
     """Enqueued instances pinned to a worker that is not live (id, the pin, the job's options),
     locked, up to ``limit``: read from ``ix_job_instances_pinned_enqueued`` (migration 0021),
@@ -499,4 +395,4 @@ def orphaned_pins(limit: int = 1000) -> Select[Any]:
     )
 
 
-__all__ = ["NotLeaderError", "SweepStore", "enqueued_page", "orphaned_pins"]
+__all__ = ["NotLeaderError", "SweepStore", "orphaned_pins"]
