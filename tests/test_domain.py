@@ -141,6 +141,11 @@ def test_backoff() -> None:
     assert [exp.delay_for(n) for n in (1, 2, 3, 4, 5)] == [1, 2, 4, 8, 10]
     jittered = Backoff(delay_s=4, jitter=True)
     assert jittered.delay_for(1, random_fraction=0.5) == 2
+    # Growth past any float (1000.0 ** 103, 2.0 ** 1024) is past any cap, not an error.
+    steep = Backoff(delay_s=1, factor=1000, max_delay_s=60, jitter=False)
+    assert steep.delay_for(104) == steep.delay_for(2**31 - 1) == 60
+    assert Backoff(delay_s=1, max_delay_s=60, jitter=False).delay_for(1025) == 60
+    assert Backoff(delay_s=0, factor=1000, jitter=False).delay_for(104) == 0
 
 
 def test_default_worker_ids_are_unique_per_process_and_overridable(

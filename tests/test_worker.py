@@ -5,15 +5,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from sqlalchemy import update
 
 from jobplane import App, JobContext
 from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.sql import SqlStore
+from jobplane.store.tables import job_instances
 from tests.apps.basic import EchoArgs, app
 from tests.scheduler_helpers import running_scheduler
 from tests.worker_helpers import running_worker, settled, wait_for
@@ -57,6 +60,43 @@ async def test_exception_retries_then_terminates_with_the_traceback(
     assert done.error.traceback is not None and "no luck" in done.error.traceback
     steps = [t.to_state for t in await store.transitions(instance.id)]
     assert steps.count(S.FAILED) == 3 and steps[-1] is S.TERMINATED
+
+
+async def test_a_retry_deep_into_an_exponential_backoff_waits_its_cap(
+    store: SqlStore, bus: Bus
+) -> None:
+    """The 1,101st retry of a job whose backoff grows 1,000-fold: 1000.0 ** 1100 overflows a
+    float. The failure is recorded and the retry waits ``max_delay_s``; the attempt's end
+    once raised OverflowError in the worker, leaving the instance Processing until its lease
+    ran out, again at every attempt."""
+    late = App("late")
+
+    @late.triggered(
+        retries=2_000_000,
+        backoff={"kind": "exponential", "factor": 1000, "max_delay_s": 30, "jitter": False},
+    )
+    async def fails_late() -> None:
+        raise RuntimeError("fails again")
+
+    async with running_worker(late, store, bus):
+        dispatcher = Dispatcher(store, bus)
+        made = await dispatcher.trigger("fails_late", delay=timedelta(hours=1))  # not claimed
+        async with store.engine.begin() as conn:
+            await conn.execute(
+                update(job_instances).where(job_instances.c.id == made.id).values(retries_used=1100)
+            )
+        await dispatcher.run_now(made.id)
+
+        async def retry_planned() -> bool:
+            return (await store.get_instance(made.id)).state is S.SCHEDULED
+
+        await wait_for(retry_planned, what="the retry to be planned")
+    retry = await store.get_instance(made.id)
+    assert retry.retries_used == 1101 and retry.error is not None
+    assert retry.error.message == "fails again"
+    failed = [t for t in await store.transitions(made.id) if t.to_state is S.FAILED]
+    assert retry.run_at is not None and len(failed) == 1
+    assert abs((retry.run_at - failed[0].at).total_seconds() - 30) < 2
 
 
 async def test_async_timeout_fails_the_attempt(store: SqlStore, bus: Bus) -> None:

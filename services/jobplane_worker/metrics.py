@@ -39,6 +39,8 @@ class AttemptEnd(StrEnum):
     LEASE_LOST = "lease_lost"
     #: Released on shutdown (back to Enqueued, no retry used).
     RELEASED = "released"
+    #: Not recorded: the worker failed to end the attempt (logged); its lease runs out.
+    ERROR = "error"
 
 
 class FencedWrite(StrEnum):

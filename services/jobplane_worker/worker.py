@@ -254,6 +254,7 @@ class Worker:
     async def _run(self, attempt: Attempt) -> None:
         key = attempt.claim.instance.job_key
         outcome: Outcome | None = None
+        broken = False
         try:
             with telemetry.span("jobplane.run", attempt.trace, job=key):
                 outcome = await run_attempt(
@@ -265,6 +266,23 @@ class Worker:
                 )
         except asyncio.CancelledError:
             pass  # stopped by _drain: released below
+        except Exception:
+            # A fault of the worker's own in ending the attempt (the job's exceptions are its
+            # outcome, made in run_attempt). Logged, and left to its lease, which is no longer
+            # renewed: the reaper releases the instance once it expires, counting an unexpected
+            # retry, as after a crash. (Released at once, a fault that recurs on every attempt
+            # would run the job again and again, unbounded.)
+            broken = True
+            logger.exception(
+                "attempt of instance %s (%s) could not be ended; its lease will expire",
+                attempt.claim.instance.id,
+                key,
+                extra={
+                    "action": "worker.attempt_error",
+                    "instance_id": str(attempt.claim.instance.id),
+                    "job_key": key,
+                },
+            )
         finally:
             runaway = attempt.code_running
             if runaway:
@@ -276,6 +294,9 @@ class Worker:
             lease_until = self.leases.forget(attempt.claim.instance.id)
         if attempt.lease_lost:
             self.metrics.ended(key, AttemptEnd.LEASE_LOST)
+            return
+        if broken:
+            self.metrics.ended(key, AttemptEnd.ERROR)
             return
         if outcome is None or (attempt.shutdown and outcome.reason != StopReason.TIMEOUT):
             # The worker is stopping and the code has stopped (it was cancelled, or noticed

@@ -7,6 +7,7 @@ naming the field at fault.
 
 from __future__ import annotations
 
+import math
 import re
 from datetime import datetime
 from enum import StrEnum
@@ -98,10 +99,15 @@ class Backoff(BaseModel):
         """
         if self.kind is BackoffKind.NONE:
             return 0.0
-        if self.kind is BackoffKind.FIXED:
+        if self.kind is BackoffKind.FIXED or not self.delay_s:
             base = self.delay_s
         else:
-            base = self.delay_s * self.factor ** max(retry_number - 1, 0)
+            try:
+                growth = self.factor ** max(retry_number - 1, 0)
+            except OverflowError:
+                # Past any float (a large factor, or retries in the thousands): past any cap.
+                growth = math.inf
+            base = self.delay_s * growth
         base = min(base, self.max_delay_s)
         return base * random_fraction if self.jitter else base
 
