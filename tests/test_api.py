@@ -122,6 +122,31 @@ async def test_edit_pause_resume(api: httpx.AsyncClient, bus: Bus) -> None:
     _problem(await api.post("/api/v1/jobs/nope/pause"), 404)
 
 
+async def test_next_fire_times_keep_to_the_jobs_window(api: httpx.AsyncClient) -> None:
+    """What the API shows is what the leader fires (tick: 12:00 in Berlin, 11:00 UTC in
+    winter): nothing before start_at, nothing after end_at, and a start_at past the last tick
+    before the year 10000 is the job's schedule error, not a list of times never fired."""
+
+    async def edit(version: int, **options: str | None) -> dict[str, Any]:
+        response = await api.patch(
+            "/api/v1/jobs/tick", json={"version": version, "options": options}
+        )
+        assert response.status_code == 200, response.text
+        body: dict[str, Any] = response.json()
+        return body
+
+    later = await edit(1, start_at="2030-01-01T00:00:00Z")
+    assert later["next_fire_times"][:2] == ["2030-01-01T11:00:00Z", "2030-01-02T11:00:00Z"]
+    assert len(later["next_fire_times"]) == 10 and later["schedule_error"] is None
+    window = await edit(2, end_at="2030-01-03T11:00:00Z")  # inclusive, as the leader's
+    assert [t[:10] for t in window["next_fire_times"]] == ["2030-01-01", "2030-01-02", "2030-01-03"]
+    ended = await edit(3, start_at=None, end_at="2020-01-01T00:00:00Z")
+    assert ended["next_fire"] is None and ended["next_fire_times"] == []
+    assert ended["schedule_error"] is None
+    beyond = await edit(4, start_at="9999-12-31T12:00:00Z", end_at=None)
+    assert beyond["next_fire_times"] == [] and "before the year 10000" in beyond["schedule_error"]
+
+
 async def test_version_history_and_rollback(api: httpx.AsyncClient, bus: Bus) -> None:
     await api.patch("/api/v1/jobs/tick", json={"version": 1, "options": {"cron": "*/5 * * * *"}})
     await api.post("/api/v1/jobs/tick/pause")

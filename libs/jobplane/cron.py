@@ -29,6 +29,8 @@ _ZONE_NAME_MAX = 64
 #: A reference instant for parsing: fire times never depend on it.
 _REFERENCE = datetime(2000, 1, 1)
 _MINUTE = timedelta(minutes=1)
+#: Ticks are whole seconds: a search from this much before an instant finds a tick at it.
+JUST_BEFORE = timedelta(microseconds=1)
 
 
 def validate_cron(expression: str, field: str = "cron") -> str:
@@ -103,15 +105,37 @@ def validate_timezone(name: str, field: str = "timezone") -> ZoneInfo:
         raise InvalidOptionsError(field, f"unknown IANA time zone {name!r}") from exc
 
 
-def next_fire_times(expression: str, tz: str, after: datetime, count: int) -> list[datetime]:
-    """The next ``count`` fire times strictly after ``after`` (an aware datetime)."""
+def search_from(start_at: datetime | None, after: datetime) -> datetime:
+    """The instant the next tick is searched strictly after: ``after``, but never before
+    ``start_at``, which is inclusive (a tick exactly at ``start_at`` fires, as one exactly at
+    ``end_at`` does)."""
+    if start_at is not None and after < start_at:
+        return start_at - JUST_BEFORE
+    return after
+
+
+def next_fire_times(
+    expression: str,
+    tz: str,
+    after: datetime,
+    count: int,
+    *,
+    start_at: datetime | None = None,
+    end_at: datetime | None = None,
+) -> list[datetime]:
+    """The next ``count`` fire times strictly after ``after`` (an aware datetime) within a
+    job's window: none before ``start_at``, none after ``end_at`` (both inclusive)."""
     if after.tzinfo is None:
         raise ValueError("after must be timezone-aware")
-    # The leader's own rules (daylight saving included), so what is shown is what fires.
+    # The leader's own rules (daylight saving and the window included), so what is shown is
+    # what fires.
     schedule = CronSchedule(expression, tz)
     out: list[datetime] = []
+    after = search_from(start_at, after)
     for _ in range(count):
         after = schedule.next_after(after)
+        if end_at is not None and after > end_at:
+            break
         out.append(after)
     return out
 
@@ -150,10 +174,21 @@ class CronSchedule:
     def next_after(self, after: datetime) -> datetime:
         """The first fire time strictly after ``after``.
 
-        Raises :class:`InvalidOptionsError` if the expression has no fire time left (it never
-        fires: refused at registration and edit, but possible in data stored before)."""
+        Raises :class:`InvalidOptionsError` if the expression has no fire time left: it never
+        fires (refused at registration and edit, but possible in data stored before), or not
+        before the end of year 9999 (a ``start_at`` there)."""
         if after.tzinfo is None:
             raise ValueError("after must be timezone-aware")
+        try:
+            return self._next_after(after)
+        except OverflowError:
+            raise InvalidOptionsError(
+                "cron",
+                f"{self.expression!r} has no fire time after {after.isoformat()} before the year "
+                "10000",
+            ) from None
+
+    def _next_after(self, after: datetime) -> datetime:
         local = after.astimezone(self.zone)
         fires: Iterator[datetime]
         if self._wall:

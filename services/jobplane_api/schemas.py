@@ -73,13 +73,16 @@ class JobOut(BaseModel):
         default=None, description="Next fire time of a recurring job (UTC), if it fires."
     )
     next_fire_times: list[datetime] = Field(
-        default_factory=list, description="Next fire times of a recurring job (UTC)."
+        default_factory=list,
+        description="Next fire times of a recurring job (UTC), within its start_at/end_at "
+        "window: empty once end_at has passed.",
     )
     schedule_error: str | None = Field(
         default=None,
         description="Why the next fire times of this recurring job cannot be computed (its "
         "stored cron expression can never fire, e.g. one saved before such expressions were "
-        "refused); the scheduler does not fire it until it is edited. Null when it is fine.",
+        "refused, or a start_at with no tick before the year 10000); the scheduler does not "
+        "fire it until it is edited. Null when it is fine.",
     )
     last_outcome: OutcomeOut | None = Field(
         default=None, description="State and end time of the latest instance that ended."

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from jobplane.cron import CronSchedule
+from jobplane.cron import JUST_BEFORE, CronSchedule, search_from
 from jobplane.domain.models import InstanceSource, JobDefinition, NewInstance
 from jobplane.domain.options import MisfirePolicy
 from jobplane.domain.reasons import EndReason
@@ -22,7 +22,6 @@ logger = logging.getLogger(__name__)
 BACKFILL_BATCH = 500
 #: At most this many ticks within a job's misfire grace are fired by one catch-up pass.
 ON_TIME_MAX = 10_000
-_JUST_BEFORE = timedelta(microseconds=1)
 
 
 @dataclass(order=True)
@@ -53,7 +52,7 @@ class CronTimers:
         # seeing the same change) leaves one live entry, never two that would fire a tick twice.
         self._plans += 1
         self._schedules[definition.key] = (self._plans, schedule, definition)
-        nxt = schedule.next_after(_plan_from(options.start_at, last or now))
+        nxt = schedule.next_after(search_from(options.start_at, last or now))
         # Every re-plan (new leader, edit, resume, bus restart) comes through here, so the
         # window is checked here too: a job past its end_at gets no entry at all.
         if options.end_at is not None and nxt > options.end_at:
@@ -114,15 +113,6 @@ class CronTimers:
             heapq.heappop(self._heap)
 
 
-def _plan_from(start_at: datetime | None, after: datetime) -> datetime:
-    """The instant the next tick is searched strictly after: ``after``, but never before
-    ``start_at``, which is inclusive (a tick exactly at ``start_at`` fires, as one exactly at
-    ``end_at`` does). Ticks are whole seconds, so one microsecond before it is enough."""
-    if start_at is not None and after < start_at:
-        return start_at - _JUST_BEFORE
-    return after
-
-
 def is_active(definition: JobDefinition) -> bool:
     options = definition.options
     return bool(options.cron) and not definition.paused and not options.disabled
@@ -163,12 +153,12 @@ def catch_up(definition: JobDefinition, last: datetime | None, now: datetime) ->
         return CatchUp([])
     schedule = CronSchedule(options.cron, options.timezone)
     until = min(now, options.end_at) if options.end_at else now
-    last = _plan_from(options.start_at, last)  # nothing before start_at was missed
+    last = search_from(options.start_at, last)  # nothing before start_at was missed
     if until <= last:
         return CatchUp([])
     # Ticks at most ``misfire_grace_s`` late are on time: they fire, whatever the policy.
     # (A tick exactly ``misfire_grace_s`` late is on time: the late ones end just before.)
-    late_until = min(until, now - timedelta(seconds=options.misfire_grace_s) - _JUST_BEFORE)
+    late_until = min(until, now - timedelta(seconds=options.misfire_grace_s) - JUST_BEFORE)
     on_time = [
         _occurrence(definition.key, at, None)
         for at in schedule.between(max(last, late_until), until, ON_TIME_MAX)

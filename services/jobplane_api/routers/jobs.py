@@ -44,7 +44,14 @@ def _out_of(
     error = None
     if fires and options.cron and not definition.paused and not options.disabled:
         try:
-            upcoming = next_fire_times(options.cron, options.timezone, now, fires)
+            upcoming = next_fire_times(
+                options.cron,
+                options.timezone,
+                now,
+                fires,
+                start_at=options.start_at,
+                end_at=options.end_at,
+            )
         except InvalidOptionsError as exc:
             error = str(exc)
     return JobOut.of(definition, upcoming, summary, error)
