@@ -20,7 +20,7 @@ from jobplane.dispatch import Dispatcher, InvalidArgumentsError, JobDisabledErro
 from jobplane.domain.models import Instance, InstanceFilter, InstanceSource, NewInstance
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState as S
-from jobplane.errors import BusUnavailableError, JobNotFoundError
+from jobplane.errors import BusUnavailableError, InvalidOptionsError, JobNotFoundError
 from jobplane.store.sql import SqlStore
 from tests.store_helpers import define
 
@@ -51,6 +51,21 @@ async def test_a_job_disabled_since_it_was_remembered_takes_no_trigger(
     assert await _count(store) == 1
     await _edit(store, "job", disabled=False)
     assert (await dispatcher.trigger("job")).state is S.ENQUEUED
+
+
+async def test_a_trigger_from_code_takes_no_reserved_idempotency_key(
+    store: SqlStore, bus: Bus
+) -> None:
+    """As over REST: a ``retry-of:`` key is a bulk retry's; a trigger that took it would make
+    that retry refuse (the key is taken by another request)."""
+    await define(store, "job")
+    made = await Dispatcher(store, bus).trigger("job")
+    with pytest.raises(InvalidOptionsError) as refused:
+        await Dispatcher(store, bus).trigger("job", idempotency_key=f"retry-of:{made.id}")
+    assert refused.value.field == "idempotency_key" and "reserved" in refused.value.reason
+    with pytest.raises(InvalidOptionsError):
+        await Dispatcher(store, bus).trigger("job", idempotency_key="a\x00b")
+    assert await _count(store) == 1
 
 
 async def test_arguments_are_checked_against_the_stored_schema(store: SqlStore, bus: Bus) -> None:

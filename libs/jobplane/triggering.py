@@ -9,6 +9,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from jobplane.bus.envelope import Envelope
+from jobplane.domain.limits import check_idempotency_key
 from jobplane.domain.models import Instance, InstanceSource, JobDefinition, NewInstance
 from jobplane.domain.options import JobKind
 from jobplane.errors import InvalidArgumentsError, InvalidOptionsError, JobDisabledError
@@ -65,6 +66,11 @@ def trigger_request(
     """The :class:`NewInstance` for a trigger: ``delay`` counts from ``now`` (the store's
     clock; required with ``delay``). With an ``idempotency_key`` the request's fingerprint
     keeps ``delay`` as given, so a replay of the same delayed trigger matches."""
+    if idempotency_key is not None:
+        # The API checks it as it reads the request; a trigger from code or from the
+        # dashboard's form must not take a reserved key either (a bulk retry's ``retry-of:``
+        # key taken by a trigger makes that retry refuse, as a conflict).
+        check_idempotency_key(idempotency_key)
     # The fingerprint (a canonical JSON dump and a SHA-256) only when a key needs it.
     request_print: str | None = None
     if delay is not None:
