@@ -8,22 +8,54 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from redis.exceptions import (
+    ClusterDownError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from jobplane.errors import BusUnavailableError
 from jobplane.tasks import being_cancelled
 
+#: Replies of a server that cannot take a command for now, whatever the command holds: full
+#: (``maxmemory`` under ``noeviction``, as docs/deploy.md asks), a replica (demoted by a
+#: failover), a cluster without a master for the slot, unable to persist (``MISCONF``), busy in
+#: a script. Waited out like a lost connection; raised as they came, they ended the role. (Not
+#: ``BUSYGROUP`` and the like: replies about the data, which their callers handle.)
+_NOT_NOW = (OutOfMemoryError, ReadOnlyError, ClusterDownError, TryAgainError)
+#: The same replies as text (a script's ``redis.pcall`` hands them back unparsed).
+_NOT_NOW_CODES = (
+    "OOM ",
+    "READONLY ",
+    "CLUSTERDOWN ",
+    "MASTERDOWN ",
+    "TRYAGAIN ",
+    "MISCONF ",
+    "BUSY ",
+)
+
 
 @asynccontextmanager
 async def translated(what: str) -> AsyncIterator[None]:
-    """Connection failures become :class:`BusUnavailableError` (one line, no driver types)."""
+    """Connection failures and a server's "not now" replies become
+    :class:`BusUnavailableError` (one line, no driver types)."""
     try:
         yield
     except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
         if being_cancelled():
             raise asyncio.CancelledError from exc  # the cancel, as the driver reported it
         raise BusUnavailableError(f"Redis unavailable ({what}): {exc}") from exc
+    except ResponseError as exc:
+        if not isinstance(exc, _NOT_NOW) and not str(exc).startswith(_NOT_NOW_CODES):
+            raise
+        if being_cancelled():
+            raise asyncio.CancelledError from exc
+        reply = f"{type(exc).__name__}: {exc}"
+        raise BusUnavailableError(f"Redis refuses commands for now ({what}): {reply}") from exc
 
 
 def as_text(value: bytes | str) -> str:

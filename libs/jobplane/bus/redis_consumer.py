@@ -149,7 +149,8 @@ class RedisConsumer:
                 if error is None:
                     break
                 if not _group_gone(error) or attempt:
-                    raise ResponseError(error)
+                    async with translated("xreadgroup"):  # (a reply as any other)
+                        raise ResponseError(error)
                 async with translated("xreadgroup"):
                     await self._recreate_groups("xreadgroup")
         return out

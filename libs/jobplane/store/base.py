@@ -228,6 +228,13 @@ def _aware(value: datetime | str) -> datetime:
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
+#: SQLSTATEs of a server that cannot run any write, or anything, for now, whatever the
+#: statement: a lost connection (class 08), shutting down or starting up (57P0x), read-only (a
+#: standby, or ``default_transaction_read_only`` for maintenance: 25006), out of resources
+#: (disk full, out of memory, too many connections: class 53), a system error (class 58).
+#: Waited out and retried like a lost connection; taken for a refusal of the statement's data,
+#: the sweeps and the fire skipped their work and the lease renewal ended the scheduler.
+UNAVAILABLE_SQLSTATES = ("08", "57P0", "25006", "53", "58")
 _DISCONNECT_NAMES = frozenset(
     {
         "ConnectionDoesNotExistError",
@@ -269,8 +276,7 @@ def _is_disconnect(exc: DBAPIError) -> bool:
     cause = getattr(orig, "__cause__", None)
     if type(orig).__name__ in _DISCONNECT_NAMES or type(cause).__name__ in _DISCONNECT_NAMES:
         return True
-    # SQLSTATE class 08 (connection exception) and 57P0x (server shutting down or starting up)
-    if _sqlstate(exc).startswith(("08", "57P0")):
+    if _sqlstate(exc).startswith(UNAVAILABLE_SQLSTATES):
         return True
     return "unable to open database" in str(orig)
 
