@@ -374,8 +374,9 @@ class LeaderStore(DispatchStore, Protocol):
     async def delete_finished_before(
         self, before: datetime, limit: int = 1000, *, fence: LeaderLease | None = None
     ) -> int:
-        """Retention: delete a batch of terminal instances (and history) finished before.
-        Fenced by the leader's lease ``fence``."""
+        """Retention: delete a batch of terminal instances (and history) finished before,
+        except each recurring job's latest tick (the leader plans from it). Fenced by the
+        leader's lease ``fence``."""
 
 
 class ApiStore(DispatchStore, DefinitionEdits, WorkerReads, Protocol):

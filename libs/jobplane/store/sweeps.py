@@ -344,9 +344,21 @@ class SweepStore(PublicationStore):
         self, before: datetime, limit: int = 1000, *, fence: LeaderLease | None = None
     ) -> int:
         """Retention: delete up to ``limit`` terminal instances finished before ``before``,
-        with their history. Returns how many went (call again until 0). Fenced by ``fence``
-        like every leader write."""
+        with their history, except each recurring job's latest tick. Returns how many went
+        (call again until 0). Fenced by ``fence`` like every leader write.
+
+        The latest tick stays because the leader plans a job from it (see
+        :meth:`last_occurrences`): a monthly job's tick deleted after a week of retention made
+        the next re-plan (a restart, a failover, a resume, an edit) take it for missed and fire
+        it again, and the unique occurrence key could not stop that with the row gone."""
         terminal = [s.value for s in InstanceState if s.is_terminal]
+        i = job_instances.c
+        ticks = job_instances.alias("ticks")
+        latest_tick = (
+            select(func.max(ticks.c.scheduled_at))
+            .where(ticks.c.job_key == i.job_key, ticks.c.source == InstanceSource.CRON.value)
+            .scalar_subquery()
+        )
         async with self._write() as conn:
             await self._fence(conn, fence)
             ids = (
@@ -357,6 +369,11 @@ class SweepStore(PublicationStore):
                             and_(
                                 job_instances.c.state.in_(terminal),
                                 job_instances.c.finished_at < before,
+                                # (the latest tick is read from uq_job_instances_cron_occurrence)
+                                or_(
+                                    i.source != InstanceSource.CRON.value,
+                                    i.scheduled_at < latest_tick,
+                                ),
                             )
                         )
                         .order_by(job_instances.c.finished_at)
