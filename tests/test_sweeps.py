@@ -9,6 +9,7 @@ from uuid import UUID
 import pytest
 
 from jobplane.domain.models import (
+    InstanceFilter,
     InstanceSource,
     LeaderLease,
     NewInstance,
@@ -232,6 +233,73 @@ async def test_silent_workers_are_marked_dead(store: SqlStore) -> None:
     await asyncio.sleep(0.2)
     assert await store.mark_dead_workers(0.1) == ["w1"]
     assert await store.mark_dead_workers(0.1) == []
+
+
+async def test_retention_keeps_each_recurring_jobs_latest_tick(store: SqlStore) -> None:
+    """The leader plans a job's next tick from its latest one: deleted, the next re-plan took
+    it for missed and fired it again."""
+    await define(store, "daily", cron="0 0 * * *")
+    await define(store, "hourly", cron="0 * * * *")
+    lease = await store.acquire_leadership(0, "leader", 30.0)
+    assert lease is not None
+    now = await store.now()
+    day = now.replace(hour=0, minute=0, second=0, microsecond=0)
+    ticks = [day - timedelta(days=n) for n in (3, 2, 1)]
+    skipped = "misfire"  # (recorded Skipped: terminal, finished as created)
+    made = await store.fire(
+        lease,
+        [
+            NewInstance(
+                job_key="daily", source=InstanceSource.CRON, scheduled_at=t, skip_reason=skipped
+            )
+            for t in ticks
+        ]
+        + [
+            NewInstance(
+                job_key="hourly", source=InstanceSource.CRON, scheduled_at=day, skip_reason=skipped
+            )
+        ],
+    )
+    assert {i.state for i in made} == {S.SKIPPED}
+    [manual] = await enqueue(store, "daily")
+    await store.request_cancel(manual.id, "ops")  # a manual trigger: no tick, it goes
+    cutoff = await store.now() + timedelta(seconds=1)
+    assert await store.delete_finished_before(cutoff, fence=lease) == 3
+    left = (await store.list_instances(InstanceFilter(), limit=10)).items
+    assert sorted((i.job_key, i.scheduled_at) for i in left) == [
+        ("daily", ticks[-1]),
+        ("hourly", day),
+    ]
+    assert await store.last_occurrences(["daily", "hourly"]) == {"daily": ticks[-1], "hourly": day}
+    # A later tick makes the one before it deletable.
+    await store.fire(
+        lease,
+        [
+            NewInstance(
+                job_key="daily", source=InstanceSource.CRON, scheduled_at=day, skip_reason=skipped
+            )
+        ],
+    )
+    assert await store.delete_finished_before(await store.now() + timedelta(seconds=1)) == 1
+    assert await store.last_occurrences(["daily"]) == {"daily": day}
+
+
+async def test_the_leaders_reads_take_more_jobs_than_a_statement_takes_parameters(
+    store: SqlStore,
+) -> None:
+    """The leader asks for the latest tick, and the definition, of every active recurring job
+    at once: past 32,767 keys (asyncpg's bound; SQLite's is 32,766) the read was refused, and
+    the leader's duties restarted for ever without firing anything."""
+    await define(store, "job-00007", cron="0 0 * * *")
+    lease = await store.acquire_leadership(0, "leader", 30.0)
+    assert lease is not None
+    tick = (await store.now()).replace(hour=0, minute=0, second=0, microsecond=0)
+    await store.fire(
+        lease, [NewInstance(job_key="job-00007", source=InstanceSource.CRON, scheduled_at=tick)]
+    )
+    keys = [f"job-{n:05d}" for n in range(40_000)]
+    assert await store.last_occurrences(keys) == {"job-00007": tick}
+    assert [d.key for d in await store.list_definitions(keys)] == ["job-00007"]
 
 
 async def test_retention_deletes_only_old_terminal_instances(store: SqlStore) -> None:

@@ -12,7 +12,7 @@ import asyncio
 import functools
 import logging
 import random
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Iterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any, ParamSpec, TypeVar
@@ -51,6 +51,19 @@ CONFLICT_TRIES = 5
 
 P = ParamSpec("P")
 R = TypeVar("R")
+T = TypeVar("T")
+
+#: Values bound in one ``IN (…)`` at most: a statement takes at most 32,767 parameters
+#: (asyncpg; SQLite 32,766), and a list the caller makes (every active recurring job, every
+#: instance of a batch) may be longer.
+BIND_SLICE = 10_000
+
+
+def in_slices(values: Collection[T], size: int = BIND_SLICE) -> Iterator[list[T]]:
+    """``values`` in lists of at most ``size``, in their order (none for none)."""
+    listed = list(values)
+    for start in range(0, len(listed), size):
+        yield listed[start : start + size]
 
 
 def retry_conflicts(

@@ -27,7 +27,7 @@ from jobplane.errors import (
     JobNotFoundError,
 )
 from jobplane.store import rows
-from jobplane.store.base import SqlBase
+from jobplane.store.base import SqlBase, in_slices
 from jobplane.store.tables import (
     job_definition_versions,
     job_definitions,
@@ -251,13 +251,18 @@ class DefinitionStore(SqlBase):
         self, keys: Collection[str] | None = None, *, app: str | None = None
     ) -> list[JobDefinition]:
         query = select(job_definitions).order_by(job_definitions.c.key)
-        if keys is not None:
-            query = query.where(job_definitions.c.key.in_(list(keys)))
         if app is not None:
             query = query.where(job_definitions.c.app == app)
         async with self._read() as conn:
-            result = await conn.execute(query)
-            return [rows.definition_from_row(r._mapping) for r in result]
+            if keys is None:
+                result = await conn.execute(query)
+                return [rows.definition_from_row(r._mapping) for r in result]
+            found = [
+                rows.definition_from_row(r._mapping)
+                for some in in_slices(sorted(keys))  # (in key order, slice after slice)
+                for r in await conn.execute(query.where(job_definitions.c.key.in_(some)))
+            ]
+        return found
 
     async def definition_versions(self) -> dict[str, int]:
         async with self._read() as conn:

@@ -40,6 +40,7 @@ from jobplane.ids import ID_CLOCK_SKEW, id_floor
 from jobplane.store import rows
 from jobplane.store.base import (
     SqlBase,
+    in_slices,
     locked_in_id_order,
     plan_for_these_ids,
     retry_conflicts,
@@ -298,10 +299,6 @@ def filtered(query: Select[Any], filter: InstanceFilter) -> Select[Any]:
     return query
 
 
-#: Instances whose publication mark one statement sets or clears.
-PUBLISHED_SLICE = 10_000
-
-
 async def _set_published(
     conn: AsyncConnection, ids: Collection[UUID], value: ColumnElement[datetime] | None
 ) -> None:
@@ -315,17 +312,12 @@ async def _set_published(
     # table, a mark of 1,000 took 0.41 to 0.43 s at 100,000 rows, and a burst of batch
     # triggers slowed from 15,000 to 1,100 instances/s as the table grew.
     await plan_for_these_ids(conn)
-    # In slices, in id order: a statement takes at most 32,767 parameters (asyncpg; SQLite
-    # 32,766), and a batch trigger of the Python API may name more instances than that.
-    for start in range(0, len(ordered), PUBLISHED_SLICE):
+    # In slices, in id order: a batch trigger of the Python API may name more instances than
+    # a statement takes parameters.
+    for some in in_slices(ordered):
         await conn.execute(
             update(job_instances)
-            .where(
-                locked_in_id_order(
-                    functools.partial(_enqueued_among, ordered[start : start + PUBLISHED_SLICE]),
-                    skip_locked=True,
-                )
-            )
+            .where(locked_in_id_order(functools.partial(_enqueued_among, some), skip_locked=True))
             .values(published_at=value)
         )
 

@@ -23,7 +23,7 @@ from jobplane.domain.options import JobOptions, PinFallback
 from jobplane.domain.reasons import EndReason
 from jobplane.domain.states import InstanceState
 from jobplane.errors import DefinitionsChangedError, NotLeaderError, StoreRefusedError
-from jobplane.store.base import logger, retry_conflicts
+from jobplane.store.base import in_slices, logger, retry_conflicts
 from jobplane.store.lifecycle import release_runaway_rows
 from jobplane.store.moves import move_instances, unpin
 from jobplane.store.publication import PublicationStore
@@ -59,10 +59,14 @@ class SweepStore(PublicationStore):
             await self._fence(conn, lease)
             if planned:
                 d = job_definitions.c
-                stored = await conn.execute(
-                    select(d.key, d.version).where(d.key.in_(list(planned)))
-                )
-                changed = [key for key, version in stored if version != planned[key]]
+                changed = [
+                    key
+                    for keys in in_slices(planned)
+                    for key, version in await conn.execute(
+                        select(d.key, d.version).where(d.key.in_(keys))
+                    )
+                    if version != planned[key]
+                ]
                 if changed:
                     raise DefinitionsChangedError(changed)
             return await self._create(conn, new)  # type: ignore[attr-defined,no-any-return]
@@ -71,16 +75,19 @@ class SweepStore(PublicationStore):
         """The latest recorded cron tick of each job (fired or recorded as missed)."""
         if not keys:
             return {}
+        found: dict[str, datetime] = {}
         async with self._read() as conn:
-            result = await conn.execute(
-                select(job_instances.c.job_key, func.max(job_instances.c.scheduled_at))
-                .where(
-                    job_instances.c.job_key.in_(list(keys)),
-                    job_instances.c.source == InstanceSource.CRON.value,
+            for some in in_slices(keys):  # (the leader asks for every active recurring job)
+                result = await conn.execute(
+                    select(job_instances.c.job_key, func.max(job_instances.c.scheduled_at))
+                    .where(
+                        job_instances.c.job_key.in_(some),
+                        job_instances.c.source == InstanceSource.CRON.value,
+                    )
+                    .group_by(job_instances.c.job_key)
                 )
-                .group_by(job_instances.c.job_key)
-            )
-            return {key: at for key, at in result if at is not None}
+                found.update((key, at) for key, at in result if at is not None)
+        return found
 
     @retry_conflicts
     async def promote_due(self, lease: LeaderLease, limit: int = 1000) -> list[Instance]:
