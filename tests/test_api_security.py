@@ -1,6 +1,6 @@
-"""Authentication first, failed-auth throttle and negative cache, token lifecycle (expiry,
-last use, the last admin, recovery from the database), security headers and local docs.
-Real Postgres and Redis."""
+"""Authentication first, failed-auth throttle and negative cache (shared by the API and the
+dashboard's login and session cookie), token lifecycle (expiry, last use, the last admin,
+recovery from the database), security headers and local docs. Real Postgres and Redis."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from jobplane.bus.abc import Bus
 from jobplane.errors import LastAdminError
 from jobplane.store.sql import SqlStore
 from jobplane_api.authn import Authenticator, Refusal
+from jobplane_api.dashboard.session import COOKIE, csrf_token
 from jobplane_api.main import DEFAULT_CSP, create_app
 from jobplane_api.settings import ApiSettings
 from tests.api_helpers import AppClient
@@ -36,6 +37,23 @@ async def client(pg_store: SqlStore, redis_bus: Bus) -> AsyncIterator[AppClient]
 
 def bearer(secret: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {secret}"}
+
+
+#: A dashboard visitor who is not logged in, and the CSRF token of its forms.
+ANONYMOUS = "anon.visitor"
+LOGIN_CSRF = csrf_token(ANONYMOUS)
+
+
+def session(cookie: str, **headers: str) -> dict[str, str]:
+    """A request's dashboard session cookie, as the browser sends it (over the client's jar,
+    which the answers' Set-Cookie would otherwise change)."""
+    return {"Cookie": f"{COOKIE}={cookie}", **headers}
+
+
+async def log_in(client: httpx.AsyncClient, secret: str) -> httpx.Response:
+    return await client.post(
+        "/login", data={"token": secret, "csrf": LOGIN_CSRF}, headers=session(ANONYMOUS)
+    )
 
 
 async def test_no_token_is_401_whatever_the_body(client: httpx.AsyncClient) -> None:
@@ -63,6 +81,91 @@ async def test_failed_authentications_are_throttled_per_client(
     assert throttled.headers["content-type"].startswith("application/problem+json")
     # The limit is on this client (address), for the rest of the minute: a good token too.
     assert (await client.get("/api/v1/jobs", headers=bearer(good))).status_code == 429
+
+
+async def test_the_dashboard_shares_the_api_throttle(
+    client: httpx.AsyncClient, pg_store: SqlStore
+) -> None:
+    """Failures of a bearer header, the login form and the session cookie count together
+    for the client (5 a minute here); then every one of them answers 429 with Retry-After,
+    for a good secret as for a wrong one (no oracle), in HTML, or as short text to the
+    pages' polling script. The dashboard looked secrets up without counting them before."""
+    _, good = await pg_store.create_token("ops", Role.OPERATOR, "test")
+    for _ in range(2):  # a good secret is no failure
+        assert (await client.get("/jobs", headers=session(good))).status_code == 200
+    assert (await client.get("/api/v1/jobs", headers=bearer(new_secret()))).status_code == 401
+    for _ in range(2):
+        refused = await log_in(client, new_secret())
+        assert refused.status_code == 401 and "Unknown or revoked token." in refused.text
+        assert "set-cookie" not in refused.headers
+    for _ in range(2):  # an unknown cookie: an anonymous session, told to log in
+        gate = await client.get("/jobs", headers=session(new_secret()))
+        assert gate.status_code == 303 and gate.headers["location"] == "/login?next=/jobs"
+        assert f"{COOKIE}=anon." in gate.headers["set-cookie"]  # the browser forgets it
+
+    for secret in (good, new_secret()):
+        page = await client.get("/jobs", headers=session(secret))
+        assert page.status_code == 429, page.text[:500]
+        assert 1 <= int(page.headers["retry-after"]) <= 60
+        assert page.headers["content-type"].startswith("text/html")
+        assert "too many failed authentications" in page.text
+        assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
+        assert "set-cookie" not in page.headers
+        polled = await client.get("/?partial=1", headers=session(secret, **{"X-Live": "1"}))
+        assert polled.status_code == 429 and polled.headers["retry-after"]
+        assert polled.headers["content-type"].startswith("text/plain") and len(polled.text) < 80
+        login = await log_in(client, secret)
+        assert login.status_code == 429 and login.headers["retry-after"]
+        assert "set-cookie" not in login.headers  # not logged in
+        api = await client.get("/api/v1/jobs", headers=bearer(secret))
+        assert api.status_code == 429 and api.headers["retry-after"]
+    # Nothing to check, nothing refused: the login form itself still shows.
+    assert (await client.get("/login", headers=session(ANONYMOUS))).status_code == 200
+
+
+async def test_the_dashboard_remembers_unknown_secrets(
+    client: httpx.AsyncClient, pg_store: SqlStore
+) -> None:
+    """A secret the cookie or the login form sent and the store did not know is answered
+    from the API's negative cache: it stays refused (no lookup) for a few seconds even if it
+    became valid meanwhile. Live tokens are never cached: a revoked one ends its session at
+    once, and the answer replaces the cookie, so that a polling tab stops sending it."""
+    secret = new_secret()
+    assert (await client.get("/jobs", headers=session(secret))).status_code == 303
+    # The secret becomes valid behind the cache's back (as if created for it just now).
+    info, _ = await pg_store.create_token("late", Role.VIEWER, "test")
+    async with pg_store.engine.begin() as conn:
+        await conn.execute(
+            text("UPDATE api_tokens SET token_hash = :h WHERE id = :id"),
+            {"h": hash_secret(secret), "id": info.id},
+        )
+    assert (await client.get("/jobs", headers=session(secret))).status_code == 303
+    assert (await log_in(client, secret)).status_code == 401
+
+    live, live_secret = await pg_store.create_token("live", Role.VIEWER, "test")
+    for _ in range(6):  # over the failure limit if a live token counted (or were cached)
+        page = await client.get("/jobs", headers=session(live_secret))
+        assert page.status_code == 200
+    assert await pg_store.revoke_token(live.id, "test")
+    polled = await client.get("/?partial=1", headers=session(live_secret, **{"X-Live": "1"}))
+    assert polled.status_code == 401 and f"{COOKIE}=anon." in polled.headers["set-cookie"]
+    gate = await client.get("/jobs", headers=session(live_secret))
+    assert gate.status_code == 303 and gate.headers["location"].startswith("/login")
+
+
+async def test_the_dashboard_without_authentication_checks_no_secret(
+    pg_store: SqlStore, redis_bus: Bus
+) -> None:
+    """``jobplane dev``: any cookie is an admin session and the login form lets everyone in,
+    so nothing is looked up, counted or throttled."""
+    settings = ApiSettings(auth_enabled=False, auth_failures_per_minute=1)
+    api = create_app(settings, store=pg_store, bus=redis_bus)
+    async with api.router.lifespan_context(api), AppClient(api) as dev:
+        for _ in range(3):
+            assert (await dev.get("/jobs", headers=session(new_secret()))).status_code == 200
+            signed = await log_in(dev, new_secret())
+            assert signed.status_code == 303 and signed.headers["location"] == "/"
+        assert (await dev.get("/api/v1/jobs", headers=bearer(new_secret()))).status_code == 200
 
 
 async def test_unknown_secrets_are_remembered_briefly(pg_store: SqlStore) -> None:

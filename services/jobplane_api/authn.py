@@ -6,6 +6,8 @@ ever learns 401 (or 429), whatever it sends. The route's role is then checked by
 Failed authentications are cheap to refuse: a secret found unknown is remembered for a few
 seconds (no second database lookup), and a client with too many failures in a minute gets 429
 until the minute is over. Live tokens are never cached, so a revocation takes effect at once.
+The dashboard's login form and session cookie check their secrets with the same
+:class:`Authenticator` (:meth:`Authenticator.authenticate_secret`): one limit per client.
 """
 
 from __future__ import annotations
@@ -70,6 +72,14 @@ class Authenticator:
         secret = secret.strip()
         if scheme.lower() != "bearer" or not secret:
             raise Refusal(401, "a bearer token is required", CHALLENGE)
+        return await self.authenticate_secret(store, secret, client)
+
+    async def authenticate_secret(self, store: ApiStore, secret: str, client: str) -> TokenInfo:
+        """The live token with the secret ``secret``, sent by ``client`` (its address); raises
+        Refusal: 429 while the client is over its failure limit (before any lookup, whatever
+        the secret), else 401 for a secret unknown, revoked or expired, which counts as a
+        failure of the client. Every way in (a bearer header, the dashboard's login form and
+        session cookie) checks secrets here, so their failures count together."""
         self._check_throttle(client)
         digest = hash_secret(secret)
         now = self.clock()

@@ -4,21 +4,28 @@ under ``/api/v1``). Every asset ships in this package: no CDN, works offline."""
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, RedirectResponse
+from fastapi.responses import RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.responses import Response
 
 from jobplane.domain.models import Lags
 from jobplane_api.dashboard import access, bulkfilter, instances, jobs, overview, workers
 from jobplane_api.dashboard.render import HEADERS, HERE, templates
-from jobplane_api.dashboard.session import Forbidden, LoginRequired
+from jobplane_api.dashboard.session import (
+    Forbidden,
+    LoginRequired,
+    Throttled,
+    keep,
+    session_of,
+)
 from jobplane_api.dashboard.shared import Shared
 
 #: How long the Overview's hourly lag figures are shared by every viewer.
 LAGS_TTL_S = 10.0
 
 #: Requests from the pages' own polling script carry this header: a lost session answers 401
-#: (the script shows "signed out") instead of a redirect to the login form.
+#: (the script shows "signed out") instead of a redirect to the login form, and a throttled
+#: client a short 429 in plain text instead of a page.
 LIVE_HEADER = "x-live"
 
 
@@ -30,22 +37,50 @@ def mount(app: FastAPI) -> None:
         app.include_router(module.router)
     app.add_exception_handler(LoginRequired, _login_required)  # type: ignore[arg-type]
     app.add_exception_handler(Forbidden, _forbidden)  # type: ignore[arg-type]
+    app.add_exception_handler(Throttled, _throttled)  # type: ignore[arg-type]
 
 
 async def _login_required(request: Request, exc: LoginRequired) -> Response:
+    response: Response
     if request.headers.get(LIVE_HEADER):
-        return Response("signed out", status_code=401, media_type="text/plain")
-    return RedirectResponse(f"/login?next={_quote(exc.next_url)}", status_code=303)
+        response = Response("signed out", status_code=401, media_type="text/plain")
+    else:
+        response = RedirectResponse(f"/login?next={_quote(exc.next_url)}", status_code=303)
+    return _keep(response, request)
 
 
-async def _forbidden(request: Request, exc: Forbidden) -> HTMLResponse:
-    return templates.TemplateResponse(
+async def _forbidden(request: Request, exc: Forbidden) -> Response:
+    response = templates.TemplateResponse(
         request,
         "error.html",
         {"session": None, "flash": None, "title": "Forbidden", "detail": exc.reason},
         status_code=403,
         headers=HEADERS,
     )
+    return _keep(response, request)
+
+
+async def _throttled(request: Request, exc: Throttled) -> Response:
+    """429 with the API's Retry-After; the session cookie is left as it is (nothing was
+    looked up, so nothing is known about it)."""
+    retry = {"Retry-After": exc.retry_after}
+    if request.headers.get(LIVE_HEADER):
+        return Response(
+            "too many failed sign-ins", status_code=429, media_type="text/plain", headers=retry
+        )
+    return templates.TemplateResponse(
+        request,
+        "error.html",
+        {"session": None, "flash": None, "title": "Too many failed sign-ins", "detail": exc.reason},
+        status_code=429,
+        headers={**HEADERS, **retry},
+    )
+
+
+def _keep(response: Response, request: Request) -> Response:
+    """Set the session's new cookie (an anonymous one in place of an unknown secret)."""
+    session = session_of(request)
+    return keep(response, request, session) if session is not None else response
 
 
 def _quote(path: str) -> str:

@@ -1,4 +1,6 @@
-"""Login and logout: a token in, a session cookie out."""
+"""Login and logout: a token in, a session cookie out. The token is checked like a bearer
+header (:func:`~jobplane_api.dashboard.session.token_of`): a wrong one counts against the
+client's address, and a client over the limit gets 429 whatever it sends."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from jobplane_api.dashboard.session import (
     checked,
     new_anonymous,
     set_cookie,
+    token_of,
 )
 from jobplane_api.deps import StoreDep
 
@@ -55,7 +58,7 @@ async def login(
     if not session.auth_enabled and session.role is not None:
         return RedirectResponse(safe_next(next), status_code=303)
     secret = token.strip()
-    found = await store.authenticate(secret) if secret else None
+    found = await token_of(request, store, secret) if secret else None
     if found is None:
         # Never echo the secret back, not even into the form.
         context = {"next": safe_next(next), "error": "Unknown or revoked token."}

@@ -5,9 +5,15 @@ Design (documented in docs/dashboard.md):
 - Every visitor holds one cookie, ``jp_session`` (httpOnly, SameSite=Lax, ``Secure`` over
   HTTPS, path ``/``, no expiry: it ends with the browser). Before login it holds a random
   nonce (``anon.<random>``); after login it holds the API token's secret itself. Each request
-  looks the secret up with the API's own check (:meth:`Store.authenticate`, an indexed match
-  on its SHA-256), so a revoked token ends its dashboard sessions at once, and several api
-  replicas need no shared session table. The cookie is never readable by page scripts.
+  checks the secret with the API's own :class:`~jobplane_api.authn.Authenticator` (a lookup
+  of its SHA-256, live tokens never cached), so a revoked token ends its dashboard sessions
+  at once, and several api replicas need no shared session table. The cookie is never
+  readable by page scripts.
+- The cookie and the login form share the API's failed-authentication throttle and negative
+  cache: an unknown secret counts as a failure of the client's address (the session becomes
+  anonymous and the answer replaces the cookie, so the browser stops sending it), and a
+  client over the limit gets 429 (:class:`Throttled`) whatever secret it sends: neither is a
+  way around the API's limit, nor an oracle for guessing secrets.
 - CSRF: a synchronizer token derived from the cookie, ``HMAC-SHA256(cookie, label)``. Every
   form carries it in a hidden ``csrf`` field (scripts send it as ``X-CSRF-Token``); a POST
   whose token does not match its own cookie is refused with 403. Another site can neither
@@ -30,6 +36,8 @@ from starlette.responses import Response
 
 from jobplane.auth import TOKEN_PREFIX, Role, TokenInfo
 from jobplane.errors import JobplaneError
+from jobplane.store.abc import ApiStore
+from jobplane_api.authn import Authenticator, Refusal, client_of
 from jobplane_api.deps import SettingsDep, StoreDep
 
 COOKIE = "jp_session"
@@ -55,6 +63,15 @@ class Forbidden(JobplaneError):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class Throttled(JobplaneError):
+    """The client has too many failed authentications this minute (the API's limit): 429."""
+
+    def __init__(self, reason: str, retry_after: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after = retry_after
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,17 +108,46 @@ def new_anonymous() -> str:
 
 
 async def get_session(request: Request, store: StoreDep, settings: SettingsDep) -> Session:
+    session = await _session_of(request, store, settings.auth_enabled)
+    # For the error pages (LoginRequired, Forbidden), which set a new cookie too: a browser
+    # holding a revoked token's secret stops sending it (its polling would count a failure
+    # of its address every few seconds otherwise).
+    request.state.dashboard_session = session
+    return session
+
+
+async def _session_of(request: Request, store: ApiStore, auth_enabled: bool) -> Session:
     cookie = request.cookies.get(COOKIE, "")
     if not cookie or len(cookie) > _COOKIE_MAX:
-        return Session(new_anonymous(), True, _open_role(settings.auth_enabled), None, False)
-    if not settings.auth_enabled:
+        return Session(new_anonymous(), True, _open_role(auth_enabled), None, False)
+    if not auth_enabled:
         return Session(cookie, False, Role.ADMIN, None, False)
-    if not cookie.startswith(TOKEN_PREFIX):
+    if not cookie.startswith(TOKEN_PREFIX):  # an anonymous nonce (nothing to look up)
         return Session(cookie, False, None, None, True)
-    token = await store.authenticate(cookie)
-    if token is None:  # revoked meanwhile: back to an anonymous session
+    token = await token_of(request, store, cookie)
+    if token is None:  # unknown, or revoked meanwhile: back to an anonymous session
         return Session(new_anonymous(), True, None, None, True)
     return Session(cookie, False, token.role, token, True)
+
+
+async def token_of(request: Request, store: ApiStore, secret: str) -> TokenInfo | None:
+    """The live token with the secret ``secret``, checked by the API's Authenticator (the
+    same negative cache and per-client limit as a bearer header); None when it is unknown,
+    revoked or expired, which counts as a failure of the client. Raises Throttled while the
+    client is over its limit."""
+    authenticator: Authenticator = request.app.state.authenticator
+    try:
+        return await authenticator.authenticate_secret(store, secret, client_of(request.scope))
+    except Refusal as refusal:
+        if refusal.status == 429:
+            raise Throttled(refusal.detail, refusal.headers["Retry-After"]) from None
+        return None
+
+
+def session_of(request: Request) -> Session | None:
+    """The session :func:`get_session` found for ``request``, if it got that far."""
+    session: Session | None = getattr(request.state, "dashboard_session", None)
+    return session
 
 
 def _open_role(auth_enabled: bool) -> Role | None:
