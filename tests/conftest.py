@@ -15,6 +15,7 @@ pytest_plugins = [
     "tests.fixtures.bus",
     "tests.fixtures.store",
     "tests.fixtures.dashboard",
+    "tests.fixtures.dashboard_client",
 ]
 
 

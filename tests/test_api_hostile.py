@@ -201,6 +201,19 @@ async def test_hostile_input_is_a_clear_4xx(
         assert any(f == field or f.startswith(field + ".") for f in fields), body
 
 
+async def test_a_content_length_that_is_not_ascii_digits_is_413(api: httpx.AsyncClient) -> None:
+    """Header values are read as Latin-1: "²" (0xB2) passes ``str.isdigit`` and not ``int``,
+    and 5,000 nines pass it and are over ``int``'s limit (both were a ValueError: a 500)."""
+    url = f"/api/v1/jobs/{FREE}/instances"
+    for length in (b"\xb2", b"\xb9", b"9" * 5000, b"9" * 21, b"-2", b"1e3", b""):
+        headers = {b"content-type": b"application/json", b"content-length": length}
+        response = await api.post(url, content=b"{}", headers=headers)
+        assert response.status_code == 413, (length[:10], response.text)
+        assert response.headers["content-type"].startswith("application/problem+json")
+    headers = {b"content-type": b"application/json", b"content-length": b"0002"}
+    assert (await api.post(url, content=b"{}", headers=headers)).status_code == 201
+
+
 async def test_arguments_at_the_depth_limit_are_stored_and_read_back(
     api: httpx.AsyncClient,
 ) -> None:

@@ -6,14 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator
 from uuid import UUID
 
 import httpx
-import pytest
 
 from jobplane.auth import Role
-from jobplane.bus.abc import Bus
 from jobplane.store.sql import SqlStore
 from jobplane_api.dashboard.access import safe_next
 from jobplane_api.dashboard.argsform import (
@@ -24,44 +21,13 @@ from jobplane_api.dashboard.argsform import (
 )
 from jobplane_api.dashboard.render import cron_words
 from jobplane_api.dashboard.shared import Shared
-from jobplane_api.main import create_app
-from jobplane_api.settings import ApiSettings
 from tests.apps.dashboard import app as jobs_app
-
-CSRF = re.compile(r'name="csrf" value="([0-9a-f]{64})"')
-
-
-async def _client(store: SqlStore, bus: Bus, *, auth: bool) -> AsyncIterator[httpx.AsyncClient]:
-    for spec in jobs_app.jobs.values():
-        await store.register_definition(spec.options, spec.args_schema(), "test")
-    app = create_app(ApiSettings(auth_enabled=auth), store=store, bus=bus)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://dash") as client:
-            yield client
-
-
-@pytest.fixture
-async def open_dash(store: SqlStore, bus: Bus) -> AsyncIterator[httpx.AsyncClient]:
-    async for client in _client(store, bus, auth=False):
-        yield client
-
-
-@pytest.fixture
-async def dash(pg_store: SqlStore, redis_bus: Bus) -> AsyncIterator[httpx.AsyncClient]:
-    async for client in _client(pg_store, redis_bus, auth=True):
-        yield client
-
-
-async def _csrf(client: httpx.AsyncClient, path: str) -> str:
-    found = CSRF.search((await client.get(path)).text)
-    assert found, path
-    return found[1]
+from tests.fixtures.dashboard_client import CSRF, csrf_of
 
 
 async def test_every_page_renders_with_auth_off(open_dash: httpx.AsyncClient) -> None:
     """``jobplane dev``: no login, everyone is admin, but the CSRF check still applies."""
-    csrf = await _csrf(open_dash, "/jobs/greet")
+    csrf = await csrf_of(open_dash, "/jobs/greet")
     for headers in ({}, {b"X-CSRF-Token": ("é" * 64).encode()}, {"X-CSRF-Token": csrf[::-1]}):
         refused = await open_dash.post(
             "/jobs/greet/trigger", data={"args": '{"name": "x"}'}, headers=headers
@@ -107,7 +73,7 @@ async def test_session_cookie_roles_and_revocation(
     live = await dash.get("/", headers={"X-Live": "1"})
     assert live.status_code == 401  # the polling script shows "signed out"
     info, secret = await pg_store.create_token("ann", Role.VIEWER, "test")
-    csrf = await _csrf(dash, "/login")
+    csrf = await csrf_of(dash, "/login")
     signed = await dash.post(
         "/login", data={"token": secret, "csrf": csrf, "next": "/\t/evil.example"}
     )
@@ -153,7 +119,7 @@ def test_cron_in_words() -> None:
 
 
 async def test_trigger_later_then_run_now(open_dash: httpx.AsyncClient) -> None:
-    csrf = await _csrf(open_dash, "/jobs/greet")
+    csrf = await csrf_of(open_dash, "/jobs/greet")
     form = {"arg.name": "Ada", "csrf": csrf}
     both = await open_dash.post(
         "/jobs/greet/trigger", data={**form, "delay_s": "5", "run_at": "2099-01-01T00:00:00Z"}
@@ -480,7 +446,7 @@ async def test_cancel_then_retry_everything_a_filter_selects_after_a_count(
         [NewInstance(job_key="greet", args={"name": str(n)}) for n in range(3)]
     )
     [other] = await store.create_instances([NewInstance(job_key="monthly_report")])
-    csrf = await _csrf(open_dash, "/instances")
+    csrf = await csrf_of(open_dash, "/instances")
     fields = {"job": "greet", "state": "enqueued", "csrf": csrf}
 
     refused = await open_dash.post("/instances/bulk-filter", data={**fields, "csrf": "x" * 64})

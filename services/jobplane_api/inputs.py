@@ -1,6 +1,7 @@
 """Field types for what the API accepts: each runs a check of :mod:`jobplane.domain.limits`
 while the request is validated, so a bad value is a 422 naming its field (``body.args``,
-``query.created_after``, ``header.idempotency-key``) before anything reaches the store."""
+``query.created_after``, ``header.idempotency-key``) before anything reaches the store; and
+:func:`decimal`, for the numbers read from raw text (form fields, headers)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,18 @@ def _utc(naive_is_utc: bool) -> Callable[[datetime], datetime]:
 
 def _text(value: str) -> None:
     check_text(value, "text")
+
+
+def decimal(text: str, max_digits: int) -> int | None:
+    """``text`` as a number if it is 1 to ``max_digits`` ASCII digits, else None.
+
+    For numbers read from text the client wrote (a form's version or row index, a header).
+    ``str.isdigit`` is no guard before ``int``: it also accepts digits ``int`` refuses
+    (superscripts such as "²"; a ValueError, so a 500), and any length, while ``int`` refuses
+    more than 4,300 digits (and is quadratic in the length below that)."""
+    if not 0 < len(text) <= max_digits or not text.isascii() or not text.isdigit():
+        return None
+    return int(text)
 
 
 #: Trigger arguments: plain JSON, bounded in depth and size (see ``check_json``).

@@ -23,6 +23,7 @@ from jobplane.store.abc import ApiStore
 from jobplane_api import dashboard, docs, problems
 from jobplane_api.authn import AuthenticateFirst, Authenticator
 from jobplane_api.http_metrics import MeasureRequests, RequestMetrics
+from jobplane_api.inputs import decimal
 from jobplane_api.metrics import MetricsCache
 from jobplane_api.protocol import ProblemHttpProtocol
 from jobplane_api.routers import instances, jobs, system, tokens
@@ -112,9 +113,9 @@ class InputGuard:
 
     - A NUL (``%00``) in the path or query: 422. Postgres text cannot hold NUL; refusing it
       here keeps a bad request from becoming a 500 in the store.
-    - A body over ``max_body_bytes``: 413, from ``Content-Length`` at once, and for a chunked
-      body (no length given) as soon as the bytes received pass the limit, so a client cannot
-      stream around the limit.
+    - A body over ``max_body_bytes``: 413, from ``Content-Length`` at once (a length that is
+      not ASCII digits too), and for a chunked body (no length given) as soon as the bytes
+      received pass the limit, so a client cannot stream around the limit.
     """
 
     def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
@@ -131,7 +132,9 @@ class InputGuard:
             return
         length = Headers(scope=scope).get("content-length")
         if length is not None:
-            if not length.isdigit() or int(length) > self.max_body_bytes:
+            # Anything but a short run of ASCII digits ("²", 5,000 nines) is refused as well.
+            size = decimal(length, CONTENT_LENGTH_DIGITS)
+            if size is None or size > self.max_body_bytes:
                 await self._refuse(scope, receive, send, 413, *self._too_large())
                 return
             await self.app(scope, receive, send)
@@ -165,6 +168,8 @@ class InputGuard:
 
 
 NUL_REFUSED = "NUL characters are not allowed"
+#: A Content-Length with more digits is over any body limit (a 413, like one not a number).
+CONTENT_LENGTH_DIGITS = 20
 
 #: For HTML answers that set no policy of their own: nothing from elsewhere, no inline script.
 DEFAULT_CSP = (

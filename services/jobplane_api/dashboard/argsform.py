@@ -19,12 +19,20 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from jobplane_api.inputs import decimal
+
 SIMPLE = ("string", "integer", "number", "boolean")
 PREFIX = "arg."
 #: A hidden input that keeps an object row when all its inputs are empty.
 ROW_MARK = "#"
 #: Nesting limit: a recursive schema is edited as JSON.
 MAX_DEPTH = 6
+#: A row index has at most this many digits: the form adds rows one at a time from 0, and a
+#: form holds at most 1,000 fields. A key with a longer index (or any other text) is no row.
+ROW_INDEX_DIGITS = 6
+#: What an integer or number input converts from (JSON's number syntax, ASCII digits only):
+#: anything else is sent on as text, for the schema to refuse at its field.
+JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,11 +168,8 @@ class _Schema:
     def _rows(self, path: str) -> list[str]:
         """The row indexes of the array at ``path`` that the form holds, in order."""
         start = PREFIX + path + "."
-        found = {
-            int(head)
-            for key in self.form
-            if key.startswith(start) and (head := key[len(start) :].split(".", 1)[0]).isdigit()
-        }
+        heads = (key[len(start) :].split(".", 1)[0] for key in self.form if key.startswith(start))
+        found = {index for head in heads if (index := decimal(head, ROW_INDEX_DIGITS)) is not None}
         return [str(n) for n in sorted(found)]
 
 
@@ -229,11 +234,8 @@ def field_for_error(fields: list[ArgField], location: str) -> str | None:
     children: tuple[ArgField, ...] = tuple(fields)
     for part in location[len("args.") :].split("."):
         if found is not None and found.type == "array":
-            step = (
-                found.fields[int(part)]
-                if part.isdigit() and int(part) < len(found.fields)
-                else None
-            )
+            index = decimal(part, ROW_INDEX_DIGITS)
+            step = found.fields[index] if index is not None and index < len(found.fields) else None
         else:
             step = next((f for f in children if f.name == part), None)
         if step is None:
@@ -243,10 +245,12 @@ def field_for_error(fields: list[ArgField], location: str) -> str | None:
 
 
 def _number(raw: str, kind: str) -> Any:
-    try:
-        value = json.loads(raw.strip())
-    except ValueError:
+    text = raw.strip()
+    # Only a number goes to the parser: "[[[…" could exhaust its stack (a RecursionError).
+    if JSON_NUMBER.fullmatch(text) is None:
         return raw
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    try:
+        value = json.loads(text)
+    except ValueError:  # an integer longer than int() converts (4,300 digits)
         return raw
     return value if kind == "number" or isinstance(value, int) else raw

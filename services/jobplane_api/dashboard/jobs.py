@@ -7,6 +7,7 @@ the API's validation and bookkeeping."""
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Annotated, Any
@@ -18,6 +19,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from pydantic import ValidationError
 from starlette.responses import Response
 
+from jobplane.domain.limits import MAX_JSON_DEPTH
 from jobplane.domain.models import InstanceFilter
 from jobplane.domain.options import JobKind
 from jobplane.errors import (
@@ -44,6 +46,7 @@ from jobplane_api.dashboard.editing import (
 from jobplane_api.dashboard.render import render, set_flash
 from jobplane_api.dashboard.session import AdminDep, OperatorDep, Session, ViewerDep
 from jobplane_api.deps import BusDep, DispatcherDep, StoreDep
+from jobplane_api.inputs import decimal
 from jobplane_api.routers import jobs as api
 from jobplane_api.schemas import VERSION_MAX, JobOut, JobPatch, RollbackIn, TriggerIn
 
@@ -279,6 +282,10 @@ def _trigger_body(
             raw["args"] = json.loads(text)
         except json.JSONDecodeError as exc:
             errors["args"] = f"not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
+        except RecursionError:  # deeper than the parser goes; the API's limit is far below
+            errors["args"] = f"nested deeper than {MAX_JSON_DEPTH} levels"
+        except ValueError:  # an integer longer than Python converts
+            errors["args"] = f"a number has more than {sys.get_int_max_str_digits()} digits"
     for name in ("delay_s", "run_at", "priority"):
         if form[name].strip():
             raw[name] = form[name].strip()
@@ -300,7 +307,7 @@ async def edit(
     they name; a version that moved on is explained, with the form kept."""
     form = {k: v for k, v in (await request.form()).items() if isinstance(v, str)}
     current = await store.get_definition(key)
-    read_version = int(form["version"]) if form.get("version", "").isdigit() else 0
+    read_version = _read_version(form.get("version", ""))
     changes = changes_from_form(current.options, form)
     if not changes:
         return _back(key, "Nothing to save: no option was changed.")
@@ -322,6 +329,13 @@ async def edit(
     return _back(key, f"Saved version {saved.version} of {key} ({', '.join(sorted(changes))}).")
 
 
+def _read_version(text: str) -> int:
+    """The version the form says it was read at; 0 (unknown, so the save is a conflict and
+    the form comes back on the latest version) unless it is one a job can have."""
+    version = decimal(text, len(str(VERSION_MAX)))
+    return version if version is not None and version <= VERSION_MAX else 0
+
+
 async def _edit_conflict(
     request: Request,
     session: Session,
@@ -330,9 +344,9 @@ async def _edit_conflict(
     read_version: int,
     form: dict[str, str],
 ) -> HTMLResponse:
-    """The job moved on since the form was read: the form is shown again on the latest
-    version with only this user's changes applied (a save then keeps the other edit), and
-    says what the other edit changed."""
+    """The job moved on since the form was read (or the form does not say when that was):
+    the form is shown again on the latest version with only this user's changes applied (a
+    save then keeps the other edit), and says what the other edit changed."""
     latest = await store.get_definition(key)
     read = next((v for v in await store.definition_history(key) if v.version == read_version), None)
     base = read.options if read is not None else latest.options
@@ -343,10 +357,19 @@ async def _edit_conflict(
         if edit_values(base).get(name) != value
     ]
     shown = {**edit_values(latest.options), **{k: form.get(k, "") for k in mine}}
+    if read_version:
+        moved = (
+            f"{key} was changed by {latest.updated_by or 'someone'} while you edited it: you "
+            f"read version {read_version}, it is now at version {latest.version}"
+            + (f" ({', '.join(theirs)} changed)" if theirs else "")
+        )
+    else:  # no version, or none a job can have: whatever it was read at, it may be stale
+        moved = (
+            f"The form did not say which version of {key} it was read at; it is at version "
+            f"{latest.version}"
+        )
     detail = (
-        f"{key} was changed by {latest.updated_by or 'someone'} while you edited it: you read "
-        f"version {read_version}, it is now at version {latest.version}"
-        + (f" ({', '.join(theirs)} changed)" if theirs else "")
+        moved
         + ". The form now shows that version with your changes "
         + f"({', '.join(sorted(mine)) or 'none'}) on top; check it and save again."
     )

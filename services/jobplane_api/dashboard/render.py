@@ -166,7 +166,7 @@ def read_flash(request: Request) -> dict[str, str] | None:
         return None
     try:
         kind, text = json.loads(base64.urlsafe_b64decode(raw.encode()))
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):  # the client's cookie: "[[[…" too
         return None
     if kind not in ("ok", "error") or not isinstance(text, str):
         return None
