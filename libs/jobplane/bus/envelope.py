@@ -12,6 +12,9 @@ from uuid import UUID
 from jobplane.errors import EnvelopeError
 
 ENVELOPE_VERSION = 1
+#: Error messages quote at most this much of the entry: they go to a log line and a
+#: dead-letter entry, and a malformed body can be large.
+_MAX_ERROR = 300
 
 
 class MessageKind(StrEnum):
@@ -49,34 +52,61 @@ class Envelope:
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Envelope:
-        """Parse an entry; raise :class:`EnvelopeError` for anything malformed."""
+        """Parse an entry; raise :class:`EnvelopeError` for anything malformed.
+
+        Every field's type is checked exactly (``type(x) is str``: a JSON value is never a
+        subclass; ``True`` is not a priority) before it is used, so a well-formed JSON body with
+        a field of the wrong type is refused here, as malformed, rather than failing later
+        with whatever error the code using it happens to raise."""
         try:
             body = json.loads(raw)
-            if not isinstance(body, dict):
-                raise EnvelopeError("envelope is not a JSON object")
-            if body.get("v") != ENVELOPE_VERSION:
-                raise EnvelopeError(f"unsupported envelope version {body.get('v')!r}")
-            priority = body["prio"]
-            job = body["job"]
-            pin = body.get("pin")
-            trace = body.get("tp")
-            if not isinstance(priority, int) or not isinstance(job, str):
-                raise EnvelopeError("envelope fields have the wrong type")
-            if pin is not None and not isinstance(pin, str):
-                raise EnvelopeError("envelope field 'pin' has the wrong type")
+        except (ValueError, TypeError, RecursionError) as exc:
+            # Not JSON (UnicodeDecodeError and JSONDecodeError are ValueErrors), not text at
+            # all (TypeError), or nested deeper than the parser's recursion goes.
+            raise EnvelopeError(f"undecodable envelope: {exc}"[:_MAX_ERROR]) from exc
+        if type(body) is not dict:
+            raise EnvelopeError("undecodable envelope: not a JSON object")
+        version = body.get("v")
+        if version != ENVELOPE_VERSION or type(version) is not int:
+            raise EnvelopeError(f"unsupported envelope version {version!r}"[:_MAX_ERROR])
+        instance_id = body.get("id")
+        job = body.get("job")
+        priority = body.get("prio")
+        kind = body.get("kind")
+        pin = body.get("pin")
+        trace = body.get("tp")
+        if (
+            type(instance_id) is not str
+            or type(job) is not str
+            or type(priority) is not int
+            or type(kind) is not str
+            or (pin is not None and type(pin) is not str)
+        ):
+            raise EnvelopeError(
+                "undecodable envelope: fields missing or of the wrong type "
+                "(id, job and kind are text, prio an integer, pin text if present)"
+            )
+        try:
             return cls(
-                instance_id=UUID(body["id"]),
+                instance_id=UUID(instance_id),
                 job_key=job,
                 priority=priority,
-                kind=MessageKind(body["kind"]),
+                kind=MessageKind(kind),
                 pinned_worker=pin,
                 # A malformed trace never makes a job undeliverable: it is dropped.
-                trace=trace if isinstance(trace, str) else None,
+                trace=trace if type(trace) is str else None,
             )
-        except EnvelopeError:
-            raise
-        except (ValueError, KeyError, TypeError) as exc:
-            raise EnvelopeError(f"undecodable envelope: {exc}") from exc
+        except ValueError as exc:  # an id that is not a UUID, a kind this version lacks
+            raise EnvelopeError(f"undecodable envelope: {exc}"[:_MAX_ERROR]) from exc
+
+
+def undecodable(exc: Exception) -> str:
+    """What a dead-letter entry and its log line say about an entry that did not decode: the
+    :class:`EnvelopeError`'s message, or, for anything else a decode raised (which
+    :meth:`Envelope.decode` should have turned into one), its type and message."""
+    if isinstance(exc, EnvelopeError):
+        return str(exc)
+    return f"undecodable envelope: {type(exc).__name__}: {exc}"[:_MAX_ERROR]
 
 
 class EventKind(StrEnum):
@@ -108,5 +138,6 @@ class Event:
             return cls(kind=EventKind(body["kind"]), data=body["data"])
         except EnvelopeError:
             raise
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise EnvelopeError(f"undecodable event: {exc}") from exc
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            # RecursionError: a body nested deeper than the parser goes.
+            raise EnvelopeError(f"undecodable event: {exc}"[:_MAX_ERROR]) from exc

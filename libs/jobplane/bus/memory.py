@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 
 from jobplane.bus.abc import BusEpoch, DeadLetter, Delivery, StreamStats
-from jobplane.bus.envelope import Envelope, Event
+from jobplane.bus.envelope import Envelope, Event, undecodable
 from jobplane.bus.keys import BANDS, Keys
 from jobplane.errors import EnvelopeError
 
@@ -226,10 +226,14 @@ class MemoryConsumer:
     def _decode(self, key: str, entry_id: int, raw: bytes, count: int) -> Delivery | None:
         try:
             envelope = Envelope.decode(raw)
-        except EnvelopeError as exc:
+        except Exception as exc:
+            # As on Redis: whatever a bad body makes the decode raise, the entry is
+            # dead-lettered, never raised into the worker (which would stop, and so would
+            # every worker that reclaimed the entry after it).
             dead_key = self._dead_of[key]
+            error = undecodable(exc)
             self.bus._dead.setdefault(dead_key, []).append(
-                DeadLetter(stream=key, entry_id=str(entry_id), raw=raw, error=str(exc))
+                DeadLetter(stream=key, entry_id=str(entry_id), raw=raw, error=error)
             )
             self._forget(key, entry_id)
             logger.warning(
@@ -237,7 +241,8 @@ class MemoryConsumer:
                 entry_id,
                 key,
                 dead_key,
-                exc,
+                error,
+                exc_info=None if isinstance(exc, EnvelopeError) else exc,
                 extra={"action": "bus.dead_letter", "stream": key},
             )
             return None

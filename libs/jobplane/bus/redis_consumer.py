@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from redis.exceptions import ResponseError
 
 from jobplane.bus.abc import Delivery
-from jobplane.bus.envelope import Envelope
+from jobplane.bus.envelope import Envelope, undecodable
 from jobplane.bus.keys import GROUP
 from jobplane.bus.redis_calls import as_text, hash_tag, translated
 from jobplane.errors import EnvelopeError
@@ -173,13 +173,18 @@ class RedisConsumer:
             if raw is None:
                 raise EnvelopeError("entry has no 'd' field")
             envelope = Envelope.decode(raw)
-        except EnvelopeError as exc:
-            await self._dead_letter(stream, entry, raw or b"", str(exc))
+        except Exception as exc:
+            # Whatever a bad body makes the decode raise, the entry goes to the dead letters:
+            # raised, it would stop this worker, stay pending, and stop every worker that
+            # reclaims it in turn. (Its instance is not lost: the store is the truth, and the
+            # scheduler's sweep republishes an Enqueued instance whose message is gone.)
+            await self._dead_letter(stream, entry, raw or b"", exc)
             return None
         return Delivery(stream=stream, entry_id=entry, envelope=envelope, times_delivered=count)
 
-    async def _dead_letter(self, stream: str, entry_id: str, raw: bytes, error: str) -> None:
+    async def _dead_letter(self, stream: str, entry_id: str, raw: bytes, exc: Exception) -> None:
         dead = self._dead_of[stream]
+        error = undecodable(exc)
         pipe = self.client.pipeline(transaction=False)
         pipe.xadd(
             dead,
@@ -197,6 +202,8 @@ class RedisConsumer:
             stream,
             dead,
             error,
+            # An error that is not an EnvelopeError is a case the decode missed: where.
+            exc_info=None if isinstance(exc, EnvelopeError) else exc,
             extra={"action": "bus.dead_letter", "stream": stream},
         )
 
