@@ -1,6 +1,7 @@
 """Recording how attempts ended: outcomes in batches (fenced by the claim token, retried while
-the store is unreachable: an outcome is never dropped), releases on shutdown, and the
-republishing that follows (retries, instances parked for a freed slot).
+the store is unreachable, one that cannot be stored parked as a failure and logged: an outcome
+is never dropped silently), releases on shutdown, and the republishing that follows (retries,
+instances parked for a freed slot).
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class Recorder:
     async def _record(self, batch: list[tuple[Attempt, Outcome]]) -> None:
         outcomes = [outcome for _, outcome in batch]
         began_ns = time.time_ns()
+        # An outcome the store cannot record (refused, or failing on this side) is isolated
+        # and parked there, never raised: the loop must outlive any one outcome's data.
         ended: dict[UUID, InstanceState] = await complete_isolating_poison(
             retrying(
                 f"recording {len(outcomes)} outcome(s)", None, self.metrics.backend_error
@@ -108,14 +111,19 @@ class Recorder:
                 wait_keys[instance.job_key] = wait_keys.get(instance.job_key, 0) + 1
         try:
             await self._republish(requeued, wait_keys)
-        except UnavailableError as exc:
+        except Exception as exc:
             if not isinstance(exc, StoreUnavailableError):  # a store error was counted by a try
                 self.metrics.backend_error(exc)
             # Not fatal: the outcomes are recorded; the sweep republishes what is Enqueued.
-            logger.warning(
+            # Whatever failed (an outage, a refusal, a bug), stopping the record loop for it
+            # would strand every outcome queued behind this batch. Only an outage is expected:
+            # anything else is logged with its traceback.
+            logger.log(
+                logging.WARNING if isinstance(exc, UnavailableError) else logging.ERROR,
                 "republishing after %d outcome(s) failed: %s; left for the sweep",
                 len(batch),
                 exc,
+                exc_info=None if isinstance(exc, UnavailableError) else exc,
                 extra={"action": "worker.republish_deferred"},
             )
 

@@ -2,15 +2,17 @@
 
 The API, the HTTP client and :func:`~jobplane.enqueue.enqueue` all call these before a value
 reaches the store: arguments nested too deep or too large, text the database cannot hold (NUL,
-lone surrogates), numbers JSON cannot carry (NaN, infinities), idempotency keys in the
-namespace Jobplane keeps for itself, and datetimes outside what the store can represent. Each
-raises :class:`~jobplane.errors.InvalidOptionsError` naming the field at fault.
+lone surrogates), numbers JSON cannot carry (NaN, infinities, integers too long to write out),
+idempotency keys in the namespace Jobplane keeps for itself, and datetimes outside what the
+store can represent. Each raises :class:`~jobplane.errors.InvalidOptionsError` naming the field
+at fault.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 from datetime import UTC, datetime
 from typing import Any
 
@@ -30,6 +32,13 @@ INT32_MAX = 2**31 - 1
 #: ``retry-of:<instance id>``); a client may not take them.
 RESERVED_KEY_PREFIXES = ("retry-of:",)
 IDEMPOTENCY_KEY_MAX = 200
+#: Integers with more digits are refused: Python's ``json`` (and ``int()``) refuse to convert
+#: longer ones by default, in the store's encoder as in every reader, so such a value could be
+#: neither stored nor read back.
+MAX_INT_DIGITS = sys.int_info.default_max_str_digits
+#: Integers below this in magnitude (fewer than 640 digits) are under any limit Python can be
+#: set to: only larger ones are looked at more closely, so the common case costs a comparison.
+_INT_SMALL = 10**sys.int_info.str_digits_check_threshold
 #: The encoding whose size is checked (one encoder, not one built per call as ``json.dumps``
 #: with options does: most of the check's time for a small value).
 _COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
@@ -43,36 +52,77 @@ def check_json(
     max_bytes: int = MAX_ARGS_BYTES,
 ) -> None:
     """Raise InvalidOptionsError unless ``value`` is plain JSON the store can keep and give
-    back: objects with string keys, arrays, finite numbers, text without NUL or lone
-    surrogates, at most ``max_depth`` levels deep and ``max_bytes`` long encoded. The field
-    named is the JSON path of the first fault (``args.items.3``)."""
+    back: objects with string keys, arrays, finite numbers, integers of at most
+    :data:`MAX_INT_DIGITS` digits, text without NUL or lone surrogates, at most ``max_depth``
+    levels deep and ``max_bytes`` long encoded. The field named is the JSON path of the first
+    fault (``args.items.3``). Every value accepted encodes with ``json.dumps``, a bare number
+    included."""
     # Iterative, so that a value nested thousands deep cannot exhaust the stack here.
     stack: list[tuple[Any, str, int]] = [(value, field, 1)]
     while stack:
         node, path, depth = stack.pop()
         if isinstance(node, dict | list):
-            if depth > max_depth:
-                # The top field is named: the path down there is as long as the nesting.
-                raise InvalidOptionsError(field, f"nested deeper than {max_depth} levels")
-            items = node.items() if isinstance(node, dict) else enumerate(node)
-            for key, child in items:
-                if not isinstance(key, str | int):
-                    raise InvalidOptionsError(path, "object keys must be text")
-                name = key[:40] if isinstance(key, str) else key
-                if isinstance(key, str):
-                    check_text(key, f"{path}.{name}")
-                stack.append((child, f"{path}.{name}", depth + 1))
+            _push_children(node, path, depth, stack, field, max_depth)
         elif isinstance(node, str):
             check_text(node, path)
-        elif isinstance(node, float) and not math.isfinite(node):
-            raise InvalidOptionsError(path, "numbers must be finite (no NaN or Infinity)")
-        elif node is not None and not isinstance(node, bool | int | float):
+        elif isinstance(node, float):
+            if not math.isfinite(node):
+                raise InvalidOptionsError(path, "numbers must be finite (no NaN or Infinity)")
+        elif isinstance(node, int):  # booleans too: they are ints, and never large
+            if not -_INT_SMALL < node < _INT_SMALL:
+                check_int_digits(node, path)
+        elif node is not None:
             raise InvalidOptionsError(path, f"not a JSON value ({type(node).__name__})")
     if not isinstance(value, dict | list | str):
         return  # a number, a boolean or null: a few bytes
-    size = len(_COMPACT.encode(value).encode())
+    try:
+        size = len(_COMPACT.encode(value).encode())
+    except (ValueError, TypeError, RecursionError) as exc:
+        # The walk above accepts only what encodes; this is the backstop for what it cannot
+        # see (a container subclass that iterates differently): the value is refused here,
+        # with the field named, rather than by the store's encoder, where nothing expects it.
+        raise InvalidOptionsError(field, f"cannot be encoded as JSON ({exc})") from None
     if size > max_bytes:
         raise InvalidOptionsError(field, f"{size} bytes encoded; the limit is {max_bytes}")
+
+
+def _push_children(
+    node: dict[Any, Any] | list[Any],
+    path: str,
+    depth: int,
+    stack: list[tuple[Any, str, int]],
+    field: str,
+    max_depth: int,
+) -> None:
+    """Push a container's children for :func:`check_json` to check, once its keys are."""
+    if depth > max_depth:
+        # The top field is named: the path down there is as long as the nesting.
+        raise InvalidOptionsError(field, f"nested deeper than {max_depth} levels")
+    if isinstance(node, list):
+        stack.extend((child, f"{path}.{index}", depth + 1) for index, child in enumerate(node))
+        return
+    for key, child in node.items():
+        if isinstance(key, str):
+            name: str | int = key[:40]
+            check_text(key, f"{path}.{name}")
+        elif isinstance(key, int):  # JSON writes it out as text, as it does a value
+            # Checked before the key is written into a path: a huge one cannot be.
+            if not -_INT_SMALL < key < _INT_SMALL:
+                check_int_digits(key, path)
+            name = key
+        else:
+            raise InvalidOptionsError(path, "object keys must be text")
+        stack.append((child, f"{path}.{name}", depth + 1))
+
+
+def check_int_digits(value: int, field: str) -> None:
+    """Refuse an integer with more than :data:`MAX_INT_DIGITS` digits, or more than this
+    process may convert to text (``sys.set_int_max_str_digits`` can lower the limit)."""
+    limit = sys.get_int_max_str_digits()
+    digits = MAX_INT_DIGITS if limit == 0 else min(limit, MAX_INT_DIGITS)
+    bound = 10**digits
+    if not -bound < value < bound:
+        raise InvalidOptionsError(field, f"integers may have at most {digits} digits")
 
 
 def check_text(value: str, field: str, *, max_length: int | None = None) -> str:
