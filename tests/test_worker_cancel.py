@@ -54,7 +54,7 @@ async def test_a_cancel_during_the_timeout_grace_ends_it_cancelled_not_retried(
         instance = await Dispatcher(pg_store, redis_bus).trigger("stubborn")
 
         async def timed_out() -> bool:
-            attempt = worker.running.get(instance.id)
+            attempt = worker.attempt_of(instance.id)
             return attempt is not None and attempt.ctx.cancellation.reason == "timeout"
 
         await wait_for(timed_out, what="the timeout's signal")

@@ -1,14 +1,19 @@
 """A sync job that ignores its timeout, on Postgres and Redis: its attempt ends Failed on time,
-while the job's slot and the worker's thread stay held until its code really returns."""
+while the job's slot and the worker's thread stay held until its code really returns, and are
+given back then whatever its code ends with and whatever the store does meanwhile."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 from pathlib import Path
 from uuid import UUID
 
 import pytest
+from pydantic import BaseModel
 
+from jobplane import App
 from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.states import InstanceState as S
@@ -16,7 +21,7 @@ from jobplane.store.sql import SqlStore
 from jobplane_worker.worker import Worker
 from tests.apps.basic import app
 from tests.store_helpers import slots_used
-from tests.worker_helpers import running_worker, settled, wait_for
+from tests.worker_helpers import FlakyStore, running_worker, settled, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -98,3 +103,88 @@ async def _runaways_gone(worker: Worker) -> bool:
 
 def _sample(worker: Worker, name: str, **labels: str) -> float:
     return float(worker.metrics.registry.get_sample_value(name, labels) or 0.0)
+
+
+class Arg(BaseModel):
+    n: int
+
+
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no str for you")
+
+
+async def test_a_runaway_that_ends_raising_what_cannot_print_gives_its_slot_back(
+    pg_store: SqlStore, redis_bus: Bus, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = App("unprintable")
+    gate = threading.Event()
+
+    @app.triggered(timeout_s=0.5, max_concurrency=1)
+    def stubborn() -> None:
+        gate.wait(60)  # ignores its timeout
+        raise Unprintable
+
+    caplog.set_level(logging.WARNING, logger="jobplane_worker.worker")
+    try:
+        async with running_worker(app, pg_store, redis_bus, timeout_grace_s=0.2):
+            instance = await Dispatcher(pg_store, redis_bus).trigger("stubborn")
+            [failed] = await settled(pg_store, [instance.id])
+            assert failed.state is S.TERMINATED and failed.reason == "no attempts left"
+            assert await slots_used(pg_store, "stubborn") == 1  # its code still runs
+            gate.set()
+            await wait_for(lambda: _slot_free(pg_store, "stubborn"), what="the slot to come back")
+    finally:
+        gate.set()
+    [returned] = [r for r in caplog.records if _action(r) == "worker.runaway_returned"]
+    assert "raised Unprintable: <Unprintable: str() failed>" in returned.getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_a_store_outage_as_a_runaway_lets_go_only_delays_the_instance_parked_for_it(
+    pg_store: SqlStore, redis_bus: Bus, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Republishing the instance parked for the runaway's slot (``on_limit="wait"``) meets an
+    outage: retried as the recorder's republishing is, never the end of the runaway's watcher."""
+    app = App("parked")
+    gate = threading.Event()
+
+    @app.triggered(timeout_s=0.5, max_concurrency=1, on_limit="wait")
+    def one_at_a_time(args: Arg) -> int:
+        if args.n == 0:
+            gate.wait(60)  # ignores its timeout
+        return args.n
+
+    flaky = FlakyStore(pg_store)
+    caplog.set_level(logging.WARNING)
+    try:
+        async with running_worker(app, flaky, redis_bus, timeout_grace_s=0.2) as worker:
+            dispatcher = Dispatcher(pg_store, redis_bus)
+            runaway = await dispatcher.trigger("one_at_a_time", {"n": 0})
+            await settled(pg_store, [runaway.id])
+            parked = await dispatcher.trigger("one_at_a_time", {"n": 1})
+
+            async def is_parked() -> bool:
+                found = await pg_store.get_instance(parked.id)
+                return found.state is S.ENQUEUED and found.published_at is None
+
+            await wait_for(is_parked, what="the claim to park the second instance")
+            flaky.fail_next["republish_waiting"] = 2  # the store is away as the thread returns
+            gate.set()
+            [done] = await settled(pg_store, [parked.id], timeout_s=15)
+            await wait_for(lambda: _runaways_gone(worker), what="the watcher to end")
+            assert not worker.runaways.watchers()
+    finally:
+        gate.set()
+    assert done.state is S.SUCCEEDED and done.result == 1
+    assert len(flaky.refusals("republish_waiting")) == 2
+    assert await slots_used(pg_store, "one_at_a_time") == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def _slot_free(store: SqlStore, key: str) -> bool:
+    return await slots_used(store, key) == 0
+
+
+def _action(record: logging.LogRecord) -> str:
+    return str(getattr(record, "action", ""))

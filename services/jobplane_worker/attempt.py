@@ -6,10 +6,11 @@ import asyncio
 import functools
 import logging
 import random
-import traceback
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
+from uuid import UUID
 
 from opentelemetry.context import Context
 from pydantic import BaseModel
@@ -22,6 +23,7 @@ from jobplane.domain.options import Isolation
 from jobplane.domain.reasons import EndReason, StopReason
 from jobplane.domain.states import InstanceState
 from jobplane_worker.isolation import ChildFailedError, run_in_child
+from jobplane_worker.job_errors import exception_message, exception_traceback
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +51,47 @@ class Attempt:
     trace: Context | None = None
 
     @property
-    def lease(self) -> tuple[Any, int]:
+    def lease(self) -> tuple[UUID, int]:
+        """(instance id, claim token): this attempt, and no other of the same instance."""
         return (self.claim.instance.id, self.claim.token)
 
     @property
     def code_running(self) -> bool:
         """A pool thread still runs this attempt's code (it cannot be stopped from outside)."""
         return self.code is not None and not self.code.done()
+
+
+class Ending(Enum):
+    """What the worker writes once an attempt has ended (see :func:`ending`)."""
+
+    #: Its outcome, fenced by its claim token.
+    RECORD = "record"
+    #: Processing → Enqueued, no retry used: the worker stopped it (shutdown, the fence).
+    RELEASE = "release"
+    #: Nothing: the lease was lost, another attempt may run the instance.
+    LOST = "lost"
+    #: Nothing: the worker failed to end it (logged); its lease runs out.
+    ERROR = "error"
+    #: Nothing: stopped from outside while its sync code still runs, which is never released.
+    LEFT = "left"
+
+
+def ending(attempt: Attempt, outcome: Outcome | None, broken: bool) -> Ending:
+    """What to write for an attempt that ended with ``outcome`` (``None``: the worker stopped
+    it), or ``broken`` (the worker failed to end it). A runaway (its sync code still runs) with
+    an outcome always has it recorded, holding its job's slot: never released while its code
+    runs, and never left holding a slot that no outcome keeps."""
+    if attempt.lease_lost:
+        return Ending.LOST  # every write of its token would be refused anyway
+    if broken:
+        return Ending.ERROR
+    if outcome is None:
+        return Ending.LEFT if attempt.code_running else Ending.RELEASE
+    if attempt.shutdown and not attempt.code_running and outcome.reason != StopReason.TIMEOUT:
+        # The worker is stopping and the code has stopped (it noticed the signal and
+        # returned): another worker runs it again.
+        return Ending.RELEASE
+    return Ending.RECORD
 
 
 async def run_attempt(
@@ -73,6 +109,12 @@ async def run_attempt(
     job still running then ignores the signal: its thread cannot be stopped, so the outcome is
     returned while ``attempt.code_running`` — the caller keeps the thread's slots until it
     returns (a runaway).
+
+    Whatever the job's code raises is its outcome (Failed, retried as its options say), even a
+    ``BaseException`` (``SystemExit``, ``KeyboardInterrupt``, a library's own): nothing it does
+    escapes into the worker. Only a stop the worker asked for (``ctx.cancellation`` set: its
+    shutdown, a lost lease) raises ``asyncio.CancelledError``: the attempt is released, not
+    failed.
     """
     claim, ctx = attempt.claim, attempt.ctx
     timeout = claim.options.timeout_s
@@ -94,11 +136,23 @@ async def run_attempt(
         return _failed(
             claim, TimeoutError(f"timed out after {timeout:g} s"), reason=StopReason.TIMEOUT
         )
-    except asyncio.CancelledError:
+    except asyncio.CancelledError as exc:
         if ctx.cancellation.cancel_requested:
             return _cancelled(claim)
-        raise  # the worker is stopping: the attempt is released, not failed
-    except Exception as exc:
+        if ctx.cancellation.is_set():
+            # The worker asked it to stop: every stop of the worker's (its drain, a cancel
+            # request, a lost lease or the fence; a timeout is a TimeoutError here) sets the
+            # signal before it cancels anything. Released, not failed.
+            raise
+        # Nobody asked: the job's own CancelledError (it awaited a future something else
+        # cancelled; a sync job's .result() of a cancelled concurrent future). A failure like
+        # any other: taken for a stop, it was released and run again, for ever.
+        return _failed(claim, exc)
+    except GeneratorExit:
+        raise  # this coroutine is being closed (its task destroyed with its loop): not the job's
+    except BaseException as exc:
+        # Anything else the job raises, SystemExit and KeyboardInterrupt included (asyncio
+        # would re-raise those out of the event loop and end the worker's process).
         if ctx.cancellation.cancel_requested:
             return _cancelled(claim)
         return _failed(claim, exc)
@@ -114,8 +168,15 @@ async def _run_async(
     assert task is not None
     loop = asyncio.get_running_loop()
     hard: list[asyncio.TimerHandle] = []
+    returned = False
 
     def on_signal() -> None:
+        if returned:
+            # The signal came after the code returned (a Cancellation keeps its callbacks): a
+            # heartbeat sent before it returned answers "cancel requested" or "lease lost" while
+            # this task records the outcome. Cancelled there, the outcome would be dropped and
+            # the instance left to the reaper.
+            return
         if ctx.cancellation.reason == StopReason.TIMEOUT:
             hard.append(loop.call_later(grace_s, task.cancel))
         else:
@@ -131,6 +192,7 @@ async def _run_async(
         task.uncancel()
         raise TimeoutError from None
     finally:
+        returned = True
         soft.cancel()
         for handle in hard:
             handle.cancel()
@@ -185,13 +247,14 @@ def _cancelled(claim: Claim) -> Outcome:
 
 
 def _succeeded(claim: Claim, result: Any) -> Outcome:
-    if isinstance(result, BaseModel):
-        result = result.model_dump(mode="json")
     try:
+        if isinstance(result, BaseModel):
+            result = result.model_dump(mode="json")  # the job's serialisers run here
         # Nothing stored that cannot be read back: depth, NaN and NUL checked as for args.
         check_json(result, "result", max_bytes=MAX_RESULT_BYTES)
-    except (TypeError, ValueError) as exc:
-        return _failed(claim, TypeError(f"job result is not JSON serialisable: {exc}"))
+    except Exception as exc:  # the job's data: whatever makes it unstorable fails the attempt
+        message = exception_message(exc)
+        return _failed(claim, TypeError(f"job result is not JSON serialisable: {message}"))
     return Outcome(claim.instance.id, claim.token, InstanceState.SUCCEEDED, result=result)
 
 
@@ -201,10 +264,11 @@ def _failed(claim: Claim, exc: BaseException, reason: StopReason | None = None) 
     if isinstance(exc, ChildFailedError):
         error = ErrorInfo(type=exc.type_name, message=str(exc), traceback=exc.child_traceback)
     else:
+        # The job's exception: its __str__ may raise, its traceback may not format.
         error = ErrorInfo(
             type=type(exc).__name__,
-            message=str(exc),
-            traceback="".join(traceback.format_exception(exc)),
+            message=exception_message(exc),
+            traceback=exception_traceback(exc),
         )
     return Outcome(
         claim.instance.id,

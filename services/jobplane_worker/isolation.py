@@ -34,7 +34,6 @@ import logging
 import multiprocessing
 import signal
 import threading
-import traceback
 from datetime import datetime
 from multiprocessing.connection import Connection
 from typing import Any
@@ -47,6 +46,7 @@ from jobplane.context import JobContext, LeaseLostError, bind_worker
 from jobplane.domain.limits import MAX_RESULT_BYTES, check_json
 from jobplane.domain.reasons import StopReason
 from jobplane.errors import JobplaneError, StoreUnavailableError
+from jobplane_worker.job_errors import exception_message, exception_traceback
 
 logger = logging.getLogger(__name__)
 
@@ -335,11 +335,12 @@ def _ok_message(result: Any) -> Message:
 
 
 def _error_message(exc: BaseException) -> Message:
+    # The job's exception: its __str__ may raise (the child would then die without an answer).
     return {
         "kind": "error",
         "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(exc)),
+        "message": exception_message(exc),
+        "traceback": exception_traceback(exc),
     }
 
 

@@ -15,7 +15,12 @@ from jobplane.context import pending_progress, progress_written
 from jobplane.domain.models import Claim
 from jobplane.domain.options import Isolation
 from jobplane.domain.reasons import StopReason
-from jobplane.errors import StoreUnavailableError, WorkerEvictedError
+from jobplane.errors import (
+    StoreConflictError,
+    StoreRefusedError,
+    StoreUnavailableError,
+    WorkerEvictedError,
+)
 from jobplane.store.abc import WorkerStore
 from jobplane_worker.attempt import Attempt
 from jobplane_worker.metrics import FencedWrite, WorkerMetrics
@@ -25,9 +30,12 @@ from jobplane_worker.settings import WorkerSettings
 logger = logging.getLogger("jobplane_worker.worker")
 
 
+Lease = tuple[UUID, int]  # (instance id, claim token): one attempt
+
+
 class Leases:
-    """Renews the leases of ``running`` (the worker's attempts, shared with it) and fences off
-    an attempt before a lease it could not renew ends."""
+    """Renews the leases of ``running`` (the worker's attempts by lease, shared with it) and
+    fences off an attempt before a lease it could not renew ends."""
 
     def __init__(
         self,
@@ -35,24 +43,38 @@ class Leases:
         store: WorkerStore,
         settings: WorkerSettings,
         metrics: WorkerMetrics,
-        running: dict[UUID, Attempt],
+        running: dict[Lease, Attempt],
     ) -> None:
         self.worker_id = worker_id
         self.store = store
         self.settings = settings
         self.metrics = metrics
         self.running = running
-        #: Per running instance, a ``time.monotonic()`` until which its lease surely holds:
-        #: ``lease_s`` after the claim or last renewal was sent.
-        self._until: dict[UUID, float] = {}
+        #: Per running attempt (by lease: an instance claimed again by this worker while an
+        #: earlier attempt of it still runs has two), a ``time.monotonic()`` until which its
+        #: lease surely holds: ``lease_s`` after the claim or last renewal was sent.
+        self._until: dict[Lease, float] = {}
 
-    def track(self, instance_id: UUID, lease_until: float) -> None:
-        """A claimed instance starts: its lease holds until ``lease_until`` (monotonic)."""
-        self._until[instance_id] = lease_until
+    def track(self, lease: Lease, lease_until: float) -> None:
+        """A claimed attempt starts: its lease holds until ``lease_until`` (monotonic)."""
+        self._until[lease] = lease_until
 
-    def forget(self, instance_id: UUID) -> float:
+    def forget(self, lease: Lease) -> float:
         """The attempt has ended: when its lease surely held until (0 if unknown)."""
-        return self._until.pop(instance_id, 0.0)
+        return self._until.pop(lease, 0.0)
+
+    def lose(self, attempt: Attempt, why: str) -> None:
+        """``attempt`` no longer holds its lease (another attempt may run the instance): stop
+        it; nothing of it is written."""
+        instance_id = attempt.claim.instance.id
+        attempt.lease_lost = True
+        attempt.ctx.cancellation.set(StopReason.LEASE_LOST)
+        logger.warning(
+            "lost the lease of instance %s (%s); stopping it",
+            instance_id,
+            why,
+            extra={"action": "worker.lease_lost", "instance_id": str(instance_id)},
+        )
 
     async def heartbeat_loop(self) -> None:
         while True:
@@ -87,7 +109,7 @@ class Leases:
 
     def fence_at(self, attempt: Attempt) -> float | None:
         """When (monotonic) the fence stops ``attempt`` unless its lease is renewed first."""
-        until = self._until.get(attempt.claim.instance.id)
+        until = self._until.get(attempt.lease)
         return None if until is None else until - self.fence_margin(attempt.claim)
 
     def fence_margin(self, claim: Claim) -> float:
@@ -144,21 +166,21 @@ class Leases:
             [a.lease for a in attempts], self.settings.lease_s, progress
         )
         for attempt in attempts:
+            if self.running.get(attempt.lease) is not attempt or attempt.lease_lost:
+                # Race: it ended while the heartbeat was out (its outcome is being recorded,
+                # which may be why its lease was not renewed), or this worker claimed the
+                # instance again meanwhile (see Worker._start). The answer is not about a
+                # running attempt: a signal now would cancel the recording of its outcome.
+                continue
             instance_id = attempt.claim.instance.id
             if instance_id in kept:
-                self._until[instance_id] = sent + self.settings.lease_s
+                self._until[attempt.lease] = sent + self.settings.lease_s
                 if (written := progress.get(instance_id)) is not None:
                     progress_written(attempt.ctx, written)  # a newer report stays pending
             if instance_id not in kept:
                 # Another worker may own it now; every write of ours would be refused anyway.
-                attempt.lease_lost = True
-                attempt.ctx.cancellation.set(StopReason.LEASE_LOST)
                 self.metrics.lease_lost_writes.labels(write=FencedWrite.HEARTBEAT).inc()
-                logger.warning(
-                    "lost the lease of instance %s; stopping it",
-                    instance_id,
-                    extra={"action": "worker.lease_lost", "instance_id": str(instance_id)},
-                )
+                self.lose(attempt, "its heartbeat was refused")
             elif kept[instance_id]:
                 attempt.ctx.cancellation.set(StopReason.CANCEL_REQUESTED)
 
@@ -175,7 +197,8 @@ class Leases:
             kept = await self.store.heartbeat(
                 [attempt.lease], self.settings.lease_s, {instance_id: progress}
             )
-        except StoreUnavailableError as exc:
+        except (StoreUnavailableError, StoreConflictError, StoreRefusedError) as exc:
+            # Best effort: the outcome is recorded next, whatever happened to its progress.
             self.metrics.backend_error(exc)
             logger.warning(
                 "could not write the last progress of %s: %s",

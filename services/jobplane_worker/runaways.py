@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from typing import Any
 from uuid import UUID
 
 from jobplane.dispatch import Dispatcher
+from jobplane.domain.models import Instance
 from jobplane.domain.options import OnLimit
+from jobplane.errors import StoreUnavailableError, UnavailableError
 from jobplane.store.abc import WorkerStore
 from jobplane_worker.attempt import Attempt
+from jobplane_worker.job_errors import describe
 from jobplane_worker.metrics import WorkerMetrics
-from jobplane_worker.retrying import retrying
+from jobplane_worker.retrying import SIDE_WRITE_RETRY_S, retrying
 
 # The role's logger, as for every part of the worker: operators filter on it.
 logger = logging.getLogger("jobplane_worker.worker")
@@ -35,11 +40,14 @@ class Runaways:
         self.metrics = metrics
         self._slot_freed = slot_freed
         # Attempts recorded (or given up) while their sync code still runs in a pool thread,
-        # by lease: each holds a worker slot until its thread returns (see hold).
+        # by lease: each one's watcher, until it has given the job's slot back (see hold).
         self._held: dict[tuple[UUID, int], asyncio.Task[None]] = {}
+        # Those whose thread still runs: each holds a worker slot until its thread returns
+        # (not until the job's slot is given back: that write may wait out a store outage).
+        self._threads: set[tuple[UUID, int]] = set()
 
     def __len__(self) -> int:
-        return len(self._held)
+        return len(self._threads)
 
     def watchers(self) -> list[asyncio.Task[None]]:
         """The tasks waiting for runaway threads (a drain waits for them)."""
@@ -53,31 +61,55 @@ class Runaways:
             self._await(attempt, holds_slot), name=f"runaway-{attempt.lease[0]}"
         )
         self._held[attempt.lease] = task
+        self._threads.add(attempt.lease)
 
     async def _await(self, attempt: Attempt, holds_slot: bool) -> None:
         """Wait for a runaway's thread; discard what it returns or raises (its attempt has
-        ended and every write of its token is refused); then give its job's slot back."""
+        ended and every write of its token is refused); then give its job's slot back. Never
+        ends in an error: nobody awaits this task (the drain only waits for it to end)."""
         instance = attempt.claim.instance
         extra = {"instance_id": str(instance.id), "job_key": instance.job_key}
-        assert attempt.code is not None
+        code = attempt.code
+        assert code is not None
         try:
             try:
-                await asyncio.shield(attempt.code)
-                ended = "returned"
-            except Exception as exc:
-                ended = f"raised {type(exc).__name__}: {exc}"
+                await asyncio.shield(code)
+            except BaseException:
+                # Whatever the job's code raised (SystemExit too: asyncio would re-raise it
+                # out of the event loop) is discarded below. Only this watcher's own cancel
+                # (the worker is failing) goes on; the dead-worker sweep then frees the slot.
+                if not code.done():
+                    raise
+            self._let_go(attempt)
             logger.warning(
                 "runaway job %s (%s) %s at last; discarded",
                 instance.job_key,
                 instance.id,
-                ended,
+                _how_it_ended(code),
                 extra={**extra, "action": "worker.runaway_returned"},
             )
             if holds_slot:
                 await attempt.done.wait()  # the Failed outcome was written (or refused)
                 await self._release_slot(attempt)
+        except Exception:
+            # A fault of the worker's own (a store refusal, say): logged, never a task error
+            # nobody retrieves. The slot stays held until the dead-worker sweep, or this
+            # worker's next registration, gives it back.
+            logger.exception(
+                "could not give back the slot of runaway job %s (%s)",
+                instance.job_key,
+                instance.id,
+                extra={**extra, "action": "worker.runaway_error"},
+            )
         finally:
             self._held.pop(attempt.lease, None)
+            self._let_go(attempt)
+
+    def _let_go(self, attempt: Attempt) -> None:
+        """The runaway's thread has returned (or is no longer waited for): its worker slot is
+        free."""
+        if attempt.lease in self._threads:
+            self._threads.discard(attempt.lease)
             self._slot_freed.set()
 
     async def _release_slot(self, attempt: Attempt) -> None:
@@ -88,7 +120,40 @@ class Runaways:
         released: bool = await retrying(
             f"giving back the slot of runaway {instance.id}", None, self.metrics.backend_error
         )(self.store.release_runaway_slot, instance.id, attempt.claim.token)
-        if released and attempt.claim.options.on_limit is OnLimit.WAIT:
-            # An instance parked for this slot (the retry, perhaps) can run now.
-            waiting = await self.store.republish_waiting([instance.job_key], 1)
-            await self.dispatcher.publish(waiting, force=True)
+        if not released or attempt.claim.options.on_limit is not OnLimit.WAIT:
+            return
+        # An instance parked for this slot (the retry, perhaps) can run now. Best effort, as
+        # the recorder's republishing: retried for a while, then left to the sweep, which
+        # republishes what is Enqueued and unpublished.
+        deadline = time.monotonic() + SIDE_WRITE_RETRY_S
+        try:
+            waiting: list[Instance] = await retrying(
+                f"republishing parked instances of {instance.job_key}",
+                lambda: deadline,
+                self.metrics.backend_error,
+            )(self.store.republish_waiting, [instance.job_key], 1)
+            await retrying(
+                "marking instances published", lambda: deadline, self.metrics.backend_error
+            )(self.dispatcher.publish, waiting, force=True)
+        except UnavailableError as exc:
+            if not isinstance(exc, StoreUnavailableError):  # a store error was counted by a try
+                self.metrics.backend_error(exc)
+            logger.warning(
+                "republishing after the runaway %s let go of its slot failed: %s; left for the "
+                "sweep",
+                instance.id,
+                exc,
+                extra={
+                    "action": "worker.republish_deferred",
+                    "instance_id": str(instance.id),
+                    "job_key": instance.job_key,
+                },
+            )
+
+
+def _how_it_ended(code: asyncio.Future[Any]) -> str:
+    """How a runaway's code ended, for the log (the job's exception may not even print)."""
+    if code.cancelled():
+        return "was cancelled"
+    exc = code.exception()
+    return "returned" if exc is None else f"raised {describe(exc)}"

@@ -51,9 +51,9 @@ from jobplane.events import listen
 from jobplane.startup import freeze_startup_heap, wait_until_reachable
 from jobplane.store.abc import WorkerStore
 from jobplane.tasks import cancel_and_wait
-from jobplane_worker.attempt import Attempt, run_attempt
+from jobplane_worker.attempt import Attempt, Ending, ending, run_attempt
 from jobplane_worker.consuming import Intake
-from jobplane_worker.leases import Leases
+from jobplane_worker.leases import Lease, Leases
 from jobplane_worker.metrics import AttemptEnd, FencedWrite, WorkerMetrics
 from jobplane_worker.recording import Recorder, quietly
 from jobplane_worker.retrying import retrying
@@ -77,7 +77,12 @@ class Worker:
         self.bus = bus
         self.settings = settings
         self.id = settings.worker_id
-        self.running: dict[UUID, Attempt] = {}
+        #: Every attempt whose task runs, by lease: an instance the reaper released while its
+        #: attempt still ran here, and that this worker claimed again, has two at once.
+        self.running: dict[Lease, Attempt] = {}
+        #: The attempt of each instance that holds its lease, as far as this worker knows (the
+        #: latest claim): the one a cancel request is for.
+        self._current: dict[UUID, Attempt] = {}
         self._slot_freed = asyncio.Event()
         self._side_tasks: set[asyncio.Task[Any]] = set()
         self._resources: Resources = {}
@@ -105,6 +110,10 @@ class Worker:
             start=self._start,
             spawn=self._spawn,
         )
+
+    def attempt_of(self, instance_id: UUID) -> Attempt | None:
+        """The attempt of ``instance_id`` that runs here under its current claim, if any."""
+        return self._current.get(instance_id)
 
     @property
     def runaway_count(self) -> int:
@@ -219,9 +228,27 @@ class Worker:
             loop=asyncio.get_running_loop(),
         )
         attempt = Attempt(claim=claim, ctx=ctx, trace=trace)
-        self.running[instance.id] = attempt
-        self.leases.track(instance.id, lease_until)
+        earlier = self._current.get(instance.id)
+        if earlier is not None:
+            # Race: the reaper released the instance while an attempt of it still ran here
+            # (this worker was frozen or cut off past the lease, or a job blocked the loop),
+            # and this worker claimed it again. That claim took a new token: the earlier
+            # attempt's lease is gone. Stopped now, not at the next heartbeat, whose answer
+            # (by instance) would read the new attempt's renewal as the earlier one's.
+            self.leases.lose(earlier, "claimed again by this worker")
+        self._current[instance.id] = attempt
+        self.running[attempt.lease] = attempt
+        self.leases.track(attempt.lease, lease_until)
         attempt.task = asyncio.create_task(self._run(attempt), name=f"job-{instance.id}")
+
+    def _forget(self, attempt: Attempt) -> float:
+        """``attempt`` has ended: forget it, and only it (the instance may have been claimed
+        again meanwhile, see :meth:`_start`); when its lease surely held until."""
+        self.running.pop(attempt.lease, None)
+        if self._current.get(attempt.claim.instance.id) is attempt:
+            del self._current[attempt.claim.instance.id]
+        self._slot_freed.set()
+        return self.leases.forget(attempt.lease)
 
     async def _save_checkpoint(self, claim: Claim, data: Any) -> bool:
         """Write a checkpoint, fenced by the claim token; retried while the store is
@@ -232,7 +259,7 @@ class Worker:
         def deadline() -> float:
             # Retried until just before the fence would stop the attempt, so the job hears
             # that its checkpoint was not saved (and may still return) rather than be stopped.
-            attempt = self.running.get(instance_id)
+            attempt = self.running.get((instance_id, claim.token))
             fence_at = self.leases.fence_at(attempt) if attempt is not None else None
             return (fence_at or 0.0) - FENCE_NOTICE_S
 
@@ -265,9 +292,9 @@ class Worker:
                     self.settings.timeout_grace_s,
                 )
         except asyncio.CancelledError:
-            pass  # stopped by _drain: released below
+            pass  # the worker stopped it (run_attempt raises only a stop it asked for)
         except Exception:
-            # A fault of the worker's own in ending the attempt (the job's exceptions are its
+            # A fault of the worker's own in ending the attempt (whatever the job raises is its
             # outcome, made in run_attempt). Logged, and left to its lease, which is no longer
             # renewed: the reaper releases the instance once it expires, counting an unexpected
             # retry, as after a crash. (Released at once, a fault that recurs on every attempt
@@ -284,36 +311,41 @@ class Worker:
                 },
             )
         finally:
+            # The cancels that reached this task (the drain's, a cancel request's, a lost
+            # lease's) were for the job's code, which has stopped: absorbed, so that the writes
+            # below run as in any task. Race otherwise: while they still counted, the store took
+            # a driver error met by the release (Postgres restarting during a shutdown) for
+            # this task's cancel, and the release was not retried.
+            _absorb_cancels()
+            end = ending(attempt, outcome, broken)
             runaway = attempt.code_running
             if runaway:
-                # Hold the worker slot before giving the running one up: never a moment
-                # where the pool thread looks free.
-                self.runaways.hold(attempt, holds_slot=outcome is not None)
-            self.running.pop(attempt.claim.instance.id, None)
-            self._slot_freed.set()
-            lease_until = self.leases.forget(attempt.claim.instance.id)
-        if attempt.lease_lost:
+                # Hold the worker slot before giving the running one up: never a moment where
+                # the pool thread looks free. The job's slot too if, and only if, the outcome
+                # recorded below keeps it (the watcher gives it back once that is written).
+                self.runaways.hold(attempt, holds_slot=end is Ending.RECORD)
+            lease_until = self._forget(attempt)
+        if end is Ending.LOST:
             self.metrics.ended(key, AttemptEnd.LEASE_LOST)
-            return
-        if broken:
+        elif end is Ending.ERROR:
             self.metrics.ended(key, AttemptEnd.ERROR)
-            return
-        if outcome is None or (attempt.shutdown and outcome.reason != StopReason.TIMEOUT):
-            # The worker is stopping and the code has stopped (it was cancelled, or noticed
-            # the signal and returned): another worker runs it again.
-            if not runaway:
-                self.metrics.ended(key, AttemptEnd.RELEASED)
-                await self.recorder.release(attempt, lease_until)
-            return
-        if runaway:
-            # Recorded now (Failed, timeout) without giving the job's slot back: its code still
-            # runs, and max concurrency counts it until the thread returns.
-            outcome = replace(outcome, holds_slot=True)
-        await self.leases.flush_progress(attempt)
-        # The outcome state itself is the label (succeeded, failed, cancelled, or any other an
-        # attempt may end in): a label never fails the recording of an outcome.
-        self.metrics.ended(key, outcome.state.value)
-        self.recorder.put(attempt, outcome)
+        elif end is Ending.RELEASE:
+            self.metrics.ended(key, AttemptEnd.RELEASED)
+            await self.recorder.release(attempt, lease_until)
+        elif end is Ending.RECORD:
+            assert outcome is not None
+            if runaway:
+                # Recorded now without giving the job's slot back: its code still runs, and max
+                # concurrency counts it until the thread returns.
+                outcome = replace(outcome, holds_slot=True)
+            try:
+                await self.leases.flush_progress(attempt)
+            finally:
+                # Queued whatever happened above: a runaway's watcher waits for it.
+                # The outcome state itself is the label (succeeded, failed, cancelled, or any
+                # other an attempt may end in): a label never fails the recording of an outcome.
+                self.metrics.ended(key, outcome.state.value)
+                self.recorder.put(attempt, outcome)
 
     # -- events ----------------------------------------------------------------------------
 
@@ -338,7 +370,7 @@ class Worker:
                 extra={"action": "worker.events"},
             )
             return
-        attempt = self.running.get(instance_id)
+        attempt = self._current.get(instance_id)
         if attempt is not None:
             attempt.ctx.cancellation.set(StopReason.CANCEL_REQUESTED)
 
@@ -397,6 +429,13 @@ class Worker:
         task = asyncio.create_task(coro)
         self._side_tasks.add(task)
         task.add_done_callback(self._side_tasks.discard)
+
+
+def _absorb_cancels() -> None:
+    """Forget the cancels the current task has received (see :meth:`Worker._run`)."""
+    task = asyncio.current_task()
+    while task is not None and task.cancelling():
+        task.uncancel()
 
 
 def _raise_if_dead(side: list[asyncio.Task[Any]]) -> None:

@@ -1,0 +1,114 @@
+"""Whatever a job raises is its outcome: a CancelledError of its own, an exception that cannot
+even say what it is, a ``BaseException`` of a library's. Recorded Failed and retried as any
+failure, never taken for the worker's stop, never left to its lease. Postgres and Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+import pytest
+
+from jobplane import App
+from jobplane.bus.abc import Bus
+from jobplane.dispatch import Dispatcher
+from jobplane.domain.states import InstanceState as S
+from jobplane.store.sql import SqlStore
+from tests.worker_helpers import running_worker, settled
+
+pytestmark = pytest.mark.timeout(60)
+
+app = App("job-faults")
+
+
+@app.triggered(retries=1, backoff={"kind": "none"})
+async def awaits_a_cancelled_future() -> None:
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[None] = loop.create_future()
+    loop.call_soon(future.cancel)  # a library cancels a request it handed out
+    await future
+
+
+@app.triggered(retries=1, backoff={"kind": "none"})
+def waits_for_a_cancelled_future() -> None:
+    future: concurrent.futures.Future[None] = concurrent.futures.Future()
+    future.cancel()
+    future.result()  # concurrent.futures.CancelledError: asyncio.CancelledError in the worker
+
+
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no str for you")
+
+
+class Abort(BaseException):
+    """A library's own control flow (gevent's GreenletExit, trio's Cancelled): no Exception."""
+
+
+@app.triggered()
+async def raises_unprintable_async() -> None:
+    raise Unprintable
+
+
+@app.triggered()
+def raises_unprintable_sync() -> None:
+    raise Unprintable
+
+
+@app.triggered()
+async def raises_a_base_exception_async() -> None:
+    raise Abort("stop")
+
+
+@app.triggered()
+def raises_a_base_exception_sync() -> None:
+    raise Abort("stop")
+
+
+@pytest.mark.parametrize("key", ["awaits_a_cancelled_future", "waits_for_a_cancelled_future"])
+async def test_a_cancelled_error_of_the_jobs_own_is_its_failure_and_is_retried(
+    pg_store: SqlStore, redis_bus: Bus, key: str
+) -> None:
+    """Nobody asked the attempt to stop: not released as at a shutdown (and run again, for
+    ever), but Failed, its retry used, then Terminated."""
+    async with running_worker(app, pg_store, redis_bus):
+        instance = await Dispatcher(pg_store, redis_bus).trigger(key)
+        [done] = await settled(pg_store, [instance.id], timeout_s=10)
+    assert done.state is S.TERMINATED and done.attempt == 2 and done.retries_used == 1
+    assert done.error is not None and done.error.type == "CancelledError"
+    history = [(t.from_state, t.to_state, t.reason) for t in await pg_store.transitions(done.id)]
+    assert history == [
+        (None, S.ENQUEUED, None),
+        (S.ENQUEUED, S.PROCESSING, None),
+        (S.PROCESSING, S.FAILED, "exception"),
+        (S.FAILED, S.ENQUEUED, "retry 1 of 1"),
+        (S.ENQUEUED, S.PROCESSING, None),
+        (S.PROCESSING, S.FAILED, "exception"),
+        (S.FAILED, S.TERMINATED, "no attempts left"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("key", "error", "message"),
+    [
+        ("raises_unprintable_async", "Unprintable", "<Unprintable: str() failed>"),
+        ("raises_unprintable_sync", "Unprintable", "<Unprintable: str() failed>"),
+        ("raises_a_base_exception_async", "Abort", "stop"),
+        ("raises_a_base_exception_sync", "Abort", "stop"),
+    ],
+)
+async def test_an_exception_that_cannot_print_or_is_no_exception_is_recorded(
+    pg_store: SqlStore, redis_bus: Bus, key: str, error: str, message: str
+) -> None:
+    async with running_worker(app, pg_store, redis_bus) as worker:
+        instance = await Dispatcher(pg_store, redis_bus).trigger(key)
+        [done] = await settled(pg_store, [instance.id], timeout_s=10)
+    assert done.state is S.TERMINATED and done.reason == "no attempts left"
+    assert done.error is not None
+    assert (done.error.type, done.error.message) == (error, message)
+    assert done.error.traceback is not None and error in done.error.traceback
+    assert done.unexpected_retries_used == 0  # recorded, not left to the reaper
+    label = {"job": key, "outcome": "failed"}
+    assert worker.metrics.registry.get_sample_value(
+        "jobplane_worker_attempts_finished_total", label
+    )
