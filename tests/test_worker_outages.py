@@ -1,13 +1,12 @@
 """The worker while Postgres or Redis refuses a write it makes other than the final outcome:
 an ack after the claim, a checkpoint, a heartbeat carrying progress, a republish after an
 outcome, a release at shutdown. Real Postgres and Redis; the outage is injected into the one
-call under test (see FlakyStore and FlakyAckBus), or is a restart the driver really meets (see
-RestartingServer)."""
+call under test (see FlakyStore and FlakyAckBus), or is a restart the driver really meets (a
+TcpProxy taken down and up)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from typing import cast
 
@@ -21,6 +20,7 @@ from jobplane.dispatch import Dispatcher
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.factory import open_store
 from jobplane.store.sql import SqlStore
+from tests.fixtures.proxy import TcpProxy
 from tests.scheduler_helpers import running_scheduler
 from tests.worker_helpers import FlakyAckBus, FlakyStore, running_worker, settled, wait_for
 
@@ -172,64 +172,6 @@ async def test_the_release_at_shutdown_is_retried_through_a_store_outage(
     assert released.retries_used == 0 and released.unexpected_retries_used == 0
 
 
-class RestartingServer:
-    """A TCP proxy in front of Postgres that acts as a server restarting: ``down()`` closes
-    every connection and refuses new ones (accepted, then closed) until ``up()``. The driver
-    meets real errors (a reset, a closed connection), not ones injected above the store."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self._target = (host, port)
-        self._down = False
-        self._server: asyncio.Server | None = None
-        self._writers: list[asyncio.StreamWriter] = []
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    async def start(self) -> int:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
-        return int(self._server.sockets[0].getsockname()[1])
-
-    def down(self) -> None:
-        self._down = True
-        for writer in self._writers:
-            writer.close()
-        self._writers.clear()
-
-    def up(self) -> None:
-        self._down = False
-
-    async def close(self) -> None:
-        self.down()
-        if self._server is not None:
-            self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._server is not None:
-            await self._server.wait_closed()
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._down:
-            writer.close()
-            return
-        try:
-            up_reader, up_writer = await asyncio.open_connection(*self._target)
-        except OSError:
-            writer.close()
-            return
-        self._writers += [writer, up_writer]
-        for source, sink in ((reader, up_writer), (up_reader, writer)):
-            task = asyncio.create_task(self._pipe(source, sink))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _pipe(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
-            while data := await source.read(65536):
-                sink.write(data)
-                await sink.drain()
-        sink.close()
-
-
 async def test_the_release_at_shutdown_is_retried_through_a_postgres_restart(
     pg_store: SqlStore, pg_database_url: str, redis_bus: Bus
 ) -> None:
@@ -243,7 +185,7 @@ async def test_the_release_at_shutdown_is_retried_through_a_postgres_restart(
         await asyncio.sleep(30)
 
     url = make_url(pg_database_url)
-    server = RestartingServer(url.host or "127.0.0.1", url.port or 5432)
+    server = TcpProxy(url.host or "127.0.0.1", url.port or 5432)
     port = await server.start()
     proxied = open_store(url.set(host="127.0.0.1", port=port).render_as_string(hide_password=False))
     try:
