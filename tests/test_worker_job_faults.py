@@ -9,12 +9,12 @@ import concurrent.futures
 
 import pytest
 
-from jobplane import App
+from jobplane import App, JobContext
 from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.sql import SqlStore
-from tests.worker_helpers import running_worker, settled
+from tests.worker_helpers import running_worker, settled, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -65,6 +65,25 @@ def raises_a_base_exception_sync() -> None:
     raise Abort("stop")
 
 
+@app.triggered(timeout_s=60)
+async def upstream_times_out_async() -> None:
+    raise TimeoutError("upstream did not answer in 2 s")
+
+
+@app.triggered(timeout_s=60)
+def upstream_times_out_sync() -> None:
+    raise TimeoutError("upstream did not answer in 2 s")
+
+
+@app.triggered(max_concurrency=5)
+async def minds_its_cancel(ctx: JobContext) -> None:
+    def broken() -> None:
+        raise RuntimeError("the job's own cleanup hook fails")
+
+    ctx.cancellation.on_set(broken)
+    await ctx.cancellation.wait()
+
+
 @pytest.mark.parametrize("key", ["awaits_a_cancelled_future", "waits_for_a_cancelled_future"])
 async def test_a_cancelled_error_of_the_jobs_own_is_its_failure_and_is_retried(
     pg_store: SqlStore, redis_bus: Bus, key: str
@@ -112,3 +131,42 @@ async def test_an_exception_that_cannot_print_or_is_no_exception_is_recorded(
     assert worker.metrics.registry.get_sample_value(
         "jobplane_worker_attempts_finished_total", label
     )
+
+
+@pytest.mark.parametrize("key", ["upstream_times_out_async", "upstream_times_out_sync"])
+async def test_a_timeout_error_of_the_jobs_own_is_no_timeout_of_its_attempt(
+    pg_store: SqlStore, redis_bus: Bus, key: str
+) -> None:
+    """A call of the job's timed out, long before the job's 60 s: its exception, recorded as
+    it was, not "timed out after 60 s" with the reason timeout."""
+    async with running_worker(app, pg_store, redis_bus):
+        instance = await Dispatcher(pg_store, redis_bus).trigger(key)
+        [done] = await settled(pg_store, [instance.id], timeout_s=10)
+    assert done.state is S.TERMINATED and done.error is not None
+    assert (done.error.type, done.error.message) == (
+        "TimeoutError",
+        "upstream did not answer in 2 s",
+    )
+    failed = [t for t in await pg_store.transitions(done.id) if t.to_state is S.FAILED]
+    assert [t.reason for t in failed] == ["exception"]
+
+
+async def test_a_cancellation_callback_that_raises_ends_nothing_but_its_job(
+    pg_store: SqlStore, redis_bus: Bus, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A job's callback on its cancellation runs inside the worker's cancel, heartbeat, fence
+    and drain code: what it raises is logged there, and the attempt still ends Cancelled."""
+    dispatcher = Dispatcher(pg_store, redis_bus)
+    async with running_worker(app, pg_store, redis_bus):
+        first = await dispatcher.trigger("minds_its_cancel")
+
+        async def running() -> bool:
+            return (await pg_store.get_instance(first.id)).state is S.PROCESSING
+
+        await wait_for(running)
+        await dispatcher.cancel(first.id)
+        [cancelled] = await settled(pg_store, [first.id], timeout_s=10)
+        second = await dispatcher.trigger("upstream_times_out_async")  # the worker serves on
+        await settled(pg_store, [second.id], timeout_s=10)
+    assert cancelled.state is S.CANCELLED
+    assert any(getattr(r, "action", None) == "worker.cancellation_callback" for r in caplog.records)

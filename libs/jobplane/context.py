@@ -16,6 +16,8 @@ from jobplane.domain.reasons import StopReason
 from jobplane.errors import CheckpointNotSavedError as CheckpointNotSavedError  # re-exported
 from jobplane.errors import LeaseLostError as LeaseLostError  # re-exported
 
+logger = logging.getLogger(__name__)
+
 
 class Cancellation:
     """A cancellation signal usable from async code (``await wait()``, or a callback that
@@ -48,12 +50,14 @@ class Cancellation:
         if self._async_event is not None:
             self._async_event.set()
         for callback in self._callbacks:
-            callback()
+            _call(callback)
 
     def on_set(self, callback: Callable[[], object]) -> None:
-        """Call ``callback`` (on the event loop) when the signal is set."""
+        """Call ``callback`` (on the event loop) when the signal is set. What it raises is
+        logged, not raised: the signal is set by the worker's own loops (heartbeat, fence,
+        drain, cancel events), which a job's callback must not end."""
         if self._set:
-            callback()
+            _call(callback)
         else:
             self._callbacks.append(callback)
 
@@ -74,6 +78,17 @@ class Cancellation:
             if self._set:
                 self._thread_event.set()
         return self._thread_event.wait(timeout)
+
+
+def _call(callback: Callable[[], object]) -> None:
+    """Run a cancellation callback; what it raises is logged (see :meth:`Cancellation.on_set`)."""
+    try:
+        callback()
+    except Exception:
+        logger.exception(
+            "a cancellation callback raised; the signal is set all the same",
+            extra={"action": "worker.cancellation_callback"},
+        )
 
 
 class _InstanceLogger(logging.LoggerAdapter[logging.Logger]):

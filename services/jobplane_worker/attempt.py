@@ -16,7 +16,7 @@ from opentelemetry.context import Context
 from pydantic import BaseModel
 
 from jobplane.app import JobSpec, Resources
-from jobplane.context import JobContext
+from jobplane.context import Cancellation, JobContext
 from jobplane.domain.limits import MAX_RESULT_BYTES, check_json
 from jobplane.domain.models import Claim, ErrorInfo, Outcome
 from jobplane.domain.options import Isolation
@@ -130,32 +130,34 @@ async def run_attempt(
         if ctx.cancellation.cancel_requested:
             return _cancelled(claim)  # the job noticed the cancel and returned early
         return _succeeded(claim, result)
-    except TimeoutError:
-        if ctx.cancellation.cancel_requested:
-            return _cancelled(claim)  # cancelled during the timeout's grace: no retry
-        return _failed(
-            claim, TimeoutError(f"timed out after {timeout:g} s"), reason=StopReason.TIMEOUT
-        )
-    except asyncio.CancelledError as exc:
-        if ctx.cancellation.cancel_requested:
-            return _cancelled(claim)
-        if ctx.cancellation.is_set():
-            # The worker asked it to stop: every stop of the worker's (its drain, a cancel
-            # request, a lost lease or the fence; a timeout is a TimeoutError here) sets the
-            # signal before it cancels anything. Released, not failed.
-            raise
-        # Nobody asked: the job's own CancelledError (it awaited a future something else
-        # cancelled; a sync job's .result() of a cancelled concurrent future). A failure like
-        # any other: taken for a stop, it was released and run again, for ever.
-        return _failed(claim, exc)
     except GeneratorExit:
         raise  # this coroutine is being closed (its task destroyed with its loop): not the job's
     except BaseException as exc:
-        # Anything else the job raises, SystemExit and KeyboardInterrupt included (asyncio
-        # would re-raise those out of the event loop and end the worker's process).
-        if ctx.cancellation.cancel_requested:
-            return _cancelled(claim)
-        return _failed(claim, exc)
+        # Whatever the job raised, SystemExit and KeyboardInterrupt included (asyncio would
+        # re-raise those out of the event loop and end the worker's process).
+        return _raised(claim, ctx.cancellation, exc)
+
+
+def _raised(claim: Claim, cancellation: Cancellation, exc: BaseException) -> Outcome:
+    """The outcome of an attempt whose code raised ``exc``; re-raises a stop the worker asked
+    for (the attempt is released, not failed)."""
+    if cancellation.cancel_requested:
+        return _cancelled(claim)  # (a cancel during a timeout's grace too: no retry)
+    if isinstance(exc, TimeoutError) and cancellation.reason is StopReason.TIMEOUT:
+        timeout = claim.options.timeout_s
+        return _failed(
+            claim, TimeoutError(f"timed out after {timeout:g} s"), reason=StopReason.TIMEOUT
+        )
+    if isinstance(exc, asyncio.CancelledError) and cancellation.is_set():
+        # The worker asked it to stop: every stop of the worker's (its drain, a cancel
+        # request, a lost lease or the fence; a timeout is a TimeoutError here) sets the signal
+        # before it cancels anything. Released, not failed.
+        raise exc
+    # The job's own: a TimeoutError of a call of its (the attempt's timeout always sets the
+    # signal first), a CancelledError nobody asked for (a future something else cancelled; a
+    # sync job's .result() of a cancelled concurrent future: taken for a stop, it was released
+    # and run again, for ever), anything else. Its failure, retried as its options say.
+    return _failed(claim, exc)
 
 
 async def _run_async(
@@ -218,6 +220,8 @@ async def _run_sync(
     try:
         return await asyncio.wait_for(asyncio.shield(future), timeout_s)
     except TimeoutError:
+        if future.done():
+            raise  # the job's own TimeoutError: its code has ended, this is no timeout of ours
         attempt.ctx.cancellation.set(StopReason.TIMEOUT)
         await asyncio.wait({future}, timeout=grace_s)  # a cooperative job returns by now
         if not future.done():
