@@ -20,7 +20,12 @@ from jobplane.dispatch import Dispatcher, InvalidArgumentsError, JobDisabledErro
 from jobplane.domain.models import Instance, InstanceFilter, InstanceSource, NewInstance
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState as S
-from jobplane.errors import BusUnavailableError, InvalidOptionsError, JobNotFoundError
+from jobplane.errors import (
+    BusUnavailableError,
+    IdempotencyConflictError,
+    InvalidOptionsError,
+    JobNotFoundError,
+)
 from jobplane.store.sql import SqlStore
 from tests.store_helpers import define
 
@@ -51,6 +56,27 @@ async def test_a_job_disabled_since_it_was_remembered_takes_no_trigger(
     assert await _count(store) == 1
     await _edit(store, "job", disabled=False)
     assert (await dispatcher.trigger("job")).state is S.ENQUEUED
+
+
+async def test_a_replay_after_the_job_was_disabled_returns_the_first_instance(
+    store: SqlStore, bus: Bus
+) -> None:
+    """The client's answer was lost, an operator disabled the job meanwhile, the client sends
+    the same request again: the first instance exists, and the replay says so (it answered
+    "job disabled", which reads as "not created"). A new request is still refused."""
+    await define(store, "job")
+    dispatcher = Dispatcher(store, bus)
+    first = await dispatcher.trigger("job", {"n": 1}, idempotency_key="order-7")
+    await _edit(store, "job", disabled=True)
+    again = await Dispatcher(store, bus).trigger("job", {"n": 1}, idempotency_key="order-7")
+    assert again.id == first.id
+    with pytest.raises(IdempotencyConflictError):
+        await dispatcher.trigger("job", {"n": 2}, idempotency_key="order-7")
+    with pytest.raises(JobDisabledError):
+        await dispatcher.trigger("job", {"n": 1}, idempotency_key="order-8")
+    with pytest.raises(JobDisabledError):
+        await dispatcher.trigger("job", {"n": 1})
+    assert await _count(store) == 1
 
 
 async def test_a_trigger_from_code_takes_no_reserved_idempotency_key(

@@ -183,7 +183,16 @@ class Dispatcher:
                 # may have been enabled, or given a new schema, since).
                 self._definitions.pop(request.job_key, None)
                 definition = await self._definition(request.job_key)
-                check_request(request, definition)
+                try:
+                    check_request(request, definition)
+                except (JobDisabledError, InvalidArgumentsError):
+                    # A replay of a request made before the job was disabled (or its schema
+                    # changed) answers as the first one did: its instance exists. A client
+                    # retrying after a lost answer must not read "disabled" as "not created".
+                    earlier = await self.store.replay_of(request)
+                    if earlier is None:
+                        raise
+                    return earlier
             new = request
             if self.hold_triggered and held_in_debug(request, definition):
                 new = replace(request, held=True)

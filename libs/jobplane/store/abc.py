@@ -160,6 +160,11 @@ class DispatchStore(StoreConnection, DefinitionReads, Protocol):
         job returns the existing instance (or raises IdempotencyConflictError).
         """
 
+    async def replay_of(self, new: NewInstance) -> Instance | None:
+        """The instance an earlier request under ``new``'s idempotency key created, if that
+        request was the same one; None if the key is unused (or ``new`` carries none). Raises
+        IdempotencyConflictError if the key was used for another request."""
+
     async def unmark_published(self, ids: Collection[UUID]) -> None:
         """Forget the publication of ``ids`` that are still Enqueued (their message never
         reached the bus): the sweep publishes them within its never-published grace."""

@@ -173,6 +173,23 @@ class InstanceStore(SqlBase):
             result.append(rows.instance_from_row(row._mapping))
         return result
 
+    async def replay_of(self, new: NewInstance) -> Instance | None:
+        if new.idempotency_key is None:
+            return None
+        async with self._read() as conn:
+            found = await conn.execute(replay_candidates(new.idempotency_key, new.job_key))
+            candidates = [rows.instance_from_row(r._mapping) for r in found]
+        if not candidates:
+            return None
+        return replayed(
+            candidates,
+            new.idempotency_key,
+            new.job_key,
+            fingerprint_of(new),
+            new.args,
+            new.pinned_worker,
+        )
+
     async def _replayed(self, conn: AsyncConnection, n: NewInstance) -> Instance:
         """The instance created earlier under ``n``'s idempotency key, if it was created
         for the same request; else raise IdempotencyConflictError (the caller's transaction
