@@ -129,9 +129,21 @@ async def test_the_checker_reports_each_planted_violation(pg_store: SqlStore) ->
 async def test_the_checker_reports_two_copies_of_an_instance_running_at_once(
     pg_store: SqlStore,
 ) -> None:
+    await define(pg_store, "slow", max_concurrency=5)
+    a = await _plant_steps(
+        pg_store,
+        "slow",
+        [
+            (None, "enqueued", None, 0.0, None),
+            ("enqueued", "processing", 1, 0.1, None),
+            ("processing", "enqueued", 1, 2.5, "lease expired"),
+            ("enqueued", "processing", 2, 2.6, None),
+            ("processing", "succeeded", 2, 4.0, None),
+        ],
+    )
     runs = [
-        Run("a", 1, "w1", 0, 2),
-        Run("a", 2, "w2", 1, 3),  # a lost lease whose copy ran on: reported
+        Run(a, 1, "w1", 0, 2, "slow"),
+        Run(a, 2, "w2", 1, 3, "slow"),  # a lost lease whose copy ran on: reported
         Run("b", 1, "w3", 0, 2),
         Run("b", 2, "w2", 1, 3),  # w3 was frozen meanwhile: not a fencing failure
         Run("c", 1, "w1", 0, None),  # its process died
@@ -140,8 +152,23 @@ async def test_the_checker_reports_two_copies_of_an_instance_running_at_once(
         Run("d", 2, "w2", 1, 2),
     ]
     found = await check(pg_store, {}, NOW, runs=runs, frozen=[("w3", 1.5, 1.8)])
+    # With the job, both runs and every step the store recorded, with its time and actor.
+    t0 = T0.timestamp()
+    steps = ", ".join(
+        f"{step} {t0 + after:.3f} w1"
+        for step, after in (
+            ("[*]>enqueued", 0.0),
+            ("enqueued>processing#1", 0.1),
+            ("processing>enqueued#1", 2.5),
+            ("enqueued>processing#2", 2.6),
+            ("processing>succeeded#2", 4.0),
+        )
+    )
     assert found.violations == {
-        "two_copies_at_once": ["a: attempt 1 on w1 and attempt 2 on w2 overlapped 1.00 s"]
+        "two_copies_at_once": [
+            f"{a}: attempt 1 on w1 and attempt 2 on w2 overlapped 1.00 s (slow; runs w1 #1 "
+            f"0.000 to 2.000 and w2 #2 1.000 to 3.000; steps {steps})"
+        ]
     }
 
 

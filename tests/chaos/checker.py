@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -86,7 +86,6 @@ async def check(
     ``runs`` are the attempts the jobs noted, ``frozen`` the (worker, from, to) wall-clock
     windows in which the harness had a worker stopped (SIGSTOP)."""
     found = Findings()
-    _two_copies(found, runs, frozen)
     async with store.engine.connect() as conn:
         instances = {str(r.id): r._mapping for r in await conn.execute(select(job_instances))}
         history: dict[str, list[Transition]] = defaultdict(list)
@@ -112,6 +111,7 @@ async def check(
         definitions = {r.key: r._mapping for r in await conn.execute(select(job_definitions))}
         db_now = now or await conn.scalar(select(func.now()))
     assert isinstance(db_now, datetime)
+    _two_copies(found, runs, frozen, lambda i: _timeline(history.get(i, []), steps))
     for row in instances.values():
         found.states[row["state"]] += 1
     _acknowledged(found, acks, instances, db_now)
@@ -125,7 +125,10 @@ async def check(
 
 
 def _two_copies(
-    found: Findings, runs: Sequence[Run], frozen: Sequence[tuple[str, float, float]]
+    found: Findings,
+    runs: Sequence[Run],
+    frozen: Sequence[tuple[str, float, float]],
+    timeline: Callable[[str], str] = lambda instance: "",
 ) -> None:
     """No two attempts of one instance ran at once: an attempt whose lease was lost (a
     partition) stopped before another began. A frozen worker cannot stop its code, so its
@@ -142,11 +145,28 @@ def _two_copies(
         for a, b in itertools.combinations(attempts, 2):
             overlap = min(a.end or 0, b.end or 0) - max(a.start, b.start)
             if overlap > OVERLAP_TOLERANCE_S:
+                # With what the store recorded, so that one run's finding can be explained
+                # after its servers are gone: the job, both runs, every step with its time.
                 found.add(
                     "two_copies_at_once",
                     f"{instance}: attempt {a.attempt} on {a.worker} and attempt {b.attempt} "
-                    f"on {b.worker} overlapped {overlap:.2f} s",
+                    f"on {b.worker} overlapped {overlap:.2f} s ({a.job}; runs "
+                    f"{_span(a)} and {_span(b)}; steps {timeline(instance)})",
                 )
+
+
+def _span(run: Run) -> str:
+    return f"{run.worker} #{run.attempt} {run.start:.3f} to {run.end or 0:.3f}"
+
+
+def _timeline(path: Sequence[Transition], steps: dict[int, Step]) -> str:
+    """An instance's steps with their times (epoch seconds, as the runs') and actors."""
+    shown = []
+    for seq, f, to, tok in path:
+        step = steps.get(seq)
+        at = f"{step.at:.3f} {step.actor}" if step is not None else "?"
+        shown.append(f"{f or '[*]'}>{to}{f'#{tok}' if tok is not None else ''} {at}")
+    return ", ".join(shown)
 
 
 def _show(path: Iterable[Transition]) -> str:
