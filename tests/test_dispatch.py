@@ -79,6 +79,38 @@ async def test_a_replay_after_the_job_was_disabled_returns_the_first_instance(
     assert await _count(store) == 1
 
 
+async def test_a_batch_replayed_after_the_job_was_disabled_returns_its_first_instances(
+    store: SqlStore, bus: Bus
+) -> None:
+    """As a single trigger: the batch's replayed requests stand, a new one is refused (and
+    then nothing of the batch is created)."""
+    await define(store, "job")
+    await define(store, "other")
+    dispatcher = Dispatcher(store, bus)
+    first = await dispatcher.trigger_many(
+        [
+            triggering.trigger_request("job", {"n": 1}, idempotency_key="a"),
+            triggering.trigger_request("other", {"n": 2}, idempotency_key="b"),
+        ]
+    )
+    await _edit(store, "job", disabled=True)
+    again = await Dispatcher(store, bus).trigger_many(
+        [
+            triggering.trigger_request("job", {"n": 1}, idempotency_key="a"),
+            triggering.trigger_request("other", {"n": 2}, idempotency_key="b"),
+        ]
+    )
+    assert [i.id for i in again] == [i.id for i in first]
+    with pytest.raises(JobDisabledError):
+        await dispatcher.trigger_many(
+            [
+                triggering.trigger_request("other", {"n": 3}),
+                triggering.trigger_request("job", {"n": 1}, idempotency_key="c"),
+            ]
+        )
+    assert await _count(store) == 2
+
+
 async def test_a_trigger_from_code_takes_no_reserved_idempotency_key(
     store: SqlStore, bus: Bus
 ) -> None:
