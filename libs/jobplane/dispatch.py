@@ -24,7 +24,6 @@ from jobplane.domain.models import (
     BulkCancel,
     Instance,
     InstanceFilter,
-    InstanceSource,
     JobDefinition,
     LeaderLease,
     NewInstance,
@@ -48,8 +47,9 @@ from jobplane.triggering import (
     check_request,
     envelope_for,
     held_in_debug,
+    retriable,
+    retry_request,
     trigger_request,
-    validate_args,
 )
 
 logger = logging.getLogger(__name__)
@@ -157,13 +157,7 @@ class Dispatcher:
             definition = definitions.get(request.job_key)
             if definition is None:
                 continue  # create_instances raises JobNotFoundError with the key
-            try:
-                check_request(request, definition)
-            except (JobDisabledError, InvalidArgumentsError):
-                # A replay of a request taken before the job was disabled (or its schema
-                # changed) stands: the insert below returns its first instance.
-                if await self.store.replay_of(request) is None:
-                    raise
+            await self._checked(request, definition)  # (a replay stands: the insert returns it)
         if self.hold_triggered:
             requests = [
                 replace(r, held=True) if held_in_debug(r, definitions.get(r.job_key)) else r
@@ -189,15 +183,8 @@ class Dispatcher:
                 # may have been enabled, or given a new schema, since).
                 self._definitions.pop(request.job_key, None)
                 definition = await self._definition(request.job_key)
-                try:
-                    check_request(request, definition)
-                except (JobDisabledError, InvalidArgumentsError):
-                    # A replay of a request made before the job was disabled (or its schema
-                    # changed) answers as the first one did: its instance exists. A client
-                    # retrying after a lost answer must not read "disabled" as "not created".
-                    earlier = await self.store.replay_of(request)
-                    if earlier is None:
-                        raise
+                earlier = await self._checked(request, definition)
+                if earlier is not None:
                     return earlier
             new = request
             if self.hold_triggered and held_in_debug(request, definition):
@@ -217,6 +204,20 @@ class Dispatcher:
                     await self._publish_created([instance])
             return instance
         raise StoreConflictError(f"job {request.job_key!r} kept changing while triggered")
+
+    async def _checked(self, request: NewInstance, definition: JobDefinition) -> Instance | None:
+        """Raise JobDisabledError or InvalidArgumentsError unless ``definition`` takes
+        ``request``, or it replays a request taken before the job was disabled (or its schema
+        changed): then its first instance. A client retrying after a lost answer must not read
+        "disabled" as "not created"."""
+        try:
+            check_request(request, definition)
+        except (JobDisabledError, InvalidArgumentsError):
+            earlier = await self.store.replay_of(request)
+            if earlier is None:
+                raise
+            return earlier
+        return None
 
     async def _definition(self, key: str) -> JobDefinition:
         """The definition of ``key`` as this dispatcher last read it (the store checks the
@@ -346,19 +347,7 @@ class Dispatcher:
         old = await self.store.get_instance(instance_id)
         if not old.state.is_terminal:
             raise IllegalTransitionError(old.state, "retry (only terminal instances)")
-        [new] = await self.trigger_many(
-            [
-                NewInstance(
-                    job_key=old.job_key,
-                    args=old.args,
-                    source=InstanceSource.RETRY,
-                    priority=old.priority,
-                    retry_of=old.id,
-                    idempotency_key=idempotency_key,
-                    actor=actor,
-                )
-            ]
-        )
+        [new] = await self.trigger_many([retry_request(old, actor, idempotency_key)])
         return new
 
     async def retry_many(
@@ -374,26 +363,10 @@ class Dispatcher:
         skipped: list[UUID] = []
         requests: list[tuple[UUID, NewInstance]] = []
         for old in instances:
-            definition = definitions.get(old.job_key)
-            if not old.state.is_terminal or definition is None or definition.options.disabled:
+            if retriable(old, definitions.get(old.job_key)):
+                requests.append((old.id, retry_request(old, actor, f"retry-of:{old.id}")))
+            else:
                 skipped.append(old.id)
-                continue
-            if definition.args_schema is not None:
-                try:
-                    validate_args(definition.args_schema, old.args)
-                except InvalidArgumentsError:
-                    skipped.append(old.id)
-                    continue
-            new = NewInstance(
-                job_key=old.job_key,
-                args=old.args,
-                source=InstanceSource.RETRY,
-                priority=old.priority,
-                retry_of=old.id,
-                idempotency_key=f"retry-of:{old.id}",
-                actor=actor,
-            )
-            requests.append((old.id, new))
         retried: list[tuple[UUID, Instance]] = []
         for start in range(0, len(requests), RETRY_BATCH):
             batch = requests[start : start + RETRY_BATCH]

@@ -99,6 +99,33 @@ def trigger_request(
     )
 
 
+def retry_request(old: Instance, actor: str, idempotency_key: str | None) -> NewInstance:
+    """The :class:`NewInstance` retrying ``old``: its job, arguments and priority, linked by
+    ``retry_of`` (the old one's history is never rewritten)."""
+    return NewInstance(
+        job_key=old.job_key,
+        args=old.args,
+        source=InstanceSource.RETRY,
+        priority=old.priority,
+        retry_of=old.id,
+        idempotency_key=idempotency_key,
+        actor=actor,
+    )
+
+
+def retriable(old: Instance, definition: JobDefinition | None) -> bool:
+    """Whether a bulk retry takes ``old``: terminal, its job known and enabled, and its
+    arguments still valid for the job."""
+    if not old.state.is_terminal or definition is None or definition.options.disabled:
+        return False
+    if definition.args_schema is not None:
+        try:
+            validate_args(definition.args_schema, old.args)
+        except InvalidArgumentsError:
+            return False
+    return True
+
+
 def held_in_debug(request: NewInstance, definition: JobDefinition | None) -> bool:
     """Whether the hold debug mode holds ``request``: a trigger of a triggered job. Cron
     occurrences have their own debug mode; a hand trigger of a recurring job, and retries,

@@ -177,33 +177,14 @@ class InstanceStore(SqlBase):
         if new.idempotency_key is None:
             return None
         async with self._read() as conn:
-            found = await conn.execute(replay_candidates(new.idempotency_key, new.job_key))
-            candidates = [rows.instance_from_row(r._mapping) for r in found]
-        if not candidates:
-            return None
-        return replayed(
-            candidates,
-            new.idempotency_key,
-            new.job_key,
-            fingerprint_of(new),
-            new.args,
-            new.pinned_worker,
-        )
+            found = await _replay_candidates(conn, new)
+        return _replay(new, found) if found else None
 
     async def _replayed(self, conn: AsyncConnection, n: NewInstance) -> Instance:
         """The instance created earlier under ``n``'s idempotency key, if it was created
         for the same request; else raise IdempotencyConflictError (the caller's transaction
         rolls back: nothing of the batch is created)."""
-        assert n.idempotency_key is not None
-        found = await conn.execute(replay_candidates(n.idempotency_key, n.job_key))
-        return replayed(
-            (rows.instance_from_row(r._mapping) for r in found),
-            n.idempotency_key,
-            n.job_key,
-            fingerprint_of(n),
-            n.args,
-            n.pinned_worker,
-        )
+        return _replay(n, await _replay_candidates(conn, n))
 
     @retry_conflicts
     async def mark_published(
@@ -314,6 +295,19 @@ def filtered(query: Select[Any], filter: InstanceFilter) -> Select[Any]:
     if filter.worker_id is not None:
         query = query.where(job_instances.c.worker_id == filter.worker_id)
     return query
+
+
+async def _replay_candidates(conn: AsyncConnection, n: NewInstance) -> list[Instance]:
+    """The instances already holding ``n``'s idempotency key (see ``replay_candidates``)."""
+    assert n.idempotency_key is not None
+    found = await conn.execute(replay_candidates(n.idempotency_key, n.job_key))
+    return [rows.instance_from_row(r._mapping) for r in found]
+
+
+def _replay(n: NewInstance, found: list[Instance]) -> Instance:
+    """Which of ``found`` stands for ``n``; IdempotencyConflictError if none does."""
+    assert n.idempotency_key is not None
+    return replayed(found, n.idempotency_key, n.job_key, fingerprint_of(n), n.args, n.pinned_worker)
 
 
 async def _set_published(
