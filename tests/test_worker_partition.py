@@ -4,7 +4,10 @@ hands the instance to another worker the two copies never overlap."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
+import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -13,6 +16,8 @@ from sqlalchemy.engine import make_url
 
 from jobplane.bus.factory import open_bus
 from jobplane.dispatch import Dispatcher
+from jobplane.settings import SessionLimits
+from jobplane.store.factory import open_store
 from jobplane.store.sql import SqlStore
 from tests.chaos.servers import ChaosProxy
 from tests.cli_helpers import output_of, spawn_cli, stop_all
@@ -50,7 +55,37 @@ def _notes(path: Path) -> list[tuple[float, str, int, int]]:
     return out
 
 
-@pytest.mark.parametrize("job", ["holds", "checkpoints"])
+async def test_a_store_call_cancelled_on_a_cut_connection_returns_at_once(
+    pg_database_url: str, proxy: TcpProxy
+) -> None:
+    """The fence cancels an async job awaiting its checkpoint; the job must stop then, not
+    when the connection the partition cut is closed. SQLAlchemy's graceful close waited 2 s
+    for a cancel request the partition held: the job ran on 2 s past its fence."""
+    limits = SessionLimits(
+        lock_timeout_s=1, idle_in_transaction_timeout_s=1, statement_timeout_s=30, keepalive_s=1
+    )
+    behind = make_url(pg_database_url).set(host="127.0.0.1", port=proxy.port)
+    store = open_store(behind.render_as_string(hide_password=False), limits=limits)
+    try:
+        assert await store.save_checkpoint(uuid.uuid4(), 1, {"step": 0}) is False  # pooled
+        proxy.cut()
+        call = asyncio.create_task(store.save_checkpoint(uuid.uuid4(), 1, {"step": 1}))
+        await asyncio.sleep(0.5)
+        assert not call.done()  # no answer: hung on the cut connection
+        cancelled_at = time.monotonic()
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert time.monotonic() - cancelled_at < 0.3
+        proxy.heal()
+        # The dropped connection is replaced: the store works again.
+        assert await store.save_checkpoint(uuid.uuid4(), 1, {"step": 2}) is False
+    finally:
+        proxy.heal()
+        await store.close()
+
+
+@pytest.mark.parametrize("job", ["holds", "checkpoints", "checkpoints_sync"])
 async def test_a_partitioned_worker_stops_its_attempt_before_another_runs_it(
     job: str,
     pg_store: SqlStore,
@@ -72,6 +107,9 @@ async def test_a_partitioned_worker_stops_its_attempt_before_another_runs_it(
         "JOBPLANE_RECLAIM_IDLE_S": "2",
         "JOBPLANE_LEASE_TTL_S": "1.5",
         "JOBPLANE_SWEEP_INTERVAL_S": "0.2",
+        # No grace after the leader's start before it releases expired leases (6 s by
+        # default): the release follows the lease's end as closely as it can.
+        "JOBPLANE_REAP_GRACE_S": "0",
     }
     behind_proxy = make_url(pg_database_url).set(port=proxy.port)
     app = ("--app", "tests.apps.fencing:app")
@@ -101,14 +139,24 @@ async def test_a_partitioned_worker_stops_its_attempt_before_another_runs_it(
         return any(what == "start" and a == attempt for _, what, a, _ in _notes(notes))
 
     await wait_for(lambda: started(1), timeout_s=30, what="the first attempt")
-    procs.append(
-        spawn_cli(
-            "worker", *app, "--worker-id", "healthy", JOBPLANE_DATABASE_URL=pg_database_url, **env
-        )
+    healthy = spawn_cli(
+        "worker", *app, "--worker-id", "healthy", JOBPLANE_DATABASE_URL=pg_database_url, **env
     )
+    procs.append(healthy)
+
+    async def ready() -> bool:
+        return " ready: queues " in output_of(healthy)
+
+    # Ready before the cut, so that it claims the instance as soon as the reaper releases it
+    # (started at the cut, its start-up hid a fenced copy that stopped 2 s late).
+    await wait_for(ready, timeout_s=60, what="the healthy worker")
     proxy.cut()  # the first worker hears nothing from Postgres from now on
 
-    await wait_for(lambda: started(2), timeout_s=30, what="the second attempt elsewhere")
+    async def stopped_and_started_elsewhere() -> bool:
+        seen = {(what, a) for _, what, a, _ in _notes(notes)}
+        return {("stop", 1), ("start", 2)} <= seen
+
+    await wait_for(stopped_and_started_elsewhere, timeout_s=60, what="both attempts")
     by = {(what, attempt): (at, pid) for at, what, attempt, pid in _notes(notes)}
     first_stopped_at, first_pid = by[("stop", 1)]
     second_started_at, second_pid = by[("start", 2)]

@@ -30,6 +30,7 @@ import functools
 import logging
 import os
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -263,12 +264,24 @@ class Worker:
             fence_at = self.leases.fence_at(attempt) if attempt is not None else None
             return (fence_at or 0.0) - FENCE_NOTICE_S
 
+        async def one_try() -> bool:
+            # Each try ends by the deadline too. One sent on a connection a partition cut hears
+            # nothing back (until the command timeout, 35 s by default): a sync job blocked in
+            # checkpoint_sync meanwhile, which the fence cannot interrupt, ran on past its
+            # lease, beside the copy another worker started.
+            left = deadline() - time.monotonic()
+            if left <= 0:
+                raise StoreUnavailableError("no time left before the lease could expire")
+            try:
+                async with asyncio.timeout(left):
+                    return await self.store.save_checkpoint(instance_id, claim.token, data)
+            except TimeoutError as exc:
+                raise StoreUnavailableError(f"no answer within {left:.1f} s") from exc
+
         try:
             # The store's UPDATE has claim_token = token in its WHERE clause: after a lost lease
             # (another worker may have claimed the instance) this attempt's checkpoint is refused.
-            saved: bool = await retrying(what, deadline, self.metrics.backend_error)(
-                self.store.save_checkpoint, instance_id, claim.token, data
-            )
+            saved: bool = await retrying(what, deadline, self.metrics.backend_error)(one_try)
         except StoreUnavailableError as exc:
             raise CheckpointNotSavedError(
                 f"instance {instance_id}: checkpoint not saved, the store stayed unreachable "

@@ -47,3 +47,20 @@ async def checkpoints(ctx: JobContext, args: Notes) -> str:
     finally:
         _note(args.path, "stop", ctx.attempt)
     return "done"
+
+
+@app.triggered(timeout_s=120, max_unexpected_retries=5)
+def checkpoints_sync(ctx: JobContext, args: Notes) -> str:
+    """``checkpoints`` as sync code, in a pool thread: the fence cannot interrupt it, so it
+    stops by itself when its checkpoint is not saved in time (CheckpointNotSavedError) or
+    when it sees its cancellation between steps."""
+    _note(args.path, "start", ctx.attempt)
+    try:
+        for step in range(150):
+            if ctx.cancellation.is_set():
+                return "stopped"
+            ctx.checkpoint_sync(step)
+            time.sleep(0.1)
+    finally:
+        _note(args.path, "stop", ctx.attempt)
+    return "done"

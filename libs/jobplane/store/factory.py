@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from sqlalchemy import event
+from sqlalchemy.engine import ExceptionContext
 from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import PoolProxiedConnection
@@ -42,6 +44,7 @@ def make_engine(
             connect_args=connect_args,
         )
         event.listen(engine.sync_engine, "checkout", _replace_closed)
+        event.listen(engine.sync_engine, "handle_error", _drop_when_cancelled)
         return engine
     if url.startswith("sqlite+aiosqlite://"):
         # Imported for SQLite only: a role on Postgres never loads sqlite3 (nor its library).
@@ -61,6 +64,27 @@ def _replace_closed(_dbapi_connection: Any, _record: Any, proxy: PoolProxiedConn
     driver = proxy.driver_connection
     if driver is not None and driver.is_closed():
         raise DisconnectionError("connection closed by the server while pooled")
+
+
+def _drop_when_cancelled(context: ExceptionContext) -> None:
+    """A statement cancelled mid-flight (the fence stopping a job that awaits a checkpoint, a
+    timeout, a drain) drops its connection at once. SQLAlchemy closes such a connection
+    gracefully: it waits up to 2 s for the cancel request asyncpg sends over a new connection,
+    and a partition holds that request for the whole 2 s. Meanwhile the cancelled code went on
+    running: a fenced job stopped up to 2 s after its fence, past the end of its lease, while
+    another worker already ran the instance. Dropped, the connection closes at once, its
+    cancel request with it. The server then runs the statement to its end (or to its
+    ``statement_timeout``) instead of stopping it: as after any connection lost mid-statement,
+    which every write of the roles is fenced or idempotent for.
+    """
+    connection = context.connection
+    if not isinstance(context.original_exception, asyncio.CancelledError) or connection is None:
+        return
+    if connection.invalidated or connection.closed:
+        return
+    driver = connection.connection.driver_connection
+    if driver is not None:
+        driver.terminate()
 
 
 def _session_args(limits: SessionLimits) -> dict[str, Any]:
