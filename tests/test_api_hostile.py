@@ -124,6 +124,9 @@ DATABASE_REFUSALS = [
     for option in ("max_concurrency", "retries", "max_unexpected_retries", "misfire_max")
     for label, value in (("2^31", 2**31), ("2^63", 2**63))
 ] + [
+    case("misfire_max-over-its-bound", "PATCH", "/api/v1/jobs/tick", 422, "misfire_max",
+         **raw('{"version": 1, "options": {"misfire_max": 10001}}')),
+] + [
     case(f"timeout_s-{label}", "PATCH", "/api/v1/jobs/tick", 422, "timeout_s",
          **raw(f'{{"version": 1, "options": {{"timeout_s": {value}}}}}'))
     for label, value in (("infinity", "Infinity"), ("nan", "NaN"), ("1e400", "1e400"))

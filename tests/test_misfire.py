@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+import pytest
+
 from jobplane.domain.models import InstanceSource, JobDefinition, NewInstance
-from jobplane.domain.options import JobOptions
+from jobplane.domain.options import MISFIRE_MAX, JobOptions
+from jobplane.errors import InvalidOptionsError
 from jobplane_scheduler.cron_timers import BACKFILL_BATCH, CronTimers, catch_up
 
 T0 = datetime(2026, 5, 1, 12, 0, 0, tzinfo=UTC)
@@ -93,6 +96,38 @@ def test_a_long_outage_is_recorded_in_bounded_passes() -> None:
         "Fri 09:01",
         "Fri 09:02",
     ]
+
+
+@pytest.mark.parametrize("policy", ["fire_once", "skip"])
+def test_a_pass_of_fire_once_or_skip_writes_a_batch_whatever_misfire_max(policy: str) -> None:
+    # Their outcome does not depend on the bound (the latest tick fires, or none does), so
+    # a pass computes a batch and one more tick. Under misfire_max + BACKFILL_BATCH ticks,
+    # every one was computed and written in one pass (here 7,200: one statement).
+    end = T0 + timedelta(hours=2)
+    just_after = end + timedelta(milliseconds=1)
+    passes = all_passes(job(misfire=policy, misfire_max=MISFIRE_MAX), T0, just_after)
+    assert [len(p) for p in passes] == [BACKFILL_BATCH] * 14 + [200]
+    made = [m for p in passes for m in p]
+    assert [m.scheduled_at for m in made] == [T0 + timedelta(seconds=s) for s in range(1, 7_201)]
+    fired = [m.scheduled_at for m in made if m.skip_reason is None]
+    assert fired == ([end] if policy == "fire_once" else [])
+
+
+def test_misfire_max_is_at_most_ten_thousand_and_a_larger_stored_one_applies_as_that() -> None:
+    with pytest.raises(InvalidOptionsError) as refused:
+        job(misfire="fire_all", misfire_max=MISFIRE_MAX + 1)
+    assert refused.value.field == "misfire_max"
+    # Stored by an earlier version: read back as it is, applied as MISFIRE_MAX. Every pass
+    # computed 100,000 ticks (1.7 s of the leader's loop here), and fired 10,800 at once.
+    stored = JobOptions.from_stored(
+        {**job(misfire="fire_all").options.model_dump(), "misfire_max": 100_000}
+    )
+    assert stored.misfire_max == 100_000
+    just_after = T0 + timedelta(hours=3, milliseconds=1)
+    passes = all_passes(JobDefinition(options=stored, version=1), T0, just_after)
+    assert [len(p) for p in passes] == [BACKFILL_BATCH, MISFIRE_MAX + 300]
+    made = [m for p in passes for m in p]
+    assert [m.skip_reason for m in made] == ["misfire"] * 800 + [None] * MISFIRE_MAX
 
 
 def test_nothing_missed_and_never_fired() -> None:

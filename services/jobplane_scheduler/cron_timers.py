@@ -13,7 +13,7 @@ from datetime import datetime, timedelta
 
 from jobplane.cron import JUST_BEFORE, CronSchedule, search_from
 from jobplane.domain.models import InstanceSource, JobDefinition, NewInstance
-from jobplane.domain.options import MisfirePolicy
+from jobplane.domain.options import MISFIRE_MAX, MisfirePolicy
 from jobplane.domain.reasons import EndReason
 
 logger = logging.getLogger(__name__)
@@ -134,9 +134,11 @@ def catch_up(definition: JobDefinition, last: datetime | None, now: datetime) ->
     Skipped records (reason "misfire"). A tick at most the job's ``misfire_grace_s`` late is
     not missed: it fires.
 
-    The policy applies to the latest ``misfire_max`` missed ticks. Every older one is recorded
-    Skipped too (nothing vanishes silently), but in bounded passes: when more than
-    ``misfire_max + BACKFILL_BATCH`` ticks were missed, the pass records only the oldest
+    The policy applies to the latest ``misfire_max`` missed ticks (at most
+    :data:`~jobplane.domain.options.MISFIRE_MAX`). Every older one is recorded Skipped too
+    (nothing vanishes silently), but in bounded passes: when more than ``misfire_max +
+    BACKFILL_BATCH`` ticks were missed (``fire_once`` and ``skip``, whose outcome the bound does
+    not change: more than ``BACKFILL_BATCH + 1``), the pass records only the oldest
     ``BACKFILL_BATCH`` and is not ``complete``; the leader writes them and calls again, from
     the latest recorded tick. Work per pass is bounded, and the record stays gap-free even if
     the leader dies between passes (the next one continues from what is recorded). A day-long
@@ -165,7 +167,12 @@ def catch_up(definition: JobDefinition, last: datetime | None, now: datetime) ->
     ]
     if late_until <= last:
         return CatchUp(on_time)
-    bound = options.misfire_max
+    # Only fire_all needs to know which are the latest misfire_max: fire_once fires the latest
+    # tick and skip none, whatever the bound, so a pass of theirs computes a batch and one more
+    # tick, not misfire_max of them (a large bound made every pass of a long outage compute
+    # that many ticks, for BACKFILL_BATCH written). A bound stored before MISFIRE_MAX is capped.
+    fire_all = options.misfire is MisfirePolicy.FIRE_ALL
+    bound = min(options.misfire_max, MISFIRE_MAX) if fire_all else 1
     missed = schedule.between(last, late_until, bound + BACKFILL_BATCH)
     if len(missed) >= bound + BACKFILL_BATCH:
         # Possibly many more: record a batch of the oldest ones, Skipped, and come back.
@@ -178,7 +185,7 @@ def catch_up(definition: JobDefinition, last: datetime | None, now: datetime) ->
         batch = missed[:BACKFILL_BATCH]
         return CatchUp([_occurrence(definition.key, at, EndReason.MISFIRE) for at in batch], False)
     older, missed = missed[:-bound], missed[-bound:]
-    if options.misfire is MisfirePolicy.FIRE_ALL:
+    if fire_all:
         fire, skip = missed, []
     elif options.misfire is MisfirePolicy.FIRE_ONCE:
         fire, skip = missed[-1:], missed[:-1]

@@ -41,6 +41,12 @@ SECONDS_MAX = 10 * 365 * 24 * 3600.0
 QUEUE_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_.\-]{0,63}$")
 
 
+#: The most missed ticks ``fire_all`` fires after an outage. A catch-up pass computes that many
+#: ticks before it writes anything (the leader's loop waits meanwhile), and fires them in one
+#: statement: 100,000 took 1.7-2.0 s of CPU per pass on a 2-core machine.
+MISFIRE_MAX = 10_000
+
+
 class JobKind(StrEnum):
     RECURRING = "recurring"
     TRIGGERED = "triggered"
@@ -140,7 +146,11 @@ class JobOptions(BaseModel):
     start_at: datetime | None = None
     end_at: datetime | None = None
     misfire: MisfirePolicy = MisfirePolicy.FIRE_ONCE
-    misfire_max: int = Field(default=100, ge=1, le=INT32_MAX)
+    #: Stored values above :data:`MISFIRE_MAX` (accepted before it) are read back as they are;
+    #: the catch-up applies at most ``MISFIRE_MAX``.
+    misfire_max: int = Field(
+        default=100, ge=1, le=INT32_MAX, json_schema_extra={"maximum": MISFIRE_MAX}
+    )
     #: A tick later than this (seconds) is a misfire and follows ``misfire``, whoever fires it:
     #: a new leader after a failover, or a sitting leader that fell behind.
     misfire_grace_s: float = Field(default=1.0, ge=0, le=86_400)
@@ -166,6 +176,13 @@ class JobOptions(BaseModel):
             return check_text(value, str(info.field_name), max_length=limit)
         except InvalidOptionsError as exc:
             raise ValueError(exc.reason) from None
+
+    @field_validator("misfire_max")
+    @classmethod
+    def _misfire_max(cls, value: int, info: ValidationInfo) -> int:
+        if value > MISFIRE_MAX and not _stored(info):
+            raise ValueError(f"must be at most {MISFIRE_MAX}")
+        return value
 
     @field_validator("queue")
     @classmethod
