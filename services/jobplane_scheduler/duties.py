@@ -84,6 +84,8 @@ class LeaderDuties(CronFiring):
         self._lease_ends: list[datetime] = []
         #: Jobs whose missed ticks are still being recorded in batches (see catch_up).
         self._backfill: set[str] = set()
+        #: Jobs whose new definition is cached but whose re-plan failed (see _replan).
+        self._unplanned: set[str] = set()
         self._prepared = {}
         self._prepared_at = None
         #: Expired leases are released from this (monotonic) time on (see ``reap_grace_s``).
@@ -101,6 +103,7 @@ class LeaderDuties(CronFiring):
             self.timers = CronTimers()
             self.cache = DefinitionCache(self.store, self.bus)
             self._backfill.clear()
+            self._unplanned.clear()
             self._prepared, self._prepared_at = {}, None
             # After an outage every lease may look expired: give the workers a heartbeat (and
             # their outcomes a retry) before reaping, so finished or running work is not re-run.
@@ -134,13 +137,20 @@ class LeaderDuties(CronFiring):
         """Apply definition changes found by the version check against Postgres (the sweep's
         backstop for lost events and marks; at start: every definition)."""
         async with self._planning:
-            await self._replan(await self.cache.refresh(verify=True))
+            await self._replan(await self.cache.refresh(verify=True) | self._unplanned)
 
     async def _replan(self, keys: set[str]) -> None:
         """Re-plan the timers of the jobs whose definition changed and catch up their missed
-        ticks (a resumed or edited job follows its misfire policy). Holds ``_planning``."""
+        ticks (a resumed or edited job follows its misfire policy). Holds ``_planning``.
+
+        The cache took the new definitions before: should this fail (an outage; an event's
+        re-plan is then dropped), the keys stay in ``_unplanned``, which the next version check
+        plans again. The cache matched the store by then, so that check found nothing to do:
+        a job resumed or edited during a short outage stayed unplanned, or on its old
+        schedule, until the next term."""
         if not keys:
             return
+        self._unplanned |= keys
         cached = self.cache.definitions
         active = []
         for key in keys:
@@ -161,6 +171,7 @@ class LeaderDuties(CronFiring):
                 # never-firing ones were refused) must not stop the cron of every other job.
                 self._schedule_failed(definition.key)
         changed = await self._fire_as_planned(records)
+        self._unplanned -= keys
         if changed:
             await self._replan(changed)  # (re-planned under what the fire found stored)
         self._wake.set()
