@@ -1,12 +1,15 @@
-"""A leader whose re-plan fails (a short outage) after its cache took the new definitions: the
-job must still be planned, by the sweep's version check, the backstop for a dropped event."""
+"""Re-plans that do not go in one go: one that fails (a short outage) after the cache took the
+new definitions, and a long outage's catch-up, written in passes."""
 
 from __future__ import annotations
 
+import itertools
+from datetime import timedelta
 from typing import cast
 
 from jobplane.bus.abc import Bus
 from jobplane.definitions import announce
+from jobplane.domain.models import InstanceFilter
 from jobplane.store.abc import LeaderStore
 from jobplane.store.sql import SqlStore
 from tests.scheduler_helpers import (
@@ -51,3 +54,37 @@ async def test_a_job_resumed_while_its_replan_fails_is_planned_by_the_next_sweep
         await applied(scheduler, "tick", resumed.version)
         await swept(scheduler, 2)  # the backstop's version check
         await advance_until(clock, lambda: _total(store, "tick"), 2, what="ticks after the resume")
+
+
+async def test_a_catch_up_whose_write_failed_is_written_before_any_later_tick(
+    store: SqlStore, memory_bus: Bus
+) -> None:
+    """A job resumed after ticks were missed: the re-plan planned its timer, then the write of
+    its catch-up failed (the event dropped). The timer fired the next ticks meanwhile, and the
+    next re-plan caught up from the latest of them: the missed ticks were never recorded, and
+    fire_once's latest one never fired."""
+    await define(store, "tick", cron="* * * * * *")
+    paused = await store.set_paused("tick", True, "test")
+    began = paused.schedule_since or paused.created_at
+    assert began is not None
+    flaky = FlakyStore(store)
+    clock = DrivenClock(store)
+    async with running_scheduler(
+        cast(LeaderStore, flaky), memory_bus, clock=clock, sweep_interval_s=1.5
+    ) as scheduler:
+        await applied(scheduler, "tick", paused.version, paused=True)
+        await clock.passed(await clock.advance(4.0))  # ticks missed while paused
+        flaky.fail_next["fire"] = 1
+        resumed = await store.set_paused("tick", False, "test")
+        await announce(memory_bus, [resumed])
+
+        async def refused() -> bool:
+            return bool(flaky.refusals("fire"))
+
+        await wait_for(refused, what="the catch-up's write to be refused")
+        await swept(scheduler, 2)  # the backstop's version check re-plans it
+        await advance_until(clock, lambda: _total(store, "tick"), 8, what="ticks")
+    page = await store.list_instances(InstanceFilter(job_key="tick"), limit=1000)
+    ticks = sorted(i.scheduled_at for i in page.items if i.scheduled_at is not None)
+    assert ticks[0] == began.replace(microsecond=0) + timedelta(seconds=1)  # the first missed
+    assert all(b - a == timedelta(seconds=1) for a, b in itertools.pairwise(ticks))

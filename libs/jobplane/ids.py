@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import datetime, timedelta
 from uuid import UUID
 
@@ -21,3 +22,14 @@ def id_floor(moment: datetime) -> UUID:
     """The smallest UUIDv7 of ``moment``'s millisecond: every id made at or after it is ≥."""
     ms = max(0, int(moment.timestamp() * 1000))
     return UUID(int=ms << 80)
+
+
+def valid_ids(texts: Iterable[str]) -> list[UUID]:
+    """The UUIDs of ``texts`` that are one (a notification's payload, read as it came)."""
+    found = []
+    for text in texts:
+        try:
+            found.append(UUID(text))
+        except ValueError:
+            continue
+    return found

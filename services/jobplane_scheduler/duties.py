@@ -27,6 +27,7 @@ from jobplane.errors import (
     first_line,
 )
 from jobplane.events import Outage, listen
+from jobplane.ids import valid_ids
 from jobplane.store.abc import LeaderStore, PublishedKey
 from jobplane.store.creation import ENQUEUED_CHANNEL
 from jobplane.tasks import run_together
@@ -82,9 +83,9 @@ class LeaderDuties(CronFiring):
         self._delayed: list[datetime] = []
         #: Ends of running attempts' leases before the next sweep (see _sleep_until_sweep).
         self._lease_ends: list[datetime] = []
-        #: Jobs whose missed ticks are still being recorded in batches (see catch_up).
+        #: Jobs whose missed ticks are still recorded in batches (see catch_up); and jobs
+        #: cached but not yet re-planned (_replan).
         self._backfill: set[str] = set()
-        #: Jobs whose new definition is cached but whose re-plan failed (see _replan).
         self._unplanned: set[str] = set()
         self._prepared = {}
         self._prepared_at = None
@@ -143,11 +144,9 @@ class LeaderDuties(CronFiring):
         """Re-plan the timers of the jobs whose definition changed and catch up their missed
         ticks (a resumed or edited job follows its misfire policy). Holds ``_planning``.
 
-        The cache took the new definitions before: should this fail (an outage; an event's
-        re-plan is then dropped), the keys stay in ``_unplanned``, which the next version check
-        plans again. The cache matched the store by then, so that check found nothing to do:
-        a job resumed or edited during a short outage stayed unplanned, or on its old
-        schedule, until the next term."""
+        The cache took the new definitions before: should this fail (an outage), the keys stay
+        in ``_unplanned`` for the next version check, which found the cache up to date: a job
+        resumed or edited during a short outage stayed unplanned until the next term."""
         if not keys:
             return
         self._unplanned |= keys
@@ -166,11 +165,16 @@ class LeaderDuties(CronFiring):
         for definition in active:
             try:
                 records.extend(self._plan(definition, last.get(definition.key), now))
-            except Exception:
-                # One job whose schedule cannot be computed (an expression stored before
-                # never-firing ones were refused) must not stop the cron of every other job.
+            except Exception:  # (its schedule cannot be computed: the others still fire)
                 self._schedule_failed(definition.key)
-        changed = await self._fire_as_planned(records)
+        try:
+            changed = await self._fire_as_planned(records)
+        except BaseException:
+            # Not written: no timer fires before the re-plan does (a tick recorded first would
+            # move the job's last occurrence past the catch-up, which would never be written).
+            for definition in active:
+                self.timers.drop_job(definition.key)
+            raise
         self._unplanned -= keys
         if changed:
             await self._replan(changed)  # (re-planned under what the fire found stored)
@@ -458,8 +462,7 @@ class LeaderDuties(CronFiring):
             try:
                 async for ids in self.store.notifications(ENQUEUED_CHANNEL):
                     outage.delivered()
-                    parsed = [UUID(i) for i in ids if _is_uuid(i)]
-                    await self._publish(await self.store.unpublished_among(parsed))
+                    await self._publish(await self.store.unpublished_among(valid_ids(ids)))
                 return  # this store has no notifications
             except UnavailableError as exc:
                 outage.failed(exc, ENQUEUED_RELISTEN_S)
@@ -480,14 +483,6 @@ class LeaderDuties(CronFiring):
     async def _on_definitions_changed(self, event: Event) -> None:
         async with self._planning:
             await self._replan(await self.cache.apply_event(event))
-
-
-def _is_uuid(text: str) -> bool:
-    try:
-        UUID(text)
-    except ValueError:
-        return False
-    return True
 
 
 def _lease_wakes(ends: list[datetime]) -> list[datetime]:
