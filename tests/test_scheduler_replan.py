@@ -4,15 +4,20 @@ new definitions, and a long outage's catch-up, written in passes."""
 from __future__ import annotations
 
 import itertools
-from datetime import timedelta
-from typing import cast
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
 
 from jobplane.bus.abc import Bus
 from jobplane.definitions import announce
-from jobplane.domain.models import InstanceFilter
+from jobplane.domain.models import InstanceFilter, JobDefinition, LeaderLease
+from jobplane.domain.options import JobOptions
 from jobplane.store.abc import LeaderStore
 from jobplane.store.sql import SqlStore
+from jobplane_scheduler.cron_timers import BACKFILL_BATCH
+from jobplane_scheduler.duties import LeaderDuties
+from jobplane_scheduler.settings import SchedulerSettings
 from tests.scheduler_helpers import (
+    FAST,
     DrivenClock,
     advance_until,
     applied,
@@ -54,6 +59,29 @@ async def test_a_job_resumed_while_its_replan_fails_is_planned_by_the_next_sweep
         await applied(scheduler, "tick", resumed.version)
         await swept(scheduler, 2)  # the backstop's version check
         await advance_until(clock, lambda: _total(store, "tick"), 2, what="ticks after the resume")
+
+
+async def test_every_pass_of_a_backfill_looks_from_when_the_first_one_did(
+    pg_store: SqlStore, memory_bus: Bus
+) -> None:
+    """600 ticks of a ``skip`` job missed: two passes. The tick 0.6 s before the first pass
+    was within the grace (1 s) and fires; the second pass, 0.5 s later, took it for missed
+    (and fired the next one, which the timer fires after the backfill instead)."""
+    options = JobOptions.parse(key="tick", kind="recurring", cron="* * * * * *", misfire="skip")
+    definition = JobDefinition(options=options, version=1)
+    first = datetime(2026, 5, 1, 12, 10, 0, 600_000, tzinfo=UTC)
+    lease = LeaderLease(0, "s-1", 1, first, first + timedelta(seconds=30))
+    values: dict[str, Any] = {**FAST, "scheduler_id": "s-1"}
+    settings = SchedulerSettings(**values)
+    duties = LeaderDuties(cast(LeaderStore, pg_store), memory_bus, settings, lease)
+    tick = first.replace(microsecond=0)
+    made = duties._plan(definition, tick - timedelta(seconds=600), first)
+    assert len(made) == BACKFILL_BATCH
+    last = made[-1].scheduled_at
+    rest = duties._plan(definition, last, first + timedelta(seconds=0.5))
+    assert [m.skip_reason for m in rest] == ["misfire"] * 99 + [None]
+    assert rest[-1].scheduled_at == tick
+    assert duties.timers.next_time() == tick + timedelta(seconds=1)
 
 
 async def test_a_catch_up_whose_write_failed_is_written_before_any_later_tick(

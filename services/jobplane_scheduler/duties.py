@@ -83,9 +83,9 @@ class LeaderDuties(CronFiring):
         self._delayed: list[datetime] = []
         #: Ends of running attempts' leases before the next sweep (see _sleep_until_sweep).
         self._lease_ends: list[datetime] = []
-        #: Jobs whose missed ticks are still recorded in batches (see catch_up); and jobs
-        #: cached but not yet re-planned (_replan).
-        self._backfill: set[str] = set()
+        #: Jobs whose missed ticks are still recorded in batches (see catch_up) → the time
+        #: their first pass looked from; and jobs cached but not yet re-planned (_replan).
+        self._backfill: dict[str, datetime] = {}
         self._unplanned: set[str] = set()
         self._prepared = {}
         self._prepared_at = None
@@ -156,7 +156,7 @@ class LeaderDuties(CronFiring):
             definition = cached.get(key)
             if definition is None or self.settings.debug_no_auto_cron or not is_active(definition):
                 self.timers.drop_job(key)
-                self._backfill.discard(key)
+                self._backfill.pop(key, None)
             else:
                 active.append(definition)
         last = await self.store.last_occurrences([d.key for d in active])
@@ -189,16 +189,19 @@ class LeaderDuties(CronFiring):
             # The schedule was edited after its last occurrence: ticks of the new schedule
             # before the edit never existed, so the catch-up starts at the edit.
             last = since
-        caught = catch_up(definition, last, now)
+        # Every pass of a backfill looks from its first pass's time: a tick within the grace
+        # then is not missed for the time the passes took (those due since are planned next).
+        looked = self._backfill.get(definition.key, now)
+        caught = catch_up(definition, last, looked)
         made = caught.records
         if not caught.complete:
             # A long outage: this pass records a batch of its oldest missed ticks; the cron
             # loop runs the next pass (after any due tick of other jobs), and only the last
             # one plans the job's timer.
             self.timers.drop_job(definition.key)
-            self._backfill.add(definition.key)
+            self._backfill[definition.key] = looked
             return made
-        self._backfill.discard(definition.key)
+        self._backfill.pop(definition.key, None)
         latest = max(
             [last] + [m.scheduled_at for m in made],
             key=lambda t: t or datetime.min.replace(tzinfo=now.tzinfo),
@@ -210,7 +213,7 @@ class LeaderDuties(CronFiring):
         """Log a job whose schedule cannot be computed and leave it unplanned until its
         definition changes (the API shows the same error on the job)."""
         self.timers.drop_job(key)
-        self._backfill.discard(key)
+        self._backfill.pop(key, None)
         logger.exception(
             "job %s: its next fire time cannot be computed; it does not fire until edited",
             key,

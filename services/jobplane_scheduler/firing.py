@@ -55,7 +55,7 @@ class CronFiring:
     cache: DefinitionCache
     _planning: asyncio.Lock
     _wake: asyncio.Event
-    _backfill: set[str]
+    _backfill: dict[str, datetime]
     #: The records of the next tick, built ahead of it: (job key, tick) → record.
     _prepared: dict[tuple[str, datetime], NewInstance]
     _prepared_at: datetime | None
