@@ -286,6 +286,7 @@ class Intake:
             by_key.setdefault(d.envelope.job_key, []).append(d)
         workers = await self.store.list_workers()
         now = await self.store.now()
+        waiting: list[Delivery] = []
         for key, group in by_key.items():
             live = [
                 w.id
@@ -306,12 +307,17 @@ class Intake:
                 )
                 continue
             self._log_unknown(key, len(group))
-            await asyncio.sleep(self.settings.unknown_job_delay_s)
-            # An instance no longer Enqueued (Terminated because no worker knows its job,
-            # cancelled, claimed elsewhere) needs no message: its entry goes.
-            enqueued = await self.store.still_enqueued({d.envelope.instance_id for d in group})
-            await consumer.ack([d for d in group if d.envelope.instance_id not in enqueued])
-            await consumer.requeue([d for d in group if d.envelope.instance_id in enqueued])
+            waiting += group
+        if not waiting:
+            return
+        # One wait per round, not one per job: a round of many unknown jobs outlasted
+        # ``reclaim_idle_s``, and this worker's reclaim handed it its own entries again.
+        await asyncio.sleep(self.settings.unknown_job_delay_s)
+        # An instance no longer Enqueued (Terminated because no worker knows its job,
+        # cancelled, claimed elsewhere) needs no message: its entry goes.
+        enqueued = await self.store.still_enqueued({d.envelope.instance_id for d in waiting})
+        await consumer.ack([d for d in waiting if d.envelope.instance_id not in enqueued])
+        await consumer.requeue([d for d in waiting if d.envelope.instance_id in enqueued])
 
     def _log_unknown(self, key: str, entries: int) -> None:
         """One line per job and ``UNKNOWN_JOB_LOG_EVERY_S`` for entries put back, with the

@@ -81,12 +81,14 @@ class Consumer(Protocol):
         """Take over up to ``count`` entries pending on any consumer and idle ≥ ``min_idle_ms``."""
 
     async def requeue(self, deliveries: Sequence[Delivery]) -> None:
-        """Put copies of the entries back at the end of their streams and ack the originals,
-        in one round trip (a job no live worker knows yet: try again later)."""
+        """Put copies of the entries back at the end of their streams and ack the originals
+        (a job no live worker knows yet: try again later). An entry no longer pending (moved
+        or acknowledged since, here or by a consumer that reclaimed it) gets no copy."""
 
     async def forward(self, deliveries: Sequence[Delivery], worker_id: str) -> None:
-        """Move the entries to ``worker_id``'s own stream and ack the originals, in one round
-        trip (a job this worker does not know, for a worker that does)."""
+        """Move the entries to ``worker_id``'s own stream and ack the originals (a job this
+        worker does not know, for a worker that does); as :meth:`requeue`, an entry no longer
+        pending is not copied."""
 
 
 class Bus(Protocol):

@@ -247,17 +247,32 @@ class RedisConsumer:
         await self._move(deliveries, self.bus.keys.worker_stream(worker_id))
 
     async def _move(self, deliveries: Sequence[Delivery], target: str | None) -> None:
+        """Copy each entry to ``target`` (or the end of its stream), then take the original
+        away; a copy whose original was no longer pending (moved or acknowledged meanwhile, by
+        this consumer or another that reclaimed it) is deleted again. Copied each time, an
+        entry held through a reclaim was put back twice, and its copies again, without end.
+
+        The copy is added before the original goes: a crash in between duplicates the message
+        (harmless: the claim is a compare-and-set) but never loses it. Three round trips, each
+        of single-key commands (the target may be in another hash slot than the original)."""
         if not deliveries:
             return
-        pipe = self.client.pipeline(transaction=False)
-        for d in deliveries:
-            # The copy is added before the original goes: a crash in between duplicates the
-            # message (harmless: the claim is a compare-and-set) but never loses it.
-            pipe.xadd(target or d.stream, {"d": d.envelope.encode()})
-            pipe.xack(d.stream, GROUP, d.entry_id)
-            pipe.xdel(d.stream, d.entry_id)
         async with translated("requeue"):
-            await pipe.execute()
+            pipe = self.client.pipeline(transaction=False)
+            for d in deliveries:
+                pipe.xadd(target or d.stream, {"d": d.envelope.encode()})
+            copies = await pipe.execute()
+            pipe = self.client.pipeline(transaction=False)
+            for d in deliveries:
+                pipe.xack(d.stream, GROUP, d.entry_id)  # 1 for the one mover that held it
+                pipe.xdel(d.stream, d.entry_id)
+            taken = (await pipe.execute())[::2]
+            pipe = self.client.pipeline(transaction=False)
+            for d, copy, acked in zip(deliveries, copies, taken, strict=True):
+                if not acked:
+                    pipe.xdel(target or d.stream, copy)
+            if len(pipe):
+                await pipe.execute()
 
 
 def _group_gone(error: str) -> bool:
