@@ -32,6 +32,7 @@ from jobplane.store.abc import LeaderStore, PublishedKey
 from jobplane.store.creation import ENQUEUED_CHANNEL
 from jobplane.tasks import run_together
 from jobplane.triggering import envelope_for
+from jobplane_scheduler import housekeeping
 from jobplane_scheduler.cron_timers import CronTimers, catch_up, is_active
 from jobplane_scheduler.firing import CronFiring
 from jobplane_scheduler.metrics import SchedulerMetrics, SweepStep
@@ -237,15 +238,13 @@ class LeaderDuties(CronFiring):
     # -- sweeps ----------------------------------------------------------------------------
 
     async def _sweep_loop(self) -> None:
-        last_retention = datetime.min
+        last_housekeeping = datetime.min
         while True:
             with self.metrics.sweep_duration.time():
                 await self._sweep_once()
-            if self.settings.retention_days and datetime.now() - last_retention > timedelta(
-                minutes=1
-            ):
-                last_retention = datetime.now()
-                await self._retention()
+            if datetime.now() - last_housekeeping > timedelta(minutes=1):
+                last_housekeeping = datetime.now()
+                await self._housekeeping()
             await self._sleep_until_sweep()
 
     async def _sweep_once(self) -> None:
@@ -419,10 +418,13 @@ class LeaderDuties(CronFiring):
             await self._republish(await self._lost(page))
             after = page[-1].id
 
-    async def _retention(self) -> None:
-        before = await self.store.now() - timedelta(days=self.settings.retention_days)
-        while await self.store.delete_finished_before(before, fence=self.lease):
-            pass
+    async def _housekeeping(self) -> None:
+        if self.settings.retention_days:
+            await housekeeping.delete_finished(self.store, self.settings.retention_days, self.lease)
+        kept = timedelta(seconds=self.settings.unknown_job_timeout_s)
+        kept = max(housekeeping.STOPPED_WORKERS_KEPT, kept)
+        gone = await housekeeping.forget_stopped_workers(self.store, self.bus, kept, self.lease)
+        self.metrics.count(SweepStep.FORGOTTEN_WORKERS, gone)
 
     async def _drop_old_pins(self, unpinned: list[tuple[Instance, str]]) -> None:
         """Delete the entries of instances just given away from their gone worker's stream,

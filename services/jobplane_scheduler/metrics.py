@@ -37,6 +37,7 @@ class SweepStep(StrEnum):
     UNKNOWN_JOBS = "unknown_jobs"  # instances of a job no worker knows → Terminated
     DEAD_WORKERS = "dead_workers"  # silent workers marked stopped
     ORPHANED_PINS = "orphaned_pins"  # instances pinned to a gone worker, unpinned
+    FORGOTTEN_WORKERS = "forgotten_workers"  # workers stopped a day ago, forgotten
 
 
 class SchedulerMetrics:

@@ -127,6 +127,13 @@ class Bus(Protocol):
         pinned instances were given to any worker: nobody reads its stream, so their old
         entries would stay there for good. Returns the entries deleted."""
 
+    async def forget_worker(self, worker_id: str, queues: Sequence[str]) -> bool:
+        """Forget a worker gone for good: its own stream and its dead letters, and its
+        consumer in the group of each band stream of ``queues``. Each process start is a new
+        worker id: kept, these added up for ever. A consumer with entries still pending on
+        it is kept (another worker reclaims them): then False, and a later call forgets it.
+        The worker's pins were given away long before: its stream goes whatever it holds."""
+
     def consumer(self, worker_id: str, queues: Sequence[str]) -> Consumer:
         """The consumer of ``worker_id`` on ``queues`` (groups are created on first read)."""
 

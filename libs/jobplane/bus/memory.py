@@ -114,6 +114,14 @@ class MemoryBus:
                     found.add(instance_id)
         return found
 
+    async def forget_worker(self, worker_id: str, queues: Sequence[str]) -> bool:
+        self._streams.pop(self.keys.worker_stream(worker_id), None)
+        self._dead.pop(self.keys.worker_dead_letter(worker_id), None)
+        # (No registry of consumers here: they are the names on the pending entries.)
+        streams = [k for q in queues for k in self.keys.queue_streams(q) if k in self._streams]
+        pending = (p for k in streams for p in self._streams[k].pending.values())
+        return not any(p.consumer == worker_id for p in pending)
+
     async def drop_pinned(self, worker_id: str, instance_ids: Collection[uuid.UUID]) -> int:
         stream, wanted = self._stream(self.keys.worker_stream(worker_id)), set(instance_ids)
         doomed = []

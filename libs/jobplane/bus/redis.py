@@ -48,6 +48,16 @@ for i = 1, #KEYS do
 end
 return #KEYS
 """
+# Delete consumer ARGV[2] of group ARGV[1] on stream KEYS[1] unless entries are pending on it
+# (DELCONSUMER drops them from the group's pending list: nobody would reclaim them); at once,
+# so that none is handed to it in between. 1: deleted or absent, 0: kept.
+FORGET_CONSUMER_LUA = """
+local ok, pending = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
+if not ok then return 1 end
+if #pending > 0 then return 0 end
+redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
 #: Entries appended by one call of the script (Redis runs a script alone: ~1 ms per 1,000).
 PUBLISH_CHUNK = 1000
 
@@ -62,6 +72,7 @@ class RedisBus:
         self._closed = False
         self._clear_pending = client.register_script(CLEAR_PENDING_LUA)
         self._append = client.register_script(APPEND_LUA)
+        self._forget_consumer = client.register_script(FORGET_CONSUMER_LUA)
         #: The pending-update marks as last read whole, and the hash's (edit count, length)
         #: then (see :meth:`get_pending_updates`).
         self._marks: dict[str, int] = {}
@@ -209,6 +220,18 @@ class RedisBus:
             if len(page or []) < XRANGE_PAGE:
                 return
             start = "(" + as_text(page[-1][0])
+
+    async def forget_worker(self, worker_id: str, queues: Sequence[str]) -> bool:
+        streams = [k for q in queues for k in self.keys.queue_streams(q)]
+        async with translated("forget worker"):
+            # One script call per stream: each touches one key (Redis Cluster's rule).
+            forgotten = [
+                await self._forget_consumer(keys=[k], args=[GROUP, worker_id]) for k in streams
+            ]
+            own = self.keys.worker_stream(worker_id)
+            await self.client.unlink(own, self.keys.worker_dead_letter(worker_id))
+        self._looked.pop(own, None)
+        return all(forgotten)
 
     async def drop_pinned(self, worker_id: str, instance_ids: Collection[uuid.UUID]) -> int:
         key, wanted = self.keys.worker_stream(worker_id), set(instance_ids)

@@ -376,6 +376,12 @@ class LeaderStore(DispatchStore, Protocol):
         by runaway code of stopped workers are given back in the same transaction. Fenced by
         the leader's lease ``fence``."""
 
+    async def forget_stopped_workers(
+        self, before: datetime, limit: int = 100, *, fence: LeaderLease | None = None
+    ) -> list[WorkerInfo]:
+        """Delete (and return) the rows of up to ``limit`` workers stopped before ``before``,
+        but not of one still holding a runaway slot. Fenced by the leader's lease ``fence``."""
+
     async def delete_finished_before(
         self, before: datetime, limit: int = 1000, *, fence: LeaderLease | None = None
     ) -> int:

@@ -18,7 +18,7 @@ from uuid import UUID
 from sqlalchemy import Select, and_, delete, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from jobplane.domain.models import Instance, InstanceSource, LeaderLease, NewInstance
+from jobplane.domain.models import Instance, InstanceSource, LeaderLease, NewInstance, WorkerInfo
 from jobplane.domain.options import JobOptions, PinFallback
 from jobplane.domain.reasons import EndReason
 from jobplane.domain.states import InstanceState
@@ -27,6 +27,7 @@ from jobplane.store.base import in_slices, logger, retry_conflicts
 from jobplane.store.lifecycle import release_runaway_rows
 from jobplane.store.moves import move_instances, unpin
 from jobplane.store.publication import PublicationStore
+from jobplane.store.rows import worker_from_row
 from jobplane.store.tables import (
     instance_counts,
     instance_transitions,
@@ -341,6 +342,28 @@ class SweepStore(PublicationStore):
                     extra={"action": "store.runaway_slots_released"},
                 )
             return dead
+
+    @retry_conflicts
+    async def forget_stopped_workers(
+        self, before: datetime, limit: int = 100, *, fence: LeaderLease | None = None
+    ) -> list[WorkerInfo]:
+        """Delete the rows of up to ``limit`` workers stopped before ``before``, except one
+        still holding a runaway slot (given back by :meth:`mark_dead_workers` first); return
+        them. Each process start adds a row, kept once it stops (listed, and read by every
+        unknown-jobs sweep): without this the table grew for ever. Fenced by ``fence``."""
+        async with self._write() as conn:
+            await self._fence(conn, fence)
+            holding = select(runaway_slots.c.worker_id)
+            doomed = (
+                select(workers.c.id)
+                .where(workers.c.stopped_at < before, workers.c.id.not_in(holding))
+                .order_by(workers.c.stopped_at)
+                .limit(limit)
+            )
+            result = await conn.execute(
+                delete(workers).where(workers.c.id.in_(doomed)).returning(*workers.c)
+            )
+            return [worker_from_row(row._mapping) for row in result]
 
     async def _end_silent_workers(self, silent_for_s: float) -> None:
         """Before silent workers are marked dead: end their sessions still under way (Postgres;
