@@ -4,6 +4,8 @@ new definitions, and a long outage's catch-up, written in passes."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
@@ -15,6 +17,7 @@ from jobplane.store.abc import LeaderStore
 from jobplane.store.sql import SqlStore
 from jobplane_scheduler.cron_timers import BACKFILL_BATCH
 from jobplane_scheduler.duties import LeaderDuties
+from jobplane_scheduler.scheduler import Scheduler
 from jobplane_scheduler.settings import SchedulerSettings
 from tests.scheduler_helpers import (
     FAST,
@@ -28,6 +31,36 @@ from tests.store_helpers import define
 from tests.worker_helpers import FlakyStore, wait_for
 
 
+@asynccontextmanager
+async def _paused_job_leader(
+    store: SqlStore, bus: Bus
+) -> AsyncIterator[tuple[Scheduler, FlakyStore, DrivenClock]]:
+    """A leader, on a store whose calls a test can refuse, that has applied the paused
+    one-second job "tick". Sweeps far apart: an event, not a sweep, brings an edit first."""
+    await define(store, "tick", cron="* * * * * *")
+    paused = await store.set_paused("tick", True, "test")
+    flaky, clock = FlakyStore(store), DrivenClock(store)
+    leader = cast(LeaderStore, flaky)
+    async with running_scheduler(leader, bus, clock=clock, sweep_interval_s=1.5) as scheduler:
+        await applied(scheduler, "tick", paused.version, paused=True)
+        yield scheduler, flaky, clock
+
+
+async def _resume_refusing(
+    store: SqlStore, bus: Bus, flaky: FlakyStore, call: str
+) -> JobDefinition:
+    """Resume "tick" and announce it, the leader's next ``call`` of the store refused."""
+    flaky.fail_next[call] = 1
+    resumed = await store.set_paused("tick", False, "test")
+    await announce(bus, [resumed])
+
+    async def refused() -> bool:
+        return bool(flaky.refusals(call))
+
+    await wait_for(refused, what=f"the leader's {call} to be refused")
+    return resumed
+
+
 async def _total(store: SqlStore, key: str) -> int:
     return sum((await store.count_by_state(key)).values())
 
@@ -39,23 +72,8 @@ async def test_a_job_resumed_while_its_replan_fails_is_planned_by_the_next_sweep
     failed to re-plan it (its read of the job's last tick refused: the event is dropped). The
     cache said "up to date" to every later version check: the job never fired again in this
     term. (The same for an edit: the old schedule went on.)"""
-    await define(store, "tick", cron="* * * * * *")
-    paused = await store.set_paused("tick", True, "test")
-    flaky = FlakyStore(store)
-    clock = DrivenClock(store)
-    # Sweeps far apart: the event, not a sweep, brings the resume to the leader first.
-    async with running_scheduler(
-        cast(LeaderStore, flaky), memory_bus, clock=clock, sweep_interval_s=1.5
-    ) as scheduler:
-        await applied(scheduler, "tick", paused.version, paused=True)
-        flaky.fail_next["last_occurrences"] = 1
-        resumed = await store.set_paused("tick", False, "test")
-        await announce(memory_bus, [resumed])
-
-        async def refused() -> bool:
-            return bool(flaky.refusals("last_occurrences"))
-
-        await wait_for(refused, what="the re-plan's read to be refused")
+    async with _paused_job_leader(store, memory_bus) as (scheduler, flaky, clock):
+        resumed = await _resume_refusing(store, memory_bus, flaky, "last_occurrences")
         await applied(scheduler, "tick", resumed.version)
         await swept(scheduler, 2)  # the backstop's version check
         await advance_until(clock, lambda: _total(store, "tick"), 2, what="ticks after the resume")
@@ -91,28 +109,15 @@ async def test_a_catch_up_whose_write_failed_is_written_before_any_later_tick(
     its catch-up failed (the event dropped). The timer fired the next ticks meanwhile, and the
     next re-plan caught up from the latest of them: the missed ticks were never recorded, and
     fire_once's latest one never fired."""
-    await define(store, "tick", cron="* * * * * *")
-    paused = await store.set_paused("tick", True, "test")
-    began = paused.schedule_since or paused.created_at
-    assert began is not None
-    flaky = FlakyStore(store)
-    clock = DrivenClock(store)
-    async with running_scheduler(
-        cast(LeaderStore, flaky), memory_bus, clock=clock, sweep_interval_s=1.5
-    ) as scheduler:
-        await applied(scheduler, "tick", paused.version, paused=True)
+    async with _paused_job_leader(store, memory_bus) as (scheduler, flaky, clock):
         await clock.passed(await clock.advance(4.0))  # ticks missed while paused
-        flaky.fail_next["fire"] = 1
-        resumed = await store.set_paused("tick", False, "test")
-        await announce(memory_bus, [resumed])
-
-        async def refused() -> bool:
-            return bool(flaky.refusals("fire"))
-
-        await wait_for(refused, what="the catch-up's write to be refused")
+        await _resume_refusing(store, memory_bus, flaky, "fire")
         await swept(scheduler, 2)  # the backstop's version check re-plans it
         await advance_until(clock, lambda: _total(store, "tick"), 8, what="ticks")
     page = await store.list_instances(InstanceFilter(job_key="tick"), limit=1000)
     ticks = sorted(i.scheduled_at for i in page.items if i.scheduled_at is not None)
+    [job] = await store.list_definitions(["tick"])
+    began = job.schedule_since or job.created_at
+    assert began is not None
     assert ticks[0] == began.replace(microsecond=0) + timedelta(seconds=1)  # the first missed
     assert all(b - a == timedelta(seconds=1) for a, b in itertools.pairwise(ticks))
