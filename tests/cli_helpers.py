@@ -46,9 +46,25 @@ def run_cli(
 def spawn_cli(*args: str, **env: str) -> subprocess.Popen[str]:
     """Start ``jobplane ARGS``. Its output goes to a temporary file, never to a pipe nobody
     reads: a full pipe would block the process's logging and freeze it mid-test."""
+    return _spawn(args, env, session=False)
+
+
+def spawn_cli_leading(*args: str, **env: str) -> subprocess.Popen[str]:
+    """:func:`spawn_cli`, the process leading a process group of its own, as when started from
+    a terminal or by a supervisor (a signal to its group then reaches it, not the tests)."""
+    return _spawn(args, env, session=True)
+
+
+def _spawn(args: tuple[str, ...], env: dict[str, str], *, session: bool) -> subprocess.Popen[str]:
     log = tempfile.TemporaryFile(mode="w+", prefix="jobplane-proc-")  # noqa: SIM115 (closed in stop_all)
     proc = subprocess.Popen(
-        [JOBPLANE, *args], cwd=ROOT, env=jobplane_env(**env), stdout=log, stderr=log, text=True
+        [JOBPLANE, *args],
+        cwd=ROOT,
+        env=jobplane_env(**env),
+        stdout=log,
+        stderr=log,
+        text=True,
+        start_new_session=session,
     )
     _logs[proc.pid] = log
     return proc

@@ -32,6 +32,7 @@ import importlib
 import json
 import logging
 import multiprocessing
+import os
 import signal
 import threading
 from datetime import datetime
@@ -105,6 +106,8 @@ async def run_in_child(
             {final, cancelled}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
         )
         if final in done:
+            # Off the loop: a child's exit may wait for threads its job left running.
+            await asyncio.get_running_loop().run_in_executor(None, process.join, KILL_GRACE_S)
             return _unpack(final.result(), process)
         if cancelled not in done:
             ctx.cancellation.set(StopReason.TIMEOUT)
@@ -116,6 +119,7 @@ async def run_in_child(
         cancelled.cancel()
         if process.is_alive():
             await _kill(process)  # this task itself was cancelled
+        _kill_group(process)  # what the job started (its commands) ends with its attempt
         # The child is gone, so the reader sees the end of the pipe and stops. (Bounded: a
         # grandchild that inherited the pipe could keep it open.)
         await asyncio.wait({final}, timeout=KILL_GRACE_S)
@@ -157,8 +161,18 @@ async def _stop(
                 "job_key": ctx.job_key,
             },
         )
-        process.kill()
+        _kill_group(process)
         await loop.run_in_executor(None, process.join)
+
+
+def _kill_group(process: Any) -> None:
+    """SIGKILL the child's process group (it leads one, see :func:`_child_main`): the child
+    and whatever its job started. A command a job ran (the usual use of isolation) outlived
+    the attempt's timeout or cancel, beside the next attempt."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    if process.exitcode is None:
+        process.kill()  # (not yet in a group of its own: still starting)
 
 
 class _WorkerLink:
@@ -233,7 +247,6 @@ def _resolve(future: asyncio.Future[Message | None], value: Message | None) -> N
 
 
 def _unpack(message: Message | None, process: Any) -> Any:
-    process.join(KILL_GRACE_S)
     if message is None:
         raise RuntimeError(f"job process exited with code {process.exitcode} without a result")
     if message["kind"] == "ok":
@@ -248,7 +261,7 @@ async def _kill(process: Any) -> None:
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, process.join, KILL_GRACE_S)
     if process.is_alive():
-        process.kill()
+        _kill_group(process)
         await loop.run_in_executor(None, process.join)
     logger.info(
         "killed job process %s (exit code %s)",
@@ -307,6 +320,13 @@ def _child_main(
     events: Connection,
     replies: Connection,
 ) -> None:
+    # A process group of its own: a terminal's Ctrl-C (the worker's graceful stop) or a
+    # supervisor's signal to the worker's group reaches the worker alone, which stops the
+    # child in its two phases (it failed the job at once: KeyboardInterrupt); and the worker
+    # kills what the job started with it.
+    os.setpgrp()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_die_with_the_worker, name="jobplane-watch", daemon=True).start()
     # Until the job's context exists, a SIGTERM is only noted (the default would kill the
     # child before it can answer); _child_run turns it into the job's cancellation.
     signal.signal(signal.SIGTERM, lambda _signum, _frame: _early_signal.set())
@@ -321,6 +341,17 @@ def _child_main(
     finally:
         events.close()
         replies.close()
+
+
+def _die_with_the_worker() -> None:
+    """End this child and its group when the worker process is gone (SIGKILL, the OOM
+    killer): nobody can record the attempt, and the reaper hands the instance to another
+    worker once the lease ends, so a child that ran on was a second copy beside the next."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return  # (not a child: nothing to watch)
+    multiprocessing.connection.wait([parent.sentinel])
+    os.killpg(0, signal.SIGKILL)
 
 
 def _ok_message(result: Any) -> Message:

@@ -1,0 +1,182 @@
+"""An isolated job's child, and what its job starts, end with its attempt, whatever ends it;
+and the worker never waits on a child's exit. Real worker processes and real children."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from jobplane.bus.abc import Bus
+from jobplane.dispatch import Dispatcher
+from jobplane.domain.states import InstanceState as S
+from jobplane.store.sql import SqlStore
+from tests.apps.isolated import app
+from tests.cli_helpers import spawn_cli_leading, stop_all
+from tests.worker_helpers import running_worker, settled, wait_for
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+async def _pid_in(path: Path) -> int:
+    async def written() -> bool:
+        return await asyncio.to_thread(lambda: path.exists() and path.stat().st_size > 0)
+
+    await wait_for(written, timeout_s=60, what=f"{path.name} to be written")
+    return int(await asyncio.to_thread(path.read_text))
+
+
+@pytest.fixture
+def workers() -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    stop_all(started)
+
+
+def _worker(
+    procs: list[subprocess.Popen[str]], db: str, redis: str, prefix: str, *extra: str
+) -> subprocess.Popen[str]:
+    """A ``jobplane worker`` leading its process group, as a terminal or supervisor starts it."""
+    proc = spawn_cli_leading(
+        "worker",
+        "--app",
+        "tests.apps.isolated:app",
+        *extra,
+        JOBPLANE_DATABASE_URL=db,
+        JOBPLANE_REDIS_URL=redis,
+        JOBPLANE_KEY_PREFIX=prefix,
+        JOBPLANE_POLL_MS="100",
+    )
+    procs.append(proc)
+    return proc
+
+
+async def _registered(store: SqlStore) -> None:
+    """Wait for the worker's row: it registers its jobs first, then itself."""
+
+    async def registered() -> bool:
+        return bool(await store.list_workers())
+
+    await wait_for(registered, timeout_s=60, what="the worker's registration")
+
+
+async def test_an_isolated_child_dies_with_its_sigkilled_worker(
+    pg_store: SqlStore,
+    redis_bus: Bus,
+    pg_database_url: str,
+    redis_url: str,
+    redis_prefix: str,
+    workers: list[subprocess.Popen[str]],
+    tmp_path: Path,
+) -> None:
+    """Once its worker is gone nobody can stop or record the child, and the reaper hands the
+    instance to another worker when the lease ends: a child that ran on was a second copy."""
+    worker = _worker(workers, pg_database_url, redis_url, redis_prefix)
+    await _registered(pg_store)
+    gate = tmp_path / "gate"
+    await Dispatcher(pg_store, redis_bus).trigger("ticks_until_killed", {"path": str(gate)})
+    child = await _pid_in(Path(f"{gate}.pid"))
+    try:
+        worker.send_signal(signal.SIGKILL)  # the worker alone (the OOM killer, kill -9)
+        await asyncio.to_thread(worker.wait, 30)
+
+        async def gone() -> bool:
+            return not _alive(child)
+
+        await wait_for(gone, timeout_s=5, what=f"child {child} to end with its worker")
+    finally:
+        _kill(child)
+
+
+async def test_a_command_an_isolated_job_ran_ends_with_its_attempt(
+    pg_store: SqlStore, redis_bus: Bus, tmp_path: Path
+) -> None:
+    """At the timeout the child is stopped (SIGTERM, then SIGKILL); the command it ran (the
+    usual use of isolation: wrapping a tool) ran on beside the retry."""
+    gate = tmp_path / "gate"
+    async with running_worker(app, pg_store, redis_bus, timeout_grace_s=0.5):
+        instance = await Dispatcher(pg_store, redis_bus).trigger("shells_out", {"path": str(gate)})
+        [done] = await settled(pg_store, [instance.id], timeout_s=60)
+    assert done.error is not None and done.error.type == "TimeoutError"
+    command = int(await asyncio.to_thread(Path(f"{gate}.command").read_text))
+    try:
+        await asyncio.sleep(0.5)
+        assert not _alive(command), f"the job's command ({command}) outlived its attempt"
+    finally:
+        _kill(command)
+
+
+async def test_ctrl_c_drains_an_isolated_job_like_any_other(
+    pg_store: SqlStore,
+    redis_bus: Bus,
+    pg_database_url: str,
+    redis_url: str,
+    redis_prefix: str,
+    workers: list[subprocess.Popen[str]],
+    tmp_path: Path,
+) -> None:
+    """A terminal's Ctrl-C reaches the whole foreground process group; SIGINT is the worker's
+    graceful stop. The child took it too and failed its job (KeyboardInterrupt), using a
+    retry, where a job that ends within the grace must succeed."""
+    worker = _worker(workers, pg_database_url, redis_url, redis_prefix, "--grace", "20")
+    await _registered(pg_store)
+    gate = tmp_path / "gate"
+    instance = await Dispatcher(pg_store, redis_bus).trigger(
+        "finishes_in_two_seconds", {"path": str(gate)}
+    )
+    await _pid_in(Path(f"{gate}.started"))
+    os.killpg(worker.pid, signal.SIGINT)
+    assert await asyncio.to_thread(worker.wait, 40) == 0
+    done = await pg_store.get_instance(instance.id)
+    assert done.state is S.SUCCEEDED, (done.state, done.error)
+
+
+async def test_the_end_of_an_isolated_job_never_holds_up_the_workers_loop(
+    pg_store: SqlStore, redis_bus: Bus, tmp_path: Path
+) -> None:
+    """A child exits only once the threads its job left have ended: the worker waited for it
+    on its event loop (up to 1 s per child), holding up heartbeats, the fence and every job."""
+    gaps: list[float] = []
+
+    async def ticker() -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.02)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    async with running_worker(app, pg_store, redis_bus):
+        dispatcher = Dispatcher(pg_store, redis_bus)
+        made = [
+            await dispatcher.trigger("leaves_a_thread", {"path": str(tmp_path / str(i))})
+            for i in range(3)
+        ]
+        tick = asyncio.create_task(ticker())
+        try:
+            done = await settled(pg_store, [i.id for i in made], timeout_s=60)
+        finally:
+            tick.cancel()
+    assert {i.state for i in done} == {S.SUCCEEDED}
+    assert max(gaps) < 0.5, f"the worker's loop stalled {max(gaps):.2f} s"
