@@ -9,7 +9,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -47,29 +47,31 @@ async def _pid_in(path: Path) -> int:
     return int(await asyncio.to_thread(path.read_text))
 
 
+Start = Callable[..., subprocess.Popen[str]]
+
+
 @pytest.fixture
-def workers() -> Iterator[list[subprocess.Popen[str]]]:
+def start_worker(pg_database_url: str, redis_url: str, redis_prefix: str) -> Iterator[Start]:
+    """Starts a ``jobplane worker`` leading its process group, as a terminal or supervisor
+    starts one, with the extra arguments given; each is stopped after the test."""
     started: list[subprocess.Popen[str]] = []
-    yield started
+
+    def start(*extra: str) -> subprocess.Popen[str]:
+        proc = spawn_cli_leading(
+            "worker",
+            "--app",
+            "tests.apps.isolated:app",
+            *extra,
+            JOBPLANE_DATABASE_URL=pg_database_url,
+            JOBPLANE_REDIS_URL=redis_url,
+            JOBPLANE_KEY_PREFIX=redis_prefix,
+            JOBPLANE_POLL_MS="100",
+        )
+        started.append(proc)
+        return proc
+
+    yield start
     stop_all(started)
-
-
-def _worker(
-    procs: list[subprocess.Popen[str]], db: str, redis: str, prefix: str, *extra: str
-) -> subprocess.Popen[str]:
-    """A ``jobplane worker`` leading its process group, as a terminal or supervisor starts it."""
-    proc = spawn_cli_leading(
-        "worker",
-        "--app",
-        "tests.apps.isolated:app",
-        *extra,
-        JOBPLANE_DATABASE_URL=db,
-        JOBPLANE_REDIS_URL=redis,
-        JOBPLANE_KEY_PREFIX=prefix,
-        JOBPLANE_POLL_MS="100",
-    )
-    procs.append(proc)
-    return proc
 
 
 async def _registered(store: SqlStore) -> None:
@@ -82,17 +84,11 @@ async def _registered(store: SqlStore) -> None:
 
 
 async def test_an_isolated_child_dies_with_its_sigkilled_worker(
-    pg_store: SqlStore,
-    redis_bus: Bus,
-    pg_database_url: str,
-    redis_url: str,
-    redis_prefix: str,
-    workers: list[subprocess.Popen[str]],
-    tmp_path: Path,
+    pg_store: SqlStore, redis_bus: Bus, start_worker: Start, tmp_path: Path
 ) -> None:
     """Once its worker is gone nobody can stop or record the child, and the reaper hands the
     instance to another worker when the lease ends: a child that ran on was a second copy."""
-    worker = _worker(workers, pg_database_url, redis_url, redis_prefix)
+    worker = start_worker()
     await _registered(pg_store)
     gate = tmp_path / "gate"
     await Dispatcher(pg_store, redis_bus).trigger("ticks_until_killed", {"path": str(gate)})
@@ -128,18 +124,12 @@ async def test_a_command_an_isolated_job_ran_ends_with_its_attempt(
 
 
 async def test_ctrl_c_drains_an_isolated_job_like_any_other(
-    pg_store: SqlStore,
-    redis_bus: Bus,
-    pg_database_url: str,
-    redis_url: str,
-    redis_prefix: str,
-    workers: list[subprocess.Popen[str]],
-    tmp_path: Path,
+    pg_store: SqlStore, redis_bus: Bus, start_worker: Start, tmp_path: Path
 ) -> None:
     """A terminal's Ctrl-C reaches the whole foreground process group; SIGINT is the worker's
     graceful stop. The child took it too and failed its job (KeyboardInterrupt), using a
     retry, where a job that ends within the grace must succeed."""
-    worker = _worker(workers, pg_database_url, redis_url, redis_prefix, "--grace", "20")
+    worker = start_worker("--grace", "20")
     await _registered(pg_store)
     gate = tmp_path / "gate"
     instance = await Dispatcher(pg_store, redis_bus).trigger(

@@ -33,6 +33,22 @@ DEAD_LETTER_MAXLEN = 10_000
 # {{stream, entries}, ...} with entries as XREADGROUP gives them ({id, {field, value, ...}}),
 # then the error that stopped the reads, if one did. (Not raised: what the streams before it
 # handed over is returned, not left pending until reclaimed.)
+# Put entries back at the end of their stream KEYS[1] (ARGV: the group, then pairs of entry id
+# and data): each is copied only if this call acknowledged it, i.e. it was still pending (not
+# moved or acknowledged since, here or by a consumer that reclaimed it), then deleted. In one
+# script, so that no reader sees an entry twice, nor none.
+REQUEUE_LUA = """
+local moved = 0
+for i = 2, #ARGV, 2 do
+    if redis.call('XACK', KEYS[1], ARGV[1], ARGV[i]) == 1 then
+        redis.call('XADD', KEYS[1], '*', 'd', ARGV[i + 1])
+        moved = moved + 1
+    end
+    redis.call('XDEL', KEYS[1], ARGV[i])
+end
+return moved
+"""
+
 READ_FIRST_LUA = """
 local out = {}
 local left = tonumber(ARGV[3])
@@ -72,6 +88,7 @@ class RedisConsumer:
             else:
                 self._runs.append([key])
         self._read_first = self.client.register_script(READ_FIRST_LUA)
+        self._requeue = self.client.register_script(REQUEUE_LUA)
         self._groups_ready = False
 
     async def _ensure_groups(self) -> None:
@@ -241,38 +258,43 @@ class RedisConsumer:
         return out
 
     async def requeue(self, deliveries: Sequence[Delivery]) -> None:
-        await self._move(deliveries, None)
-
-    async def forward(self, deliveries: Sequence[Delivery], worker_id: str) -> None:
-        await self._move(deliveries, self.bus.keys.worker_stream(worker_id))
-
-    async def _move(self, deliveries: Sequence[Delivery], target: str | None) -> None:
-        """Copy each entry to ``target`` (or the end of its stream), then take the original
-        away; a copy whose original was no longer pending (moved or acknowledged meanwhile, by
-        this consumer or another that reclaimed it) is deleted again. Copied each time, an
-        entry held through a reclaim was put back twice, and its copies again, without end.
-
-        The copy is added before the original goes: a crash in between duplicates the message
-        (harmless: the claim is a compare-and-set) but never loses it. Three round trips, each
-        of single-key commands (the target may be in another hash slot than the original)."""
-        if not deliveries:
+        by_stream: dict[str, list[Delivery]] = {}
+        for d in deliveries:
+            by_stream.setdefault(d.stream, []).append(d)
+        if not by_stream:
             return
         async with translated("requeue"):
             pipe = self.client.pipeline(transaction=False)
+            for stream, moved in by_stream.items():
+                args: list[str | bytes] = [GROUP]
+                for d in moved:
+                    args += [d.entry_id, d.envelope.encode()]
+                await self._requeue(keys=[stream], args=args, client=pipe)
+            await pipe.execute()
+
+    async def forward(self, deliveries: Sequence[Delivery], worker_id: str) -> None:
+        """Copy each entry to ``worker_id``'s stream, then take the original away; a copy
+        whose original was no longer pending (moved or acknowledged meanwhile, by this
+        consumer or another that reclaimed it) is deleted again. Copied each time, an entry
+        held through a reclaim was handed on twice. The copy comes first: a crash in between
+        duplicates the message (harmless: the claim is a compare-and-set) but never loses it.
+        In steps (the target's stream is in another hash slot than the original's)."""
+        if not deliveries:
+            return
+        target = self.bus.keys.worker_stream(worker_id)
+        async with translated("forward"):
+            pipe = self.client.pipeline(transaction=False)
             for d in deliveries:
-                pipe.xadd(target or d.stream, {"d": d.envelope.encode()})
+                pipe.xadd(target, {"d": d.envelope.encode()})
             copies = await pipe.execute()
             pipe = self.client.pipeline(transaction=False)
             for d in deliveries:
                 pipe.xack(d.stream, GROUP, d.entry_id)  # 1 for the one mover that held it
                 pipe.xdel(d.stream, d.entry_id)
             taken = (await pipe.execute())[::2]
-            pipe = self.client.pipeline(transaction=False)
-            for d, copy, acked in zip(deliveries, copies, taken, strict=True):
-                if not acked:
-                    pipe.xdel(target or d.stream, copy)
-            if len(pipe):
-                await pipe.execute()
+            stale = [copy for copy, acked in zip(copies, taken, strict=True) if not acked]
+            if stale:
+                await self.client.xdel(target, *stale)
 
 
 def _group_gone(error: str) -> bool:
