@@ -7,6 +7,7 @@ stop every worker that reclaimed it after."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -158,3 +159,17 @@ async def test_any_error_a_decode_raises_dead_letters_the_entry(
     assert dead.error == "undecodable envelope: AttributeError: a case the decode does not cover"
     [line] = _dead_letter_lines(caplog)
     assert line.exc_info is not None
+
+
+async def test_an_entry_without_a_body_keeps_its_fields_in_its_dead_letter(
+    redis_bus: Bus,
+) -> None:
+    """An entry some other writer appended to a stream, without the ``d`` field: its dead
+    letter said only that (an empty body), nothing of what the entry was."""
+    assert isinstance(redis_bus, RedisBus)
+    stream = await _groups(redis_bus)
+    await redis_bus.client.xadd(stream, {"job": "report", "x": b"\xff1"})
+    assert await redis_bus.consumer("w1", ["default"]).read(10, 50) == []
+    [dead] = await redis_bus.dead_letters("default", 10)
+    assert "no 'd' field" in dead.error
+    assert json.loads(dead.raw) == {"job": "report", "x": "\\xff1"}

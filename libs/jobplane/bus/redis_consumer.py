@@ -4,6 +4,7 @@ ones dead-lettered."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -188,7 +189,10 @@ class RedisConsumer:
         raw = (fields or {}).get(b"d")
         try:
             if raw is None:
-                raise EnvelopeError("entry has no 'd' field")
+                # Its fields, as JSON, are what the dead letter keeps (an empty body said
+                # nothing of what the entry was).
+                raw = _fields_as_json(fields or {})
+                raise EnvelopeError("entry has no 'd' field (its fields are kept as JSON)")
             envelope = Envelope.decode(raw)
         except Exception as exc:
             # Whatever a bad body makes the decode raise, the entry goes to the dead letters:
@@ -295,6 +299,15 @@ class RedisConsumer:
             stale = [copy for copy, acked in zip(copies, taken, strict=True) if not acked]
             if stale:
                 await self.client.xdel(target, *stale)
+
+
+def _fields_as_json(fields: dict[bytes, bytes]) -> bytes:
+    """An entry's fields as one JSON object, bytes that are not UTF-8 escaped."""
+
+    def text(value: bytes) -> str:
+        return value.decode("utf-8", errors="backslashreplace")
+
+    return json.dumps({text(k): text(v) for k, v in fields.items()}).encode()
 
 
 def _group_gone(error: str) -> bool:
