@@ -222,14 +222,15 @@ class RedisBus:
             start = "(" + as_text(page[-1][0])
 
     async def forget_worker(self, worker_id: str, queues: Sequence[str]) -> bool:
-        streams = [k for q in queues for k in self.keys.queue_streams(q)]
+        own = self.keys.worker_stream(worker_id)
         async with translated("forget worker"):
-            # One script call per stream: each touches one key (Redis Cluster's rule).
-            forgotten = [
-                await self._forget_consumer(keys=[k], args=[GROUP, worker_id]) for k in streams
-            ]
-            own = self.keys.worker_stream(worker_id)
-            await self.client.unlink(own, self.keys.worker_dead_letter(worker_id))
+            # One round trip; a script call per stream, each touching one key (Redis
+            # Cluster's rule), then the worker's own keys (one hash tag).
+            pipe = self.client.pipeline(transaction=False)
+            for key in (k for q in queues for k in self.keys.queue_streams(q)):
+                await self._forget_consumer(keys=[key], args=[GROUP, worker_id], client=pipe)
+            pipe.unlink(own, self.keys.worker_dead_letter(worker_id))
+            *forgotten, _ = await pipe.execute()
         self._looked.pop(own, None)
         return all(forgotten)
 
