@@ -291,7 +291,7 @@ async def test_argument_size_is_bounded() -> None:
 
 
 async def test_a_result_that_could_not_be_read_back_fails_the_attempt() -> None:
-    from jobplane_worker.isolation import _ok_message
+    from jobplane_worker.isolation_child import _ok_message
 
     assert _ok_message({"ok": nested(10)}) == {"kind": "ok", "result": {"ok": nested(10)}}
     for bad in (nested(MAX_JSON_DEPTH + 1), {"x": float("inf")}, "a\x00b"):

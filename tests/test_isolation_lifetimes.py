@@ -9,15 +9,19 @@ import os
 import signal
 import subprocess
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from jobplane.bus.abc import Bus
+from jobplane.context import JobContext
 from jobplane.dispatch import Dispatcher
+from jobplane.domain.reasons import StopReason
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.sql import SqlStore
+from jobplane_worker.isolation import run_in_child
 from tests.apps.isolated import app
 from tests.cli_helpers import spawn_cli_leading, stop_all
 from tests.worker_helpers import running_worker, settled, wait_for
@@ -56,7 +60,7 @@ def start_worker(pg_database_url: str, redis_url: str, redis_prefix: str) -> Ite
     starts one, with the extra arguments given; each is stopped after the test."""
     started: list[subprocess.Popen[str]] = []
 
-    def start(*extra: str) -> subprocess.Popen[str]:
+    def start(*extra: str, **env: str) -> subprocess.Popen[str]:
         proc = spawn_cli_leading(
             "worker",
             "--app",
@@ -66,6 +70,7 @@ def start_worker(pg_database_url: str, redis_url: str, redis_prefix: str) -> Ite
             JOBPLANE_REDIS_URL=redis_url,
             JOBPLANE_KEY_PREFIX=redis_prefix,
             JOBPLANE_POLL_MS="100",
+            **env,
         )
         started.append(proc)
         return proc
@@ -170,3 +175,85 @@ async def test_the_end_of_an_isolated_job_never_holds_up_the_workers_loop(
             tick.cancel()
     assert {i.state for i in done} == {S.SUCCEEDED}
     assert max(gaps) < 0.5, f"the worker's loop stalled {max(gaps):.2f} s"
+
+
+@pytest.mark.parametrize("key", ["ticks_until_killed", "raises_when_stopped"])
+async def test_a_child_whose_lease_is_not_renewed_stops_itself_before_it_ends(
+    key: str, tmp_path: Path
+) -> None:
+    """Its worker cannot stop it when frozen or blocked, and nothing renews the lease: the
+    child stops itself past the fence time (SIGTERM, the job's cancellation) and kills its
+    group before the lease may end, whether its job heeds the stop or not. The attempt is
+    then released as the fence releases one, not failed by what the stop made the job do."""
+    gate = tmp_path / "gate"
+    ctx = JobContext(
+        instance_id=uuid.uuid4(), job_key=key, attempt=1, scheduled_at=None, worker_id="w"
+    )
+    started = time.monotonic()
+    fence_at, until = started + 2.0, started + 3.5  # as if never renewed after the claim
+    run = asyncio.create_task(
+        run_in_child(app.jobs[key], ctx, {"path": str(gate)}, 120, 30, lambda: (fence_at, until))
+    )
+    child = await _pid_in(Path(f"{gate}.pid"))
+    try:
+        with pytest.raises(asyncio.CancelledError):
+            await run
+        assert ctx.cancellation.reason is StopReason.LEASE_LOST
+        assert not _alive(child)
+        assert time.monotonic() - started < 3.5 + 1.0  # (its end is awaited off the loop)
+    finally:
+        _kill(child)
+
+
+async def test_a_frozen_workers_isolated_child_ends_before_its_lease(
+    pg_store: SqlStore, redis_bus: Bus, start_worker: Start, tmp_path: Path
+) -> None:
+    """A worker frozen (SIGSTOP to its pid alone) neither renews its leases nor runs its
+    fence: its child ran on past the lease, beside the attempt the reaper then handed to
+    another worker. It now ends within the lease of the freeze; and once the worker resumes,
+    the attempt is released, not failed."""
+    lease_s = 4.0
+    worker = start_worker(
+        JOBPLANE_LEASE_S=str(lease_s), JOBPLANE_HEARTBEAT_S="0.5", JOBPLANE_TIMEOUT_GRACE_S="1"
+    )
+    await _registered(pg_store)
+    gate = tmp_path / "gate"
+    instance = await Dispatcher(pg_store, redis_bus).trigger(
+        "ticks_until_killed", {"path": str(gate)}
+    )
+    child = await _pid_in(Path(f"{gate}.pid"))
+    try:
+        await asyncio.sleep(1.0)  # (a few renewals: the lease is the heartbeat's, not the claim's)
+        worker.send_signal(signal.SIGSTOP)
+        frozen = time.monotonic()
+
+        async def gone() -> bool:
+            return not _alive(child)
+
+        await wait_for(gone, timeout_s=lease_s + 5, what=f"child {child} to stop itself")
+        assert time.monotonic() - frozen < lease_s, "the child outlived its lease"
+        worker.send_signal(signal.SIGCONT)
+
+        async def released() -> bool:
+            steps = await pg_store.transitions(instance.id)
+            return any(t.from_state is S.PROCESSING and t.to_state is S.ENQUEUED for t in steps)
+
+        await wait_for(released, timeout_s=30, what="the attempt's release")
+        assert S.FAILED not in {t.to_state for t in await pg_store.transitions(instance.id)}
+    finally:
+        worker.send_signal(signal.SIGCONT)
+        _kill(child)
+
+
+async def test_a_live_workers_child_runs_on_past_many_leases(
+    pg_store: SqlStore, redis_bus: Bus, tmp_path: Path
+) -> None:
+    """The child's own stop follows the renewals: a child running for many leases of a live
+    worker is never stopped by it."""
+    gate = tmp_path / "gate"
+    async with running_worker(app, pg_store, redis_bus, lease_s=1.0, heartbeat_s=0.2):
+        instance = await Dispatcher(pg_store, redis_bus).trigger(
+            "finishes_in_two_seconds", {"path": str(gate)}
+        )
+        [done] = await settled(pg_store, [instance.id], timeout_s=60)
+    assert done.state is S.SUCCEEDED and done.attempt == 1, (done.state, done.error)

@@ -22,7 +22,7 @@ from jobplane.domain.models import Claim, ErrorInfo, Outcome
 from jobplane.domain.options import Isolation
 from jobplane.domain.reasons import EndReason, StopReason
 from jobplane.domain.states import InstanceState
-from jobplane_worker.isolation import ChildFailedError, run_in_child
+from jobplane_worker.isolation import ChildFailedError, LeaseWindow, run_in_child
 from jobplane_worker.job_errors import exception_message, exception_traceback
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,9 @@ class Attempt:
     shutdown: bool = False
     #: The claim's span (tracing on): the run and the record are its children.
     trace: Context | None = None
+    #: (fence time, lease held until) as the worker's lease keeping knows them now, or
+    #: ``None``: an isolated child stops itself by them (see ``isolation``).
+    lease_window: LeaseWindow | None = None
 
     @property
     def lease(self) -> tuple[UUID, int]:
@@ -120,7 +123,9 @@ async def run_attempt(
     timeout = claim.options.timeout_s
     try:
         if claim.options.isolation is Isolation.PROCESS:
-            result = await run_in_child(spec, ctx, claim.instance.args, timeout, grace_s)
+            result = await run_in_child(
+                spec, ctx, claim.instance.args, timeout, grace_s, attempt.lease_window
+            )
         elif spec.is_async:
             kwargs = spec.bind(ctx, claim.instance.args, resources)
             result = await _run_async(spec, kwargs, timeout, grace_s, ctx)

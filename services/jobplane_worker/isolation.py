@@ -17,6 +17,12 @@ the worker over two pipes of JSON messages (never pickle):
   the ``error``;
 - worker → child: the answer to each checkpoint request (saved, refused, or failed).
 
+A child also keeps to its attempt's lease by itself. The worker shares with it, in memory it
+rewrites as the heartbeat renews the lease, when its fence would stop the attempt and when the
+lease surely holds until. Past the first (and a little slack) the child stops itself as at a
+SIGTERM; by the second it kills its group. A live worker always acts first; this is for a
+worker that cannot: frozen (``SIGSTOP`` to its pid alone), or its event loop blocked.
+
 The worker applies progress and checkpoints to the attempt's own :class:`JobContext`, so they go
 through the same fenced writes as in-process jobs: progress with the next heartbeat, a checkpoint
 at once with the claim token in its WHERE clause. ``ctx.checkpoint`` and ``ctx.checkpoint_sync``
@@ -28,31 +34,42 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import json
 import logging
+import math
 import multiprocessing
 import os
 import signal
 import threading
-from datetime import datetime
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
-from uuid import UUID
 
-from pydantic import BaseModel
-
-from jobplane.app import App, JobSpec
-from jobplane.context import JobContext, LeaseLostError, bind_worker
-from jobplane.domain.limits import MAX_RESULT_BYTES, check_json
+from jobplane.app import JobSpec
+from jobplane.context import JobContext, LeaseLostError
 from jobplane.domain.reasons import StopReason
-from jobplane.errors import JobplaneError, StoreUnavailableError
-from jobplane_worker.job_errors import exception_message, exception_traceback
+from jobplane.errors import JobplaneError
+from jobplane_worker.isolation_child import (
+    DEADLINES_REFRESH_S,
+    KILL,
+    STOP,
+    STOPPED,
+    Message,
+    child_main,
+)
 
 logger = logging.getLogger(__name__)
 
 KILL_GRACE_S = 1.0
-Message = dict[str, Any]
+
+#: (when the worker's fence stops the attempt, when its lease surely holds until), both
+#: ``time.monotonic()`` (one clock for every process of the machine); ``None``: not known.
+LeaseWindow = Callable[[], "tuple[float, float] | None"]
+#: A child stops itself this long after its worker's fence would have stopped it: more than
+#: the fence loop's period (at most 0.5 s), so that a live worker always acts first.
+SELF_STOP_SLACK_S = 0.6
+#: A child kills its group this long before its lease may end.
+SELF_KILL_LEAD_S = 0.1
 
 
 class ChildFailedError(JobplaneError):
@@ -67,8 +84,46 @@ class ChildFailedError(JobplaneError):
 # -- the worker's side ---------------------------------------------------------------------
 
 
+class _Deadlines:
+    """The worker's side of what its child keeps to: when to stop itself and when to kill its
+    group (see :func:`_keep_to_the_lease`), and whether it stopped itself. Shared memory
+    without a lock: a worker frozen while it held one would freeze its child's watch too."""
+
+    def __init__(self, mp: Any, window: LeaseWindow | None) -> None:
+        self.values = mp.RawArray("d", [math.inf, math.inf, 0.0])
+        self._window = window
+        self.refresh()
+
+    def refresh(self) -> None:
+        window = self._window() if self._window is not None else None
+        if window is None:
+            return  # (no longer tracked: the attempt is ending; the last ones stand)
+        fence_at, until = window
+        kill = until - SELF_KILL_LEAD_S
+        # Both only move later: the kill first, so that a child reading between the two
+        # writes sees the later kill with the earlier stop, never a kill before its stop.
+        self.values[KILL] = kill
+        self.values[STOP] = min(fence_at + SELF_STOP_SLACK_S, kill)
+
+    @property
+    def stopped_itself(self) -> bool:
+        return bool(self.values[STOPPED])
+
+    async def keep_fresh(self) -> None:
+        """Rewrite them while the attempt runs: each renewal of the lease moves them on. On
+        this event loop, so that a worker whose loop is frozen or blocked stops moving them."""
+        while True:
+            await asyncio.sleep(DEADLINES_REFRESH_S)
+            self.refresh()
+
+
 async def run_in_child(
-    spec: JobSpec, ctx: JobContext, args: Any, timeout_s: float, grace_s: float
+    spec: JobSpec,
+    ctx: JobContext,
+    args: Any,
+    timeout_s: float,
+    grace_s: float,
+    lease_window: LeaseWindow | None = None,
 ) -> Any:
     """Run one attempt in a child process.
 
@@ -77,7 +132,10 @@ async def run_in_child(
     which sets ``ctx.cancellation`` inside it; if it has not ended ``grace_s`` later it gets
     SIGKILL. Raises TimeoutError after a timeout (even if the child returned within the grace)
     and ``asyncio.CancelledError`` after a cancellation — in both cases only once the child is
-    gone."""
+    gone.
+
+    ``lease_window`` tells the child when to stop by itself, for a worker that cannot stop
+    it; an attempt whose child did is released as the fence releases one (CancelledError)."""
     mp = multiprocessing.get_context("spawn")
     events, child_events = mp.Pipe(duplex=False)  # child → worker
     child_replies, replies = mp.Pipe(duplex=False)  # worker → child
@@ -89,9 +147,11 @@ async def run_in_child(
         "scheduled_at": ctx.scheduled_at.isoformat() if ctx.scheduled_at else None,
         "last_checkpoint": json.dumps(ctx.last_checkpoint),
     }
+    deadlines = _Deadlines(mp, lease_window)
+    shared = deadlines.values
     process = mp.Process(
-        target=_child_main,
-        args=(spec.func.__module__, spec.key, args, info, child_events, child_replies),
+        target=child_main,
+        args=(spec.func.__module__, spec.key, args, info, child_events, child_replies, shared),
         name=f"jobplane-job-{ctx.instance_id}",
         daemon=True,
     )
@@ -101,6 +161,7 @@ async def run_in_child(
     link = _WorkerLink(ctx, replies)
     final = link.start_reader(events)
     cancelled: asyncio.Future[Any] = asyncio.ensure_future(ctx.cancellation.wait())
+    refresh = asyncio.create_task(deadlines.keep_fresh())
     try:
         done, _ = await asyncio.wait(
             {final, cancelled}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
@@ -108,7 +169,15 @@ async def run_in_child(
         if final in done:
             # Off the loop: a child's exit may wait for threads its job left running.
             await asyncio.get_running_loop().run_in_executor(None, process.join, KILL_GRACE_S)
-            return _unpack(final.result(), process)
+            message = final.result()
+            if deadlines.stopped_itself and (message is None or message["kind"] != "ok"):
+                # Stopped at the fence, by itself: the lease was not renewed in time (this
+                # worker was frozen, or its loop blocked). Released, as the fence releases an
+                # attempt, not failed: what its job raised, or its death, was the stop's doing.
+                # (A result it returned still counts: written fenced by the claim token.)
+                ctx.cancellation.set(StopReason.LEASE_LOST)
+                raise asyncio.CancelledError
+            return _unpack(message, process)
         if cancelled not in done:
             ctx.cancellation.set(StopReason.TIMEOUT)
         await _stop(process, final, grace_s, ctx)
@@ -117,6 +186,7 @@ async def run_in_child(
         raise asyncio.CancelledError
     finally:
         cancelled.cancel()
+        refresh.cancel()
         if process.is_alive():
             await _kill(process)  # this task itself was cancelled
         _kill_group(process)  # what the job started (its commands) ends with its attempt
@@ -269,147 +339,3 @@ async def _kill(process: Any) -> None:
         process.exitcode,
         extra={"action": "worker.child_killed"},
     )
-
-
-# -- the child's side ----------------------------------------------------------------------
-
-
-class _ChildLink:
-    """The child's end of the pipes. Thread-safe: a job may report from threads of its own."""
-
-    def __init__(self, events: Connection, replies: Connection) -> None:
-        self._events = events
-        self._replies = replies
-        self._sending = threading.Lock()
-        self._checkpointing = threading.Lock()  # one request at a time: its answer comes next
-
-    def send(self, message: Message) -> None:
-        data = json.dumps(message).encode()
-        with self._sending:
-            self._events.send_bytes(data)
-
-    def progress(self, fraction: float, message: str | None) -> None:
-        self.send({"kind": "progress", "fraction": fraction, "message": message})
-
-    def checkpoint(self, data: Any) -> bool:
-        """Ask the worker to store ``data``; True once stored, False if the attempt was fenced
-        off. Blocks until the worker answers."""
-        with self._checkpointing:
-            self.send({"kind": "checkpoint", "data": data})
-            try:
-                reply: Message = json.loads(self._replies.recv_bytes())
-            except (EOFError, OSError) as exc:
-                raise StoreUnavailableError("the worker stopped answering") from exc
-        if reply["error"] is not None:
-            raise StoreUnavailableError(reply["error"])
-        return bool(reply["saved"])
-
-    async def checkpoint_async(self, data: Any) -> bool:
-        return await asyncio.to_thread(self.checkpoint, data)
-
-
-#: A SIGTERM received before the job's context existed (in the child process only).
-_early_signal = threading.Event()
-
-
-def _child_main(
-    module_name: str,
-    key: str,
-    args: Any,
-    info: dict[str, Any],
-    events: Connection,
-    replies: Connection,
-) -> None:
-    # A process group of its own: a terminal's Ctrl-C (the worker's graceful stop) or a
-    # supervisor's signal to the worker's group reaches the worker alone, which stops the
-    # child in its two phases (it failed the job at once: KeyboardInterrupt); and the worker
-    # kills what the job started with it.
-    os.setpgrp()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_die_with_the_worker, name="jobplane-watch", daemon=True).start()
-    # Until the job's context exists, a SIGTERM is only noted (the default would kill the
-    # child before it can answer); _child_run turns it into the job's cancellation.
-    signal.signal(signal.SIGTERM, lambda _signum, _frame: _early_signal.set())
-    link = _ChildLink(events, replies)
-    try:
-        result = asyncio.run(_child_run(module_name, key, args, info, link))
-        message = _ok_message(result)
-    except BaseException as exc:
-        message = _error_message(exc)
-    try:
-        link.send(message)
-    finally:
-        events.close()
-        replies.close()
-
-
-def _die_with_the_worker() -> None:
-    """End this child and its group when the worker process is gone (SIGKILL, the OOM
-    killer): nobody can record the attempt, and the reaper hands the instance to another
-    worker once the lease ends, so a child that ran on was a second copy beside the next."""
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return  # (not a child: nothing to watch)
-    multiprocessing.connection.wait([parent.sentinel])
-    os.killpg(0, signal.SIGKILL)
-
-
-def _ok_message(result: Any) -> Message:
-    if isinstance(result, BaseModel):
-        result = result.model_dump(mode="json")
-    try:
-        # Nothing stored that cannot be read back: depth, NaN and NUL checked as for args.
-        check_json(result, "result", max_bytes=MAX_RESULT_BYTES)
-    except (TypeError, ValueError) as exc:
-        return _error_message(TypeError(f"job result is not JSON serialisable: {exc}"))
-    return {"kind": "ok", "result": result}
-
-
-def _error_message(exc: BaseException) -> Message:
-    # The job's exception: its __str__ may raise (the child would then die without an answer).
-    return {
-        "kind": "error",
-        "type": type(exc).__name__,
-        "message": exception_message(exc),
-        "traceback": exception_traceback(exc),
-    }
-
-
-async def _child_run(
-    module_name: str, key: str, args: Any, info: dict[str, Any], link: _ChildLink
-) -> Any:
-    app = _find_app(importlib.import_module(module_name), key)
-    spec = app.jobs[key]
-    scheduled_at = info["scheduled_at"]
-    ctx = bind_worker(
-        JobContext(
-            instance_id=UUID(info["instance_id"]),
-            job_key=info["job_key"],
-            attempt=info["attempt"],
-            scheduled_at=datetime.fromisoformat(scheduled_at) if scheduled_at else None,
-            worker_id=info["worker_id"],
-            last_checkpoint=json.loads(info["last_checkpoint"]),
-        ),
-        saver=link.checkpoint_async,
-        sync_saver=link.checkpoint,
-        on_progress=link.progress,
-    )
-    # The worker's SIGTERM (timeout, cancel request, shutdown) sets the job's cancellation, on
-    # this loop; the worker sends SIGKILL if the job has not ended within its grace.
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, ctx.cancellation.set, StopReason.SIGNALLED)
-    if _early_signal.is_set():
-        ctx.cancellation.set(StopReason.SIGNALLED)
-    async with app.lifespan() as resources:
-        kwargs = spec.bind(ctx, args, resources)
-        if spec.is_async:
-            return await spec.func(**kwargs)
-        # In a thread of its own, so that this loop stays free to handle the signal.
-        return await asyncio.to_thread(spec.func, **kwargs)
-
-
-def _find_app(module: Any, key: str) -> App:
-    for value in vars(module).values():
-        if isinstance(value, App) and key in value.jobs:
-            return value
-    raise LookupError(f"no App in {module.__name__} declares job {key!r}")

@@ -112,6 +112,12 @@ class Leases:
         until = self._until.get(attempt.lease)
         return None if until is None else until - self.fence_margin(attempt.claim)
 
+    def window(self, attempt: Attempt) -> tuple[float, float] | None:
+        """(when the fence stops ``attempt``, when its lease surely holds until), both
+        ``time.monotonic()``, unless renewed first; ``None`` once it is no longer tracked."""
+        until = self._until.get(attempt.lease)
+        return None if until is None else (until - self.fence_margin(attempt.claim), until)
+
     def fence_margin(self, claim: Claim) -> float:
         """How long before its lease ends an attempt is stopped: a heartbeat (the interval the
         fence loop and a last renewal need), plus the kill grace of an isolated child (SIGTERM,

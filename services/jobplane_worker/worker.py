@@ -229,6 +229,7 @@ class Worker:
             loop=asyncio.get_running_loop(),
         )
         attempt = Attempt(claim=claim, ctx=ctx, trace=trace)
+        attempt.lease_window = functools.partial(self.leases.window, attempt)
         earlier = self._current.get(instance.id)
         if earlier is not None:
             # Race: the reaper released the instance while an attempt of it still ran here

@@ -56,3 +56,12 @@ def leaves_a_thread(args: Gate) -> str:
     it on exit, as it does for a ThreadPoolExecutor's threads."""
     threading.Thread(target=time.sleep, args=(8,)).start()
     return "returned"
+
+
+@app.triggered(isolation="process", timeout_s=120)
+async def raises_when_stopped(ctx: JobContext, args: Gate) -> None:
+    """Notes its pid, then waits for its stop and fails on it (as a job whose call was
+    interrupted does)."""
+    await asyncio.to_thread(_note, f"{args.path}.pid", str(os.getpid()))
+    await ctx.cancellation.wait()
+    raise RuntimeError("interrupted by the stop")
