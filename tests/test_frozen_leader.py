@@ -98,10 +98,13 @@ async def test_a_takeover_ends_the_expired_leader_s_session_left_active_on_the_l
 
 async def test_a_live_leader_s_sessions_are_never_ended(pg_database_url: str) -> None:
     # The same session, but the lease is live: a standby's try waits out its lock timeout and
-    # takes nothing, and the leader's session goes on.
+    # takes nothing, and the leader's session goes on. (The standby's own idle limit is raised:
+    # at half a second, a loaded machine's pause between two of its statements ended its
+    # transaction, an outage where the test waits for the lock timeout.)
+    limits = SchedulerSettings(lease_ttl_s=1.0).session_limits()
     store = open_store(
         pg_database_url,
-        limits=replace(SchedulerSettings(lease_ttl_s=1.0).session_limits(), application_name="b"),
+        limits=replace(limits, application_name="b", idle_in_transaction_timeout_s=5.0),
     )
     try:
         assert await store.acquire_leadership(0, "leader", 60.0) is not None
