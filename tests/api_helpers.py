@@ -7,10 +7,12 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 from fastapi import FastAPI
 
+from jobplane.bus.abc import Bus
 from jobplane.bus.factory import open_bus
 from jobplane.domain.options import JobOptions
 from jobplane.store.factory import open_store
@@ -61,3 +63,33 @@ async def live_api(
         await store.close()
         await delete_prefix(redis_url, prefix)
         admin(postgres_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+PROBLEM = "application/problem+json"
+
+
+def problem_of(response: httpx.Response, status: int) -> dict[str, Any]:
+    """The problem+json body of ``response``, which must have ``status``."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith(PROBLEM)
+    body: dict[str, Any] = response.json()
+    assert body["status"] == status and body["title"]
+    return body
+
+
+@asynccontextmanager
+async def api_over(store: SqlStore, bus: Bus) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the app over ``store`` and ``bus`` (authentication off, a 4 KiB body
+    limit), in-process, with the test jobs and a recurring job ``tick`` registered."""
+    for spec in jobs_app.jobs.values():
+        await store.register_definition(spec.options, spec.args_schema(), "test")
+    await store.register_definition(
+        JobOptions.parse(key="tick", kind="recurring", cron="0 12 * * *", timezone="Europe/Berlin"),
+        None,
+        "test",
+    )
+    app = create_app(ApiSettings(auth_enabled=False, max_body_bytes=4096), store=store, bus=bus)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
+            yield client
