@@ -19,7 +19,7 @@ from jobplane.bus.keys import GROUP, band_of
 from jobplane.bus.memory import MemoryBus, _Pending
 from jobplane.bus.redis import RedisBus
 from jobplane.errors import EnvelopeError
-from tests.test_bus_contract import envelope, inject_raw, keys_of
+from tests.bus_helpers import envelope, inject_raw, keys_of
 
 _ID = b'"00000000-0000-4000-8000-000000000001"'
 
