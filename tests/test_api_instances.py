@@ -62,10 +62,7 @@ async def test_instances_list_get_cancel_retry(api: httpx.AsyncClient) -> None:
 
 
 async def test_bulk_cancel_by_filter(api: httpx.AsyncClient, store: SqlStore, bus: Bus) -> None:
-    ids = []
-    for value in range(3):
-        created = await api.post("/api/v1/jobs/echo/instances", json={"args": {"value": value}})
-        ids.append(UUID(created.json()["id"]))
+    ids = await _echoes(api, 3)
     other = (await api.post("/api/v1/jobs/tick/instances", json={})).json()["id"]
     [running] = (await store.claim([ids[0]], "w1", 30, ["echo"])).claimed
     done = await api.post("/api/v1/instances/cancel", json={"job": "echo"})
@@ -118,10 +115,7 @@ async def test_retry_with_an_idempotency_key_is_safe_to_replay(api: httpx.AsyncC
 async def test_bulk_retry_by_filter_links_and_is_safe_to_replay(
     api: httpx.AsyncClient, store: SqlStore
 ) -> None:
-    ids = []
-    for value in range(3):
-        created = await api.post("/api/v1/jobs/echo/instances", json={"args": {"value": value}})
-        ids.append(UUID(created.json()["id"]))
+    ids = await _echoes(api, 3)
     claimed = {c.instance.id: c for c in (await store.claim(ids, "w1", 30, ["echo"])).claimed}
     await store.complete([Outcome(ids[0], claimed[ids[0]].token, S.FAILED)])  # → terminated
     await store.complete([Outcome(ids[1], claimed[ids[1]].token, S.SUCCEEDED)])
@@ -164,10 +158,7 @@ async def test_batch_trigger_is_all_or_nothing(api: httpx.AsyncClient) -> None:
 async def test_stats_count_ends_per_minute_and_per_hour(
     api: httpx.AsyncClient, store: SqlStore
 ) -> None:
-    ids = []
-    for value in range(3):
-        created = await api.post("/api/v1/jobs/echo/instances", json={"args": {"value": value}})
-        ids.append(UUID(created.json()["id"]))
+    ids = await _echoes(api, 3)
     claimed = (await store.claim(ids, "w1", 30, ["echo"])).claimed
     states = [S.SUCCEEDED, S.SUCCEEDED, S.FAILED]
     await store.complete(
@@ -358,3 +349,12 @@ async def test_run_now_starts_a_delayed_instance(api: httpx.AsyncClient) -> None
     cancelled = (await api.post(f"/api/v1/instances/{delayed['id']}/cancel")).json()
     assert cancelled["state"] == "cancelled"
     problem_of(await api.post(f"/api/v1/instances/{delayed['id']}/run"), 409)
+
+
+async def _echoes(api: httpx.AsyncClient, count: int) -> list[UUID]:
+    """Trigger ``echo`` ``count`` times (values 0, 1, …); the instances' ids."""
+    ids = []
+    for value in range(count):
+        created = await api.post("/api/v1/jobs/echo/instances", json={"args": {"value": value}})
+        ids.append(UUID(created.json()["id"]))
+    return ids
