@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import update
 
 from jobplane import App, JobContext
 from jobplane.bus.abc import Bus
+from jobplane.bus.envelope import Envelope
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.sql import SqlStore
@@ -285,3 +288,45 @@ async def test_a_worker_registers_its_jobs_under_its_apps_name(store: SqlStore, 
     registered = await store.list_definitions(app=app.name)
     assert {d.key for d in registered} == set(app.jobs)
     assert all(d.app == app.name for d in registered)
+
+
+same_worker = App("same-worker")
+
+
+@same_worker.triggered(retries=1, retry_on_same_worker=True, backoff={"kind": "none"})
+async def fails_once(ctx: JobContext) -> str:
+    if ctx.attempt == 1:
+        raise RuntimeError("the first attempt fails")
+    return ctx.worker_id
+
+
+class _SentBus:
+    """The bus, noting every envelope published through it."""
+
+    def __init__(self, bus: Bus) -> None:
+        self._bus = bus
+        self.sent: list[Envelope] = []
+
+    async def publish(self, envelopes: Sequence[tuple[str, Envelope]]) -> None:
+        self.sent.extend(envelope for _, envelope in envelopes)
+        await self._bus.publish(envelopes)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bus, name)
+
+
+async def test_a_retry_kept_to_its_worker_is_published_to_that_worker(
+    store: SqlStore, bus: Bus
+) -> None:
+    """The retry's row is pinned to the worker of the failed attempt; its message went to the
+    queue (the claim-time copy had no pin), where another worker read it, could not claim it
+    and dropped it: the retry waited for the sweep's republish (30 s), or for ever without a
+    leader."""
+    sent = _SentBus(bus)
+    async with running_worker(same_worker, store, sent) as first:
+        instance = await Dispatcher(store, bus).trigger("fails_once")
+        async with running_worker(same_worker, store, bus):  # another worker reads the queue
+            [done] = await settled(store, [instance.id], timeout_s=20)
+    assert done.state is S.SUCCEEDED and done.result == first.id, (done.state, done.error)
+    [retry] = [e for e in sent.sent if e.instance_id == instance.id]
+    assert retry.pinned_worker == first.id

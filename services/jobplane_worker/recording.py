@@ -105,7 +105,7 @@ class Recorder:
                 },
             )
             if state is InstanceState.ENQUEUED:
-                requeued.append(replace(instance, state=state))
+                requeued.append(self._retry_of(attempt, state))
             if attempt.claim.options.on_limit is OnLimit.WAIT and not outcome.holds_slot:
                 # A slot freed (a runaway's goes back only when its thread returns).
                 wait_keys[instance.job_key] = wait_keys.get(instance.job_key, 0) + 1
@@ -126,6 +126,17 @@ class Recorder:
                 exc_info=None if isinstance(exc, UnavailableError) else exc,
                 extra={"action": "worker.republish_deferred"},
             )
+
+    def _retry_of(self, attempt: Attempt, state: InstanceState) -> Instance:
+        """The retry the store made of ``attempt``, as it stored it: kept to this worker if the
+        job's ``retry_on_same_worker`` says so. The claim-time copy has no pin: its message
+        went to the queue, where another worker read it, could not claim it (pinned here) and
+        dropped it, and the retry waited for the sweep's republish. (Were the option edited
+        between the claim and the outcome, the sweep still republishes the row as stored.)"""
+        instance = attempt.claim.instance
+        if attempt.claim.options.retry_on_same_worker:
+            return replace(instance, state=state, pinned_worker=self.worker_id)
+        return replace(instance, state=state)
 
     async def _republish(self, requeued: list[Instance], wait_keys: dict[str, int]) -> None:
         """Publish retries, and as many instances parked by ``on_limit=wait`` as slots were
