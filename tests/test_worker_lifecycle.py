@@ -1,12 +1,15 @@
 """A worker's stop while a read is in flight, what a job sees as ``scheduled_at``, a retry with
-a real backoff delay, and the option-drift warning. Postgres and Redis."""
+a real backoff delay, the option-drift warning, and a worker's failure while its jobs run.
+Postgres and Redis."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import uuid
 from datetime import UTC, datetime, timedelta
+from typing import Any, cast
 
 import pytest
 
@@ -16,6 +19,8 @@ from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import InstanceSource, NewInstance
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState as S
+from jobplane.errors import StoreRefusedError, WorkerFailedError
+from jobplane.store.abc import WorkerStore
 from jobplane.store.sql import SqlStore
 from jobplane_worker.settings import WorkerSettings
 from jobplane_worker.worker import Worker
@@ -151,3 +156,66 @@ async def test_option_drift_on_registration_is_logged(
     assert record.levelno == logging.WARNING and getattr(record, "job_key", None) == "drifting"
     assert "retries" in record.getMessage() and "timeout_s" not in record.getMessage()
     assert (await pg_store.get_definition("drifting")).options.retries == 4  # stored ones win
+
+
+class _RefusingHeartbeat:
+    """The real store, until ``refuse``: then its worker heartbeat is refused as no outage is
+    (a bug's error), which kills the worker's heartbeat task, and so the worker."""
+
+    def __init__(self, store: SqlStore) -> None:
+        self.store = store
+        self.refuse = False
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self.store, name)
+        if name != "worker_heartbeat":
+            return real
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            if self.refuse:
+                raise StoreRefusedError("refused (injected)", "XX000")
+            return await real(*args, **kwargs)
+
+        return call
+
+
+async def test_a_failing_worker_leaves_its_running_jobs_to_their_leases(
+    pg_store: SqlStore, redis_bus: Bus
+) -> None:
+    """A worker that fails while job code runs in it cannot stop that code (a pool thread),
+    and its process lives on until the code returns. Marked stopped, its rows and slots went
+    to the leader's dead-worker sweep at once, and another worker ran the job beside it. It
+    now stays unmarked (its attempts end with their leases, after the process ends) and the
+    role is told to exit at once."""
+    gate = threading.Event()
+    app = App("failing")
+
+    @app.triggered()
+    def blocks() -> None:
+        gate.wait(30)
+
+    store = _RefusingHeartbeat(pg_store)
+    settings = WorkerSettings(worker_id=f"w-{uuid.uuid4().hex[:8]}", **FAST)
+    worker = Worker(app, cast(WorkerStore, store), redis_bus, settings)
+    run = asyncio.create_task(worker.run(asyncio.Event()))
+    try:
+
+        async def registered() -> bool:
+            return any(w.id == worker.id for w in await pg_store.list_workers())
+
+        await wait_for(registered, what="the worker's registration", task=run)
+        instance = await Dispatcher(pg_store, redis_bus).trigger("blocks")
+
+        async def processing() -> bool:
+            return (await pg_store.get_instance(instance.id)).state is S.PROCESSING
+
+        await wait_for(processing, what="the job to start", task=run)
+        store.refuse = True
+        with pytest.raises(WorkerFailedError):
+            await asyncio.wait_for(run, 30)
+        [row] = [w for w in await pg_store.list_workers() if w.id == worker.id]
+        assert row.stopped_at is None
+        assert (await pg_store.get_instance(instance.id)).state is S.PROCESSING
+    finally:
+        gate.set()
+        run.cancel()

@@ -114,6 +114,14 @@ class WorkerEvictedError(JobplaneError):
     so it must stop at once rather than run on beside their new owners."""
 
 
+class WorkerFailedError(JobplaneError):
+    """This worker failed (a part of it died: its heartbeat, its recorder, its probe server)
+    while job code still ran in it. Nothing stops that code but the end of the process, so
+    the process must end at once; its attempts are left to their leases and its slots to the
+    dead-worker sweep, as after a kill. (Marked stopped while the code ran, its rows and slots
+    went to other workers beside it.)"""
+
+
 class EnvelopeError(JobplaneError, ValueError):
     """A bus entry could not be decoded into an :class:`~jobplane.bus.envelope.Envelope`."""
 

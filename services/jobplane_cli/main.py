@@ -21,7 +21,7 @@ import click
 import typer
 from pydantic import ValidationError
 
-from jobplane.errors import JobplaneError, WorkerEvictedError
+from jobplane.errors import JobplaneError, WorkerEvictedError, WorkerFailedError
 from jobplane.logs import configure_logging
 from jobplane.settings import CommonSettings
 from jobplane.telemetry import configure_tracing, shutdown_tracing
@@ -98,9 +98,10 @@ def run(
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(_main(coro_factory))
-    except WorkerEvictedError as exc:
+    except (WorkerEvictedError, WorkerFailedError) as exc:
         # Job code may still run in pool threads, which nothing can stop but the end of the
-        # process: exit now, without waiting for them (another worker owns their instances).
+        # process: exit now, without waiting for them (another worker owns their instances,
+        # or will once their leases end).
         typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
         logging.shutdown()
         sys.stderr.flush()

@@ -47,7 +47,7 @@ from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import Claim, Outcome, WorkerInfo
 from jobplane.domain.options import Isolation
 from jobplane.domain.reasons import StopReason
-from jobplane.errors import StoreUnavailableError, WorkerEvictedError
+from jobplane.errors import StoreUnavailableError, WorkerEvictedError, WorkerFailedError
 from jobplane.events import listen
 from jobplane.startup import freeze_startup_heap, wait_until_reachable
 from jobplane.store.abc import WorkerStore
@@ -155,6 +155,7 @@ class Worker:
                 asyncio.create_task(self.leases.fence_loop(), name="jobplane-fence"),
                 asyncio.create_task(self._events_loop(), name="jobplane-events"),
             ]
+            failure: BaseException | None = None
             try:
                 await self.intake.consume(
                     consumer, stop, functools.partial(_raise_if_dead, [*side, *watched])
@@ -162,13 +163,32 @@ class Worker:
                 self.stopping = True
                 await self._drain()
                 await self.recorder.join()
+            except BaseException as exc:
+                failure = exc
+                raise
             finally:
                 self.stopping = True
-                # Runaway watchers are left only when the worker fails (a drain waits for
-                # them); their slots go back through the dead-worker sweep.
+                # Attempts and runaways are left only when the worker fails (a drain waits
+                # for them).
+                stranded = len(self.running) + self.runaway_count
                 await cancel_and_wait([*side, *self._side_tasks, *self.runaways.watchers()])
                 self._pool.shutdown(wait=False, cancel_futures=True)
-                await quietly(self.store.worker_stopped(self.id), self.metrics)
+                if failure is None or not stranded:
+                    await quietly(self.store.worker_stopped(self.id), self.metrics)
+                elif not isinstance(failure, WorkerEvictedError | asyncio.CancelledError):
+                    # Not marked stopped: the leader would give their rows and slots to other
+                    # workers at once, beside code that still runs here (the process lived on
+                    # until its pool threads returned). The role exits at once on this.
+                    logger.error(
+                        "worker failed with %d job(s) still running; exiting at once",
+                        stranded,
+                        exc_info=failure,
+                        extra={"action": "worker.failed"},
+                    )
+                    raise WorkerFailedError(
+                        f"worker {self.id} failed with {stranded} job(s) still running in it "
+                        f"({failure!r}); exiting at once: its attempts are left to their leases"
+                    ) from failure
 
     async def register(self) -> None:
         """Register the app's jobs (first registration persists options) and this worker."""
