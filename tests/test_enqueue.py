@@ -286,3 +286,35 @@ async def test_hold_debug_mode_holds_enqueued_triggered_jobs(
         S.PROCESSING,
         S.SUCCEEDED,
     ]
+
+
+@pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
+async def test_a_replay_after_the_job_was_disabled_returns_the_first_instance(
+    store: SqlStore, redis_bus: Bus, sync_url: str, database_url: str
+) -> None:
+    """An application retries a transaction whose commit's answer was lost; meanwhile the job
+    was disabled. Its replay raised JobDisabledError for a request that had succeeded, where
+    the REST trigger answers the first instance."""
+    async with running_worker(app, store, redis_bus):
+        pass
+    engine = create_engine(sync_url)
+    async_engine = create_async_engine(make_url(database_url).set(drivername="postgresql+asyncpg"))
+    try:
+        with engine.begin() as conn:
+            first = enqueue(conn, "echo", {"value": 7}, idempotency_key="order-7")
+        definition = await store.get_definition("echo")
+        disabled = definition.options.edited(disabled=True)
+        await store.save_definition(disabled, expected_version=definition.version, actor="t")
+        with engine.begin() as conn:
+            assert enqueue(conn, "echo", {"value": 7}, idempotency_key="order-7") == first
+        async with AsyncSession(async_engine) as session, session.begin():
+            replay = await enqueue_async(session, "echo", {"value": 7}, idempotency_key="order-7")
+        assert replay == first
+        with engine.begin() as conn, pytest.raises(JobDisabledError):
+            enqueue(conn, "echo", {"value": 7}, idempotency_key="order-8")  # a new request
+        with engine.begin() as conn, pytest.raises(JobDisabledError):
+            enqueue(conn, "echo", {"value": 7})
+    finally:
+        engine.dispose()
+        await async_engine.dispose()
+    assert await _count(store) == 1

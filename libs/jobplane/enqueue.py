@@ -11,7 +11,8 @@ The instance is written with its creation history in the caller's transaction, s
 and only if the caller commits. As a REST trigger: a disabled job is refused
 (:class:`~jobplane.dispatch.JobDisabledError`), arguments are validated, ``created_at`` (and a
 ``delay``'s due time) come from the database's clock, and an ``idempotency_key`` replayed with
-the same request returns the first instance's id, while with a different request it raises
+the same request returns the first instance's id (even once the job was disabled, or its
+arguments' schema changed), while with a different request it raises
 :class:`~jobplane.errors.IdempotencyConflictError`.
 
 The instance's row and history are the store's (:mod:`jobplane.store.creation`, the one rule
@@ -41,7 +42,13 @@ from jobplane.domain.limits import check_idempotency_key, check_json, to_utc
 from jobplane.domain.models import NewInstance
 from jobplane.domain.options import JobKind, JobOptions
 from jobplane.domain.states import InstanceState
-from jobplane.errors import InvalidOptionsError, JobDisabledError, JobNotFoundError
+from jobplane.errors import (
+    InvalidArgumentsError,
+    InvalidOptionsError,
+    JobDisabledError,
+    JobNotFoundError,
+    JobplaneError,
+)
 from jobplane.idempotency import fingerprint, replayed
 from jobplane.store import creation, rows
 from jobplane.triggering import validate_args
@@ -67,6 +74,8 @@ def enqueue(
     dialect = _dialect(target)
     definition = target.execute(creation.definition_and_clock(key, dialect)).first()
     plan = _plan(definition, key, args, run_at, delay, priority, idempotency_key, hold, actor)
+    if plan.refused is not None:
+        return plan.replay_or_refuse(target.execute(plan.candidates()).all())
     if target.execute(plan.insert(dialect)).first() is None:
         return plan.replayed(target.execute(plan.candidates()).all())
     target.execute(plan.history())
@@ -92,6 +101,8 @@ async def enqueue_async(
     dialect = _dialect(target)
     definition = (await target.execute(creation.definition_and_clock(key, dialect))).first()
     plan = _plan(definition, key, args, run_at, delay, priority, idempotency_key, hold, actor)
+    if plan.refused is not None:
+        return plan.replay_or_refuse((await target.execute(plan.candidates())).all())
     if (await target.execute(plan.insert(dialect))).first() is None:
         return plan.replayed((await target.execute(plan.candidates())).all())
     await target.execute(plan.history())
@@ -110,6 +121,9 @@ class _Plan:
 
     new: NewInstance
     values: dict[str, Any]
+    #: Why the job refuses the request now (disabled, or the arguments no longer valid), for
+    #: a keyed request: a replay of one taken before still answers its first instance.
+    refused: JobplaneError | None = None
 
     @property
     def state(self) -> InstanceState:
@@ -129,6 +143,15 @@ class _Plan:
     def candidates(self) -> Select[Any]:
         assert self.new.idempotency_key is not None  # only a keyed insert can be skipped
         return creation.replay_candidates(self.new.idempotency_key, self.new.job_key)
+
+    def replay_or_refuse(self, found: Sequence[Row[Any]]) -> UUID:
+        """The first instance of this request, taken before the job refused it; else raise
+        the refusal. An application retrying a transaction whose commit answer was lost must
+        not read "disabled" as "not enqueued" (the REST trigger answers the same)."""
+        assert self.refused is not None
+        if not found:
+            raise self.refused
+        return self.replayed(found)
 
     def replayed(self, found: Sequence[Row[Any]]) -> UUID:
         new = self.new
@@ -154,11 +177,9 @@ def _plan(
     if definition is None:
         raise JobNotFoundError(key)
     options = JobOptions.from_stored(definition.options)
-    if options.disabled:
-        raise JobDisabledError(key)
-    check_json(args, "args")
-    if definition.args_schema is not None:
-        validate_args(definition.args_schema, args)
+    refused = _refusal(options, definition.args_schema, key, args)
+    if refused is not None and idempotency_key is None:
+        raise refused
     if run_at is not None and delay is not None:
         raise InvalidOptionsError("delay", "give run_at or delay, not both")
     if run_at is not None:
@@ -181,7 +202,22 @@ def _plan(
         fingerprint=request_print if idempotency_key is not None else None,
         actor=actor,
     )
+    if refused is not None:
+        return _Plan(new=new, values={}, refused=refused)
     return _Plan(new=new, values=creation.instance_values(new, options, now))
+
+
+def _refusal(options: JobOptions, schema: Any, key: str, args: Any) -> JobplaneError | None:
+    """Why the job refuses ``args`` now: disabled, or the arguments invalid for its schema."""
+    if options.disabled:
+        return JobDisabledError(key)
+    check_json(args, "args")
+    if schema is not None:
+        try:
+            validate_args(schema, args)
+        except InvalidArgumentsError as exc:
+            return exc
+    return None
 
 
 def hold_triggered_from_environment() -> bool:
