@@ -4,12 +4,13 @@ operations, stats, workers and health; jobs and triggers in ``test_api.py``)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from itertools import pairwise
 from uuid import UUID, uuid4
 
 import httpx
 import pytest
+from sqlalchemy import update
 
 from jobplane.bus.abc import Bus
 from jobplane.bus.factory import open_bus
@@ -18,6 +19,7 @@ from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.factory import open_store
 from jobplane.store.sql import SqlStore
+from jobplane.store.tables import job_instances
 from jobplane_api.main import create_app
 from jobplane_api.settings import ApiSettings
 from tests.api_helpers import api_over, problem_of
@@ -110,6 +112,30 @@ async def test_retry_with_an_idempotency_key_is_safe_to_replay(api: httpx.AsyncC
     # Without a key every POST is a new retry, as before.
     other = await api.post(f"/api/v1/instances/{ids[0]}/retry")
     assert other.status_code == 201 and other.json()["id"] != first.json()["id"]
+
+
+async def test_a_retry_replayed_after_retention_deleted_its_instance_answers_the_retry(
+    api: httpx.AsyncClient, store: SqlStore
+) -> None:
+    """The answer to a keyed retry was lost, and retention deleted the retried instance before
+    the client replayed the request: the replay answered 404, though its retry runs."""
+    old = (await api.post("/api/v1/jobs/echo/instances", json={"args": {"value": 1}})).json()
+    await api.post(f"/api/v1/instances/{old['id']}/cancel")
+    key = {"Idempotency-Key": "retry-late"}
+    first = await api.post(f"/api/v1/instances/{old['id']}/retry", headers=key)
+    async with store.engine.begin() as conn:
+        long_ago = datetime.now(UTC) - timedelta(days=30)
+        await conn.execute(
+            update(job_instances)
+            .where(job_instances.c.id == UUID(old["id"]))
+            .values(finished_at=long_ago)
+        )
+    lease = await store.acquire_leadership(0, "leader", 30)
+    assert lease is not None
+    assert await store.delete_finished_before(long_ago + timedelta(days=1), fence=lease) == 1
+    again = await api.post(f"/api/v1/instances/{old['id']}/retry", headers=key)
+    assert again.status_code == 201 and again.json()["id"] == first.json()["id"]
+    problem_of(await api.post(f"/api/v1/instances/{old['id']}/retry"), 404)  # no key: gone
 
 
 async def test_bulk_retry_by_filter_links_and_is_safe_to_replay(

@@ -32,6 +32,7 @@ from jobplane.domain.states import InstanceState
 from jobplane.errors import (
     BusUnavailableError,
     IllegalTransitionError,
+    InstanceNotFoundError,
     JobNotFoundError,
     StaleDefinitionError,
     StoreConflictError,
@@ -344,7 +345,16 @@ class Dispatcher:
         exist, be enabled and still accept the arguments). ``idempotency_key`` works as a
         trigger's: a replay returns the first retry. Raises IllegalTransitionError when the
         instance is not terminal, InstanceNotFoundError if unknown."""
-        old = await self.store.get_instance(instance_id)
+        try:
+            old = await self.store.get_instance(instance_id)
+        except InstanceNotFoundError:
+            # Retention may have deleted it since a retry under this key was made: a replay
+            # of that request (its answer lost) still answers that retry, not "not found".
+            if idempotency_key is not None:
+                made = await self.store.retry_under_key(instance_id, idempotency_key)
+                if made is not None:
+                    return made
+            raise
         if not old.state.is_terminal:
             raise IllegalTransitionError(old.state, "retry (only terminal instances)")
         [new] = await self.trigger_many([retry_request(old, actor, idempotency_key)])

@@ -165,6 +165,10 @@ class DispatchStore(StoreConnection, DefinitionReads, Protocol):
         request was the same one; None if the key is unused (or ``new`` carries none). Raises
         IdempotencyConflictError if the key was used for another request."""
 
+    async def retry_under_key(self, retry_of: UUID, key: str) -> Instance | None:
+        """The retry of ``retry_of`` made under idempotency ``key``, if any (found even once
+        retention deleted ``retry_of``)."""
+
     async def unmark_published(self, ids: Collection[UUID]) -> None:
         """Forget the publication of ``ids`` that are still Enqueued (their message never
         reached the bus): the sweep publishes them within its never-published grace."""

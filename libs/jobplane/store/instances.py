@@ -180,6 +180,13 @@ class InstanceStore(SqlBase):
             found = await _replay_candidates(conn, new)
         return _replay(new, found) if found else None
 
+    async def retry_under_key(self, retry_of: UUID, key: str) -> Instance | None:
+        i = job_instances.c
+        query = select(job_instances).where(i.idempotency_key == key, i.retry_of == retry_of)
+        async with self._read() as conn:
+            found = (await conn.execute(query.limit(1))).first()
+        return rows.instance_from_row(found._mapping) if found is not None else None
+
     async def _replayed(self, conn: AsyncConnection, n: NewInstance) -> Instance:
         """The instance created earlier under ``n``'s idempotency key, if it was created
         for the same request; else raise IdempotencyConflictError (the caller's transaction
