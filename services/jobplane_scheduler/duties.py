@@ -375,9 +375,8 @@ class LeaderDuties(CronFiring):
     async def _sleep_until_sweep(self) -> None:
         """Sleep until the next sweep, waking on the way at each delayed instance's run_at (to
         promote it) and within ``LEASE_WAKE_WINDOW`` after each lease's end (to release the
-        attempt if its worker did not renew it), so that delayed instances start to the
-        millisecond (those the sweep saw: one created since and due before the next sweep
-        waits for it) and a dead worker's attempts are taken over when their leases end, not up
+        attempt if its worker did not renew it), so that delayed instances the sweep saw start
+        to the millisecond and a dead worker's attempts are taken over when their leases end, not up
         to a sweep interval later (docs/benchmarks.md, "Worker takeover"). The times are the
         store's: promotion and expiry are decided against its clock in SQL. The store's clock
         is read once, and the loop's clock counts from there: the read's way back makes every
