@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any, cast
 from uuid import UUID
 
 import pytest
@@ -171,3 +172,42 @@ async def test_an_instance_released_with_a_cancel_pending_is_not_run_again(
     assert done.state is S.CANCELLED and runs == [1]
     last = (await pg_store.transitions(done.id))[-1]
     assert (last.from_state, last.to_state, last.actor) == (S.ENQUEUED, S.CANCELLED, second.id)
+
+
+class _CancelledBeforeTheClaimAnswers:
+    """The real store, but the answer to a claim waits until a cancel of what it claimed was
+    requested and announced (as when the request comes while the answer is on its way)."""
+
+    def __init__(self, store: SqlStore, bus: Bus) -> None:
+        self.store = store
+        self.dispatcher = Dispatcher(store, bus)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    async def claim(self, *args: Any, **kwargs: Any) -> Any:
+        result = await self.store.claim(*args, **kwargs)
+        for claim in result.claimed:
+            await self.dispatcher.cancel(claim.instance.id, "test")
+        await asyncio.sleep(0.5)  # the announcement reaches the worker meanwhile
+        return result
+
+
+async def test_a_cancel_announced_before_the_claim_answers_stops_the_attempt(
+    pg_store: SqlStore, redis_bus: Bus
+) -> None:
+    """The announcement found no attempt yet and was dropped: the job ran until a heartbeat
+    brought the cancel, and one shorter than that ended Succeeded, though its cancel had been
+    accepted while it ran."""
+    app = App("early-cancel")
+
+    @app.triggered()
+    async def short() -> str:
+        await asyncio.sleep(1.0)
+        return "ran to its end"
+
+    store = _CancelledBeforeTheClaimAnswers(pg_store, redis_bus)
+    async with running_worker(app, cast(SqlStore, store), redis_bus, heartbeat_s=10, lease_s=30):
+        instance = await Dispatcher(pg_store, redis_bus).trigger("short")
+        [done] = await settled(pg_store, [instance.id], timeout_s=20)
+    assert done.state is S.CANCELLED, (done.state, done.result)

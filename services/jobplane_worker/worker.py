@@ -84,6 +84,9 @@ class Worker:
         #: The attempt of each instance that holds its lease, as far as this worker knows (the
         #: latest claim): the one a cancel request is for.
         self._current: dict[UUID, Attempt] = {}
+        #: Cancel requests for instances claimed here that came before the claim's answer, by
+        #: when they came (see :meth:`_on_cancel_requested`).
+        self._early_cancels: dict[UUID, float] = {}
         self._slot_freed = asyncio.Event()
         self._side_tasks: set[asyncio.Task[Any]] = set()
         self._resources: Resources = {}
@@ -259,6 +262,8 @@ class Worker:
             # (by instance) would read the new attempt's renewal as the earlier one's.
             self.leases.lose(earlier, "claimed again by this worker")
         self._current[instance.id] = attempt
+        if self._early_cancels.pop(instance.id, None) is not None:
+            ctx.cancellation.set(StopReason.CANCEL_REQUESTED)
         self.running[attempt.lease] = attempt
         self.leases.track(attempt.lease, lease_until)
         attempt.task = asyncio.create_task(self._run(attempt), name=f"job-{instance.id}")
@@ -407,6 +412,15 @@ class Worker:
         attempt = self._current.get(instance_id)
         if attempt is not None:
             attempt.ctx.cancellation.set(StopReason.CANCEL_REQUESTED)
+        elif event.data.get("worker_id") == self.id:
+            # Race: the claim committed (the row names this worker) and its answer is still on
+            # its way: the attempt starts cancelled (see _start). Dropped, the job ran until a
+            # heartbeat said so, to its end if it was shorter.
+            now = time.monotonic()
+            self._early_cancels = {
+                i: at for i, at in self._early_cancels.items() if now - at < self.settings.lease_s
+            }
+            self._early_cancels[instance_id] = now
 
     # -- graceful stop ---------------------------------------------------------------------
 
