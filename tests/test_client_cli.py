@@ -167,8 +167,10 @@ def test_sync_client(stack: dict[str, str]) -> None:
         with pytest.raises(ApiError) as info:
             jp.cancel(made["id"])
         assert info.value.status == 409
-        retried = jp.retry(made["id"])
+        retried = jp.retry(made["id"], idempotency_key="r-1")
         assert retried["retry_of"] == made["id"]
+        assert jp.retry(made["id"], idempotency_key="r-1")["id"] == retried["id"]  # a replay
+        assert jp.retry(made["id"])["id"] != retried["id"]  # without a key, another retry
 
 
 async def test_async_client(stack: dict[str, str]) -> None:

@@ -185,8 +185,13 @@ class AsyncClient:
     async def cancel(self, instance_id: str) -> JSONDict:
         return await self._call("POST", f"/api/v1/instances/{instance_id}/cancel")  # type: ignore[no-any-return]
 
-    async def retry(self, instance_id: str) -> JSONDict:
-        return await self._call("POST", f"/api/v1/instances/{instance_id}/retry")  # type: ignore[no-any-return]
+    async def retry(self, instance_id: str, *, idempotency_key: str | None = None) -> JSONDict:
+        """A new instance retrying a terminal one. A replayed ``idempotency_key`` returns the
+        first retry (even once retention deleted the retried instance)."""
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return await self._call(  # type: ignore[no-any-return]
+            "POST", f"/api/v1/instances/{instance_id}/retry", headers=headers
+        )
 
     async def run(self, instance_id: str) -> JSONDict:
         """Run a Scheduled instance (held by the debug mode, or delayed) now."""
@@ -292,8 +297,8 @@ class Client:
     def cancel(self, instance_id: str) -> JSONDict:
         return self._run(self._async.cancel(instance_id))
 
-    def retry(self, instance_id: str) -> JSONDict:
-        return self._run(self._async.retry(instance_id))
+    def retry(self, instance_id: str, *, idempotency_key: str | None = None) -> JSONDict:
+        return self._run(self._async.retry(instance_id, idempotency_key=idempotency_key))
 
     def run(self, instance_id: str) -> JSONDict:
         return self._run(self._async.run(instance_id))
