@@ -109,8 +109,8 @@ class Leases:
 
     def fence_at(self, attempt: Attempt) -> float | None:
         """When (monotonic) the fence stops ``attempt`` unless its lease is renewed first."""
-        until = self._until.get(attempt.lease)
-        return None if until is None else until - self.fence_margin(attempt.claim)
+        window = self.window(attempt)
+        return None if window is None else window[0]
 
     def window(self, attempt: Attempt) -> tuple[float, float] | None:
         """(when the fence stops ``attempt``, when its lease surely holds until), both
