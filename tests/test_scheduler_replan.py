@@ -1,5 +1,6 @@
 """Re-plans that do not go in one go: one that fails (a short outage) after the cache took the
-new definitions, and a long outage's catch-up, written in passes."""
+new definitions, a long outage's catch-up, written in passes; and a window reopened after its
+end."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ from typing import Any, cast
 
 from jobplane.bus.abc import Bus
 from jobplane.definitions import announce
-from jobplane.domain.models import InstanceFilter, JobDefinition, LeaderLease
+from jobplane.domain.models import (
+    InstanceFilter,
+    InstanceSource,
+    JobDefinition,
+    LeaderLease,
+    NewInstance,
+)
 from jobplane.domain.options import JobOptions
 from jobplane.store.abc import LeaderStore
 from jobplane.store.sql import SqlStore
@@ -121,3 +128,53 @@ async def test_a_catch_up_whose_write_failed_is_written_before_any_later_tick(
     assert began is not None
     assert ticks[0] == began.replace(microsecond=0) + timedelta(seconds=1)  # the first missed
     assert all(b - a == timedelta(seconds=1) for a, b in itertools.pairwise(ticks))
+
+
+async def test_a_window_reopened_after_its_end_fires_nothing_from_before_the_edit(
+    store: SqlStore, memory_bus: Bus
+) -> None:
+    """A one-second job's window ended 30 s ago (its last tick at the end); its end is moved
+    on. The ticks between the old end and the edit were outside its window when they came:
+    counted from the last occurrence they were taken for missed, and fire_all fired all 30
+    back-dated (a minutely job that ended a month ago: hundreds at once)."""
+    now = (await store.now()).replace(microsecond=0)
+    end = now - timedelta(seconds=30)
+    opts = await define(
+        store,
+        "ended",
+        cron="* * * * * *",
+        misfire="fire_all",
+        start_at=end - timedelta(seconds=60),
+        end_at=end,
+    )
+    lease = await store.acquire_leadership(0, "earlier", 30)
+    assert lease is not None
+    last = NewInstance(job_key="ended", source=InstanceSource.CRON, scheduled_at=end)
+    await store.fire(lease, [last])
+    assert await store.release_leadership(0, "earlier", lease.term)
+    clock = DrivenClock(store)
+    async with running_scheduler(store, memory_bus, clock=clock) as scheduler:
+        await applied(scheduler, "ended")
+        reopened = await store.save_definition(
+            opts.edited(end_at=now + timedelta(hours=1)), expected_version=1, actor="test"
+        )
+        assert reopened is not None and reopened.schedule_since is not None
+        edited_at = reopened.schedule_since
+        await announce(memory_bus, [reopened])
+        await applied(scheduler, "ended", reopened.version)
+        await advance_until(clock, lambda: _ticks_after(store, edited_at), 2)
+    fired = (await store.list_instances(InstanceFilter(job_key="ended"), limit=1000)).items
+    between = [i for i in fired if i.scheduled_at and end < i.scheduled_at <= edited_at]
+    assert between == [], [i.scheduled_at for i in between]
+    # Extended while it still ran, or shortened: the schedule goes on as it was.
+    longer = await store.save_definition(
+        reopened.options.edited(end_at=now + timedelta(hours=2)),
+        expected_version=reopened.version,
+        actor="test",
+    )
+    assert longer is not None and longer.schedule_since == reopened.schedule_since
+
+
+async def _ticks_after(store: SqlStore, moment: datetime) -> int:
+    page = await store.list_instances(InstanceFilter(job_key="ended"), limit=1000)
+    return sum(1 for i in page.items if i.scheduled_at and i.scheduled_at > moment)

@@ -8,6 +8,7 @@ if it was saved, and history is never rewritten.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -41,6 +42,16 @@ SCHEDULE_OPTIONS = ("cron", "timezone", "start_at")
 
 def _schedule_of(options: Mapping[str, Any]) -> tuple[Any, ...]:
     return tuple(options.get(name) for name in SCHEDULE_OPTIONS)
+
+
+def _reopened(current: Mapping[str, Any], edited: Mapping[str, Any], now: datetime) -> bool:
+    """Whether the edit reopens a window that had ended: ``end_at`` was past and moves later
+    (or goes). The ticks between the old end and the edit were never due; counted from the
+    last occurrence (at the old end), they were taken for missed and fired back-dated."""
+    old, new = current.get("end_at"), edited.get("end_at")
+    if old is None or datetime.fromisoformat(old) >= now:
+        return False
+    return new is None or datetime.fromisoformat(new) > datetime.fromisoformat(old)
 
 
 class DefinitionStore(SqlBase):
@@ -123,8 +134,9 @@ class DefinitionStore(SqlBase):
             )
         ).scalar()
         schedule: dict[str, Any] = {}
-        if current is not None and _schedule_of(current) != _schedule_of(
-            options.model_dump(mode="json")
+        edited = options.model_dump(mode="json")
+        if current is not None and (
+            _schedule_of(current) != _schedule_of(edited) or _reopened(current, edited, now)
         ):
             # (Read without a lock: if another edit wins meanwhile, the version check below
             # makes this update match nothing, so what was read is what is replaced.)
