@@ -1,5 +1,5 @@
-"""The embedded SQLite store under cancellation: a connection closed mid-transaction never
-keeps the file's write lock."""
+"""The embedded SQLite store's file lock: a connection closed mid-transaction never keeps it,
+and one another connection holds past the busy timeout is an outage."""
 
 from __future__ import annotations
 
@@ -8,8 +8,13 @@ import sqlite3
 import time
 from pathlib import Path
 
+import pytest
 from sqlalchemy import text
 
+from jobplane.domain.models import WorkerInfo
+from jobplane.errors import StoreUnavailableError
+from jobplane.store import sqlite
+from jobplane.store.factory import open_store
 from jobplane.store.sqlite import sqlite_engine
 
 
@@ -49,3 +54,32 @@ async def test_a_connection_closed_mid_transaction_releases_the_write_lock(
         assert kept  # the cursor is still alive: the lock was released by the rollback
     finally:
         await engine.dispose()
+
+
+async def test_a_file_locked_past_the_busy_timeout_is_an_outage_not_a_refusal(
+    sqlite_database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another connection (the application's transaction around enqueue(), a shell, a VACUUM)
+    holds the file's write lock past the busy timeout. "database is locked" was taken for a
+    refusal of the data: an outcome was recorded as not stored, and the heartbeat and the
+    leader's campaign ended their roles. It is waited out as an outage."""
+    monkeypatch.setattr(sqlite, "BUSY_TIMEOUT_MS", 200)
+    store = open_store(sqlite_database_url)
+    path = sqlite_database_url.removeprefix("sqlite:///")
+    holder = sqlite3.connect(path, isolation_level=None)
+    try:
+        await store.register_worker(_worker("w1"))
+        holder.execute("BEGIN IMMEDIATE")
+        with pytest.raises(StoreUnavailableError, match="database is locked"):
+            await store.worker_heartbeat("w1")
+        holder.execute("ROLLBACK")
+        assert await store.worker_heartbeat("w1")
+    finally:
+        holder.close()
+        await store.close()
+
+
+def _worker(worker_id: str) -> WorkerInfo:
+    return WorkerInfo(
+        id=worker_id, host="h", pid=1, queues=("default",), capacity=1, version="0", jobs=()
+    )

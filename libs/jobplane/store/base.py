@@ -291,7 +291,18 @@ def _is_disconnect(exc: DBAPIError) -> bool:
         return True
     if _sqlstate(exc).startswith(UNAVAILABLE_SQLSTATES):
         return True
-    return "unable to open database" in str(orig)
+    # SQLite: the file could not be opened, or another connection (the application's own
+    # transaction around enqueue(), a shell, a VACUUM) held its lock past the busy timeout.
+    # Taken for a refusal of the data, an outcome was recorded as not stored (a success
+    # became a failure) and the heartbeat and the leader's campaign ended their roles.
+    return any(text in str(orig) for text in _SQLITE_UNAVAILABLE)
+
+
+_SQLITE_UNAVAILABLE = (
+    "unable to open database",
+    "database is locked",
+    "database table is locked",
+)
 
 
 def _sqlstate(exc: DBAPIError) -> str:
