@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import ipaddress
 import json
@@ -12,7 +13,11 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
+from jobplane_cli.runtime import run_dev
+from jobplane_cli.settings import DevSettings
+from jobplane_scheduler.scheduler import Scheduler
 from tests.cli_helpers import (
     JOBPLANE,
     ROOT,
@@ -220,3 +225,19 @@ def _listening_addresses(port: int) -> set[str]:
             words = b"".join(raw[i : i + 4][::-1] for i in range(0, size, 4))
             found.add(str(ipaddress.ip_address(words)))
     return found
+
+
+async def test_dev_ends_when_its_scheduler_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the worker was watched: a scheduler that died (an error it does not wait out) left
+    the process up, its API answering ready, with no cron ticks, promotions or sweeps."""
+
+    async def fails(self: Scheduler, stop: asyncio.Event) -> None:
+        raise RuntimeError("the scheduler failed (injected)")
+
+    monkeypatch.setattr(Scheduler, "run", fails)
+    settings = DevSettings(database_url=f"sqlite:///{tmp_path}/dev.db")
+    running = run_dev("examples.hello:app", settings, asyncio.Event(), [], exit_when_done=False)
+    with pytest.raises(RuntimeError, match="injected"):
+        await asyncio.wait_for(running, 60)

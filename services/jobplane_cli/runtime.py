@@ -93,7 +93,8 @@ async def run_dev(
             if exit_when_done:
                 await _until_ended(store, [i.id for i in triggered], running)
                 stop.set()
-            await running
+            roles = {"worker": running, "scheduler": scheduling, "api": serving}
+            await _until_a_role_ends({k: t for k, t in roles.items() if t is not None}, stop)
         finally:
             # Whatever happened (a bad trigger, Ctrl-C), the roles stop cleanly before the
             # store and bus close under them.
@@ -103,6 +104,19 @@ async def run_dev(
             # Not a terminal (a pipe, a log): wide enough that rows are never wrapped.
             console = Console() if sys.stdout.isatty() else Console(width=200)
             console.print(await summary(store, [i.id for i in triggered]))
+
+
+async def _until_a_role_ends(roles: dict[str, asyncio.Task[None]], stop: asyncio.Event) -> None:
+    """Wait for the stop; a role that ends before it (a fault) ends them all with its error.
+    Only the worker was watched: a scheduler that died left the process up without cron
+    ticks, promotions or sweeps, its API still answering ready."""
+    done, _ = await asyncio.wait(roles.values(), return_when=asyncio.FIRST_COMPLETED)
+    if stop.is_set():
+        return
+    for name, task in roles.items():
+        if task in done:
+            task.result()  # its error, if it failed
+            raise RuntimeError(f"the {name} stopped on its own")
 
 
 async def _serve_dev_api(
