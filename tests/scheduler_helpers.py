@@ -12,6 +12,7 @@ from typing import Any
 
 from jobplane.bus.abc import Bus
 from jobplane.clock import Clock
+from jobplane.domain.models import InstanceSource, NewInstance
 from jobplane.store.abc import LeaderStore, StoreConnection
 from jobplane_scheduler.scheduler import Scheduler
 from jobplane_scheduler.settings import SchedulerSettings
@@ -174,3 +175,13 @@ async def advance_until(
         )
         await clock.passed(reached)
     raise AssertionError(f"{what}: {await count()} of {n} after {steps} seconds driven")
+
+
+async def fired_earlier(store: LeaderStore, keys: list[str], at: datetime) -> None:
+    """Record the tick ``at`` of each of ``keys`` as an earlier leader would have fired it
+    (its term then ended): the latest occurrence a new leader plans from."""
+    lease = await store.acquire_leadership(0, "earlier", 30)
+    assert lease is not None
+    ticks = [NewInstance(job_key=k, source=InstanceSource.CRON, scheduled_at=at) for k in keys]
+    await store.fire(lease, ticks)
+    assert await store.release_leadership(0, "earlier", lease.term)

@@ -22,7 +22,6 @@ from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import (
     Instance,
     InstanceFilter,
-    InstanceSource,
     NewInstance,
     WorkerInfo,
 )
@@ -36,6 +35,7 @@ from tests.scheduler_helpers import (
     DrivenClock,
     advance_until,
     applied,
+    fired_earlier,
     running_scheduler,
 )
 from tests.store_helpers import define
@@ -205,11 +205,7 @@ async def test_no_tick_after_end_at_on_any_replan(store: SqlStore, memory_bus: B
     # One job never fired; one whose last tick was its end_at (recorded by an earlier leader).
     await define(store, "never", cron="* * * * * *", end_at=end)
     await define(store, "ended", cron="* * * * * *", end_at=end)
-    lease = await store.acquire_leadership(0, "earlier", 30)
-    assert lease is not None
-    tick = NewInstance(job_key="ended", source=InstanceSource.CRON, scheduled_at=end)
-    await store.fire(lease, [tick])
-    assert await store.release_leadership(0, "earlier", lease.term)
+    await fired_earlier(store, ["ended"], end)
     clock = DrivenClock(store)
     async with running_scheduler(store, memory_bus, clock=clock) as scheduler:
         await applied(scheduler, "never")
@@ -242,11 +238,7 @@ async def test_a_long_outage_records_every_missed_tick(store: SqlStore, memory_b
     # 1,200 ticks missed with misfire_max=10: recorded in passes, all of them, then on time.
     await define(store, "tick", cron="* * * * * *", misfire_max=10)
     first = (await store.now()).replace(microsecond=0) - timedelta(seconds=1_200)
-    lease = await store.acquire_leadership(0, "earlier", 30)
-    assert lease is not None
-    tick = NewInstance(job_key="tick", source=InstanceSource.CRON, scheduled_at=first)
-    await store.fire(lease, [tick])
-    assert await store.release_leadership(0, "earlier", lease.term)
+    await fired_earlier(store, ["tick"], first)
     clock = DrivenClock(store)
     async with running_scheduler(store, memory_bus, clock=clock):
         await wait_for(lambda: _count(store, "tick", 1_201), timeout_s=30, what="the backfill")
@@ -315,12 +307,8 @@ async def test_an_edited_cron_catches_up_from_the_edit_not_the_last_occurrence(
     # than the grace is then fired, not legitimately Skipped; a tick from before the edit would
     # still show, back-dated.
     opts = await define(store, "yearly", cron="0 0 1 1 *", misfire="fire_all")
-    lease = await store.acquire_leadership(0, "earlier", 30)
-    assert lease is not None
     first = (await store.now()).replace(microsecond=0) - timedelta(seconds=30)
-    occurrence = NewInstance(job_key="yearly", source=InstanceSource.CRON, scheduled_at=first)
-    await store.fire(lease, [occurrence])
-    assert await store.release_leadership(0, "earlier", lease.term)
+    await fired_earlier(store, ["yearly"], first)
     clock = DrivenClock(store)
     async with running_scheduler(store, memory_bus, clock=clock) as scheduler:
         await applied(scheduler, "yearly")

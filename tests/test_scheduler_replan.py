@@ -14,10 +14,8 @@ from jobplane.bus.abc import Bus
 from jobplane.definitions import announce
 from jobplane.domain.models import (
     InstanceFilter,
-    InstanceSource,
     JobDefinition,
     LeaderLease,
-    NewInstance,
 )
 from jobplane.domain.options import JobOptions
 from jobplane.store.abc import LeaderStore
@@ -31,6 +29,7 @@ from tests.scheduler_helpers import (
     DrivenClock,
     advance_until,
     applied,
+    fired_earlier,
     running_scheduler,
     swept,
 )
@@ -147,11 +146,7 @@ async def test_a_window_reopened_after_its_end_fires_nothing_from_before_the_edi
         start_at=end - timedelta(seconds=60),
         end_at=end,
     )
-    lease = await store.acquire_leadership(0, "earlier", 30)
-    assert lease is not None
-    last = NewInstance(job_key="ended", source=InstanceSource.CRON, scheduled_at=end)
-    await store.fire(lease, [last])
-    assert await store.release_leadership(0, "earlier", lease.term)
+    await fired_earlier(store, ["ended"], end)
     clock = DrivenClock(store)
     async with running_scheduler(store, memory_bus, clock=clock) as scheduler:
         await applied(scheduler, "ended")
