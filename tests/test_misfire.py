@@ -15,10 +15,11 @@ T0 = datetime(2026, 5, 1, 12, 0, 0, tzinfo=UTC)
 
 
 def job(**options: object) -> JobDefinition:
-    """A one-second job; with no grace every tick before "now" is missed (policy tests)."""
+    """A one-second job; with no grace every tick before "now" is missed (policy tests). (A
+    grace under MISFIRE_GRACE_MIN is refused for a new definition; read back as stored.)"""
     options.setdefault("misfire_grace_s", 0)
-    parsed = JobOptions.parse(key="tick", kind="recurring", cron="* * * * * *", **options)
-    return JobDefinition(options=parsed, version=1)
+    values = {"key": "tick", "kind": "recurring", "cron": "* * * * * *", **options}
+    return JobDefinition(options=JobOptions.from_stored(values), version=1)
 
 
 def records(definition: JobDefinition, last: datetime | None, now: datetime) -> list[NewInstance]:
@@ -78,13 +79,15 @@ def test_a_long_outage_is_recorded_in_bounded_passes() -> None:
     assert [m.skip_reason for m in made] == ["misfire"] * 7_199 + [None]
     assert passes[-1][-1].scheduled_at == end
     # An uneven cadence (weekdays at 09:00-09:02) over a week: every tick, fire_once.
-    weekdays = JobOptions.parse(
-        key="tick",
-        kind="recurring",
-        cron="0-2 9 * * 1-5",
-        misfire="skip",
-        misfire_max=5,
-        misfire_grace_s=0,
+    weekdays = JobOptions.from_stored(
+        {
+            "key": "tick",
+            "kind": "recurring",
+            "cron": "0-2 9 * * 1-5",
+            "misfire": "skip",
+            "misfire_max": 5,
+            "misfire_grace_s": 0,
+        }
     )
     friday_night = datetime(2026, 5, 8, 22, tzinfo=UTC)  # a Friday
     made = records(JobDefinition(options=weekdays, version=1), T0, friday_night)
@@ -115,7 +118,9 @@ def test_a_pass_of_fire_once_or_skip_writes_a_batch_whatever_misfire_max(policy:
 
 def test_misfire_max_is_at_most_ten_thousand_and_a_larger_stored_one_applies_as_that() -> None:
     with pytest.raises(InvalidOptionsError) as refused:
-        job(misfire="fire_all", misfire_max=MISFIRE_MAX + 1)
+        JobOptions.parse(
+            key="tick", kind="recurring", cron="* * * * * *", misfire_max=MISFIRE_MAX + 1
+        )
     assert refused.value.field == "misfire_max"
     # Stored by an earlier version: read back as it is, applied as MISFIRE_MAX. Every pass
     # computed 100,000 ticks (1.7 s of the leader's loop here), and fired 10,800 at once.
@@ -269,3 +274,13 @@ def test_ticks_within_the_misfire_grace_fire_whatever_the_policy() -> None:
     # Nothing later than the grace: every tick fires, nothing is recorded Skipped.
     made = records(job(misfire="skip", misfire_grace_s=10), T0, now)
     assert [m.skip_reason for m in made] == [None] * 5
+
+
+def test_a_grace_below_the_leaders_lag_is_refused_but_read_back_if_stored() -> None:
+    """At 0 every tick was late by the time the leader fired it (a few milliseconds): with
+    ``skip`` a healthy leader recorded every tick Skipped, and the job never ran."""
+    with pytest.raises(InvalidOptionsError) as info:
+        JobOptions.parse(key="tick", kind="recurring", cron="* * * * *", misfire_grace_s=0.1)
+    assert info.value.field == "misfire_grace_s"
+    assert JobOptions.parse(key="t", kind="recurring", cron="* * * * *", misfire_grace_s=0.5)
+    assert job(misfire_grace_s=0).options.misfire_grace_s == 0

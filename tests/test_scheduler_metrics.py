@@ -41,7 +41,7 @@ async def test_ticks_fire_lag_and_sweeps_are_counted(pg_store: SqlStore, redis_b
 
 
 async def test_misfires_are_counted_by_policy(pg_store: SqlStore, redis_bus: Bus) -> None:
-    await define(pg_store, "tick", cron="* * * * * *", misfire="skip", misfire_grace_s=0)
+    await define(pg_store, "tick", cron="* * * * * *", misfire="skip", misfire_grace_s=0.5)
     lease = await pg_store.acquire_leadership(0, "earlier", 30)
     assert lease is not None
     tick = (await pg_store.now()).replace(microsecond=0) - timedelta(seconds=5)

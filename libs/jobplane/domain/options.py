@@ -45,6 +45,10 @@ QUEUE_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_.\-]{0,63}$")
 #: ticks before it writes anything (the leader's loop waits meanwhile), and fires them in one
 #: statement: 100,000 took 1.7-2.0 s of CPU per pass on a 2-core machine.
 MISFIRE_MAX = 10_000
+#: The least ``misfire_grace_s`` a definition may be given: the leader fires every tick a few
+#: milliseconds late, more on a loaded machine, so below this ``skip`` skipped ticks fired on
+#: time (at 0, every tick).
+MISFIRE_GRACE_MIN = 0.5
 
 
 class JobKind(StrEnum):
@@ -153,7 +157,11 @@ class JobOptions(BaseModel):
     )
     #: A tick later than this (seconds) is a misfire and follows ``misfire``, whoever fires it:
     #: a new leader after a failover, or a sitting leader that fell behind.
-    misfire_grace_s: float = Field(default=1.0, ge=0, le=86_400)
+    #: Stored values below :data:`MISFIRE_GRACE_MIN` (accepted before it) are read back as they
+    #: are.
+    misfire_grace_s: float = Field(
+        default=1.0, ge=0, le=86_400, json_schema_extra={"minimum": MISFIRE_GRACE_MIN}
+    )
 
     @field_validator("key")
     @classmethod
@@ -182,6 +190,16 @@ class JobOptions(BaseModel):
     def _misfire_max(cls, value: int, info: ValidationInfo) -> int:
         if value > MISFIRE_MAX and not _stored(info):
             raise ValueError(f"must be at most {MISFIRE_MAX}")
+        return value
+
+    @field_validator("misfire_grace_s")
+    @classmethod
+    def _misfire_grace(cls, value: float, info: ValidationInfo) -> float:
+        if value < MISFIRE_GRACE_MIN and not _stored(info):
+            raise ValueError(
+                f"must be at least {MISFIRE_GRACE_MIN} (the leader fires a few milliseconds "
+                "late: below this, skip would skip ticks fired on time)"
+            )
         return value
 
     @field_validator("queue")
