@@ -211,3 +211,24 @@ def test_hour_steps_follow_the_wall_clock_on_ordinary_days() -> None:
     assert ticks == ["03 08:15-0400", "03 12:15-0400", "03 16:15-0400"]  # Friday
     ticks, _ = gaps("0 1-5/2,20 * * *", "Europe/Berlin", datetime(2026, 7, 1, 22, tzinfo=UTC), 4)
     assert ticks == ["02 01:00+0200", "02 03:00+0200", "02 05:00+0200", "02 20:00+0200"]
+
+
+def test_every_second_of_a_skipped_minute_fires_after_the_gap() -> None:
+    """Each skipped time fires once, right after the gap, its seconds kept: with several in one
+    skipped minute, only the first fired (the search after it started past the gap's wall
+    times), and the others were lost without a record."""
+    schedule = CronSchedule("30 2 * * * 0,30", "Europe/Berlin")
+    zone = ZoneInfo("Europe/Berlin")
+    shown, current = [], datetime(2026, 3, 28, 12, tzinfo=UTC)
+    for _ in range(4):
+        current = schedule.next_after(current)
+        shown.append(current.astimezone(zone).strftime("%m-%d %H:%M:%S%z"))
+    assert shown == [
+        "03-29 03:00:00+0200",
+        "03-29 03:00:30+0200",
+        "03-30 02:30:00+0200",
+        "03-30 02:30:30+0200",
+    ]
+    every = CronSchedule("30 2 * * * *", "Europe/Berlin")
+    day = every.between(datetime(2026, 3, 29, tzinfo=UTC), datetime(2026, 3, 30, tzinfo=UTC), 100)
+    assert len(day) == 60 and len(set(day)) == 60  # the whole minute, after the gap

@@ -192,7 +192,13 @@ class CronSchedule:
         local = after.astimezone(self.zone)
         fires: Iterator[datetime]
         if self._wall:
-            naive = _fires(_seated(self._parsed, local.replace(tzinfo=None)), self.expression)
+            # Seated a gap's length before ``after``: a skipped wall time fires after the gap,
+            # so one whose wall time is before ``after``'s may still be to come (02:30:30, a
+            # second after 02:30:00, both moved to 03:00: seated at 03:00:00, the second was
+            # lost). Mapped to the clock, wall times keep their order: the first later than
+            # ``after`` is the next.
+            start = local.replace(tzinfo=None) - _GAP_MAX
+            naive = _fires(_seated(self._parsed, start), self.expression)
             fires = (self._on_the_clock(wall) for wall in naive)
         else:
             fires = _fires(_seated(self._parsed, local), self.expression)
@@ -223,6 +229,10 @@ class CronSchedule:
                 break
             out.append(current)
         return out
+
+
+#: Longer than any clock change (a summer time's hour, the two hours of a double one).
+_GAP_MAX = timedelta(hours=3)
 
 
 def _fires(it: CronSim, expression: str) -> Iterator[datetime]:
