@@ -7,6 +7,7 @@ import importlib.metadata
 import ipaddress
 import json
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -209,6 +210,27 @@ def test_dev_serves_the_api_on_loopback_without_auth_and_says_so(tmp_path: Path)
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, log_path.read_text()
+
+
+def test_dev_with_its_api_port_taken_says_so_and_stops_cleanly(tmp_path: Path) -> None:
+    """uvicorn exited from inside the API's task with its own status (3): the other roles were
+    not stopped, and nothing but uvicorn's log line said why."""
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        result = run_cli(
+            "dev",
+            "--app",
+            "examples.hello:app",
+            "--api-port",
+            str(port),
+            JOBPLANE_DATABASE_URL=f"sqlite:///{tmp_path}/dev.db",
+            timeout=120,
+        )
+    assert result.returncode == 2, result.stderr
+    assert f"error: cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def _listening_addresses(port: int) -> set[str]:

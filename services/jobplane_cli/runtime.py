@@ -21,6 +21,7 @@ from jobplane.backends import backends, migrate_database, open_checked_store
 from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import Instance
+from jobplane.serving import bind
 from jobplane.settings import CommonSettings
 from jobplane.store.abc import Store
 from jobplane_cli.settings import DevSettings, MigrateSettings
@@ -134,7 +135,13 @@ async def _serve_dev_api(
         port,
         extra={"action": "dev.api_open"},
     )
-    await serve(api_settings, stop, store=store, bus=bus)
+    # Bound here: a port in use is this role's error (one line, the other roles stopped
+    # cleanly), where uvicorn exited the process from inside its task with its own status.
+    sock = bind("127.0.0.1", port)
+    try:
+        await serve(api_settings, stop, store=store, bus=bus, sockets=[sock])
+    finally:
+        sock.close()
 
 
 async def _wait_registered(store: Store, keys: Any, running: asyncio.Task[None]) -> None:
