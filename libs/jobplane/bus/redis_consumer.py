@@ -27,13 +27,6 @@ T = TypeVar("T")
 #: Entries kept in a dead-letter stream (approximately: the oldest are trimmed).
 DEAD_LETTER_MAXLEN = 10_000
 
-# The first pass of a read over streams that share a hash tag, in one round trip: KEYS are the
-# streams, highest priority first; ARGV the group, the consumer and the most entries to take.
-# Each stream is read (not blocking) only for what the streams before it left: the same
-# XREADGROUP calls, in the same order, as one call per stream from the client. Returns
-# {{stream, entries}, ...} with entries as XREADGROUP gives them ({id, {field, value, ...}}),
-# then the error that stopped the reads, if one did. (Not raised: what the streams before it
-# handed over is returned, not left pending until reclaimed.)
 # Put entries back at the end of their stream KEYS[1] (ARGV: the group, then pairs of entry id
 # and data): each is copied only if this call acknowledged it, i.e. it was still pending (not
 # moved or acknowledged since, here or by a consumer that reclaimed it), then deleted. In one
@@ -50,6 +43,13 @@ end
 return moved
 """
 
+# The first pass of a read over streams that share a hash tag, in one round trip: KEYS are the
+# streams, highest priority first; ARGV the group, the consumer and the most entries to take.
+# Each stream is read (not blocking) only for what the streams before it left: the same
+# XREADGROUP calls, in the same order, as one call per stream from the client. Returns
+# {{stream, entries}, ...} with entries as XREADGROUP gives them ({id, {field, value, ...}}),
+# then the error that stopped the reads, if one did. (Not raised: what the streams before it
+# handed over is returned, not left pending until reclaimed.)
 READ_FIRST_LUA = """
 local out = {}
 local left = tonumber(ARGV[3])
