@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import heapq
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from jobplane.cron import JUST_BEFORE, CronSchedule, search_from
-from jobplane.domain.models import InstanceSource, JobDefinition, NewInstance
+from jobplane.domain.models import DefinitionVersion, InstanceSource, JobDefinition, NewInstance
 from jobplane.domain.options import MISFIRE_MAX, MisfirePolicy
 from jobplane.domain.reasons import EndReason
+from jobplane.errors import InvalidOptionsError
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +121,64 @@ def is_active(definition: JobDefinition) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
+class Span:
+    """A stretch of a job's timeline under one version of its schedule: its ticks in
+    ``(after, until]`` (open-ended where None), within that version's ``[start_at, end_at]``."""
+
+    schedule: CronSchedule
+    start_at: datetime | None
+    end_at: datetime | None
+    after: datetime | None
+    until: datetime | None
+    #: An earlier version's schedule that no longer computes (an expression that never fires
+    #: again) has no more ticks; the current one's error is the job's (see _schedule_failed).
+    earlier: bool = False
+
+    def between(self, after: datetime, until: datetime, limit: int) -> list[datetime]:
+        """Its ticks in ``(after, until]``, at most ``limit`` (the earliest ones)."""
+        lo = search_from(self.start_at, after if self.after is None else max(after, self.after))
+        hi = min(t for t in (until, self.until, self.end_at) if t is not None)
+        if hi <= lo or limit <= 0:
+            return []
+        try:
+            return self.schedule.between(lo, hi, limit)
+        except InvalidOptionsError:
+            if not self.earlier:
+                raise
+            return []
+
+
+def _between(spans: Sequence[Span], after: datetime, until: datetime, limit: int) -> list[datetime]:
+    """The ticks of consecutive spans in ``(after, until]``, at most ``limit``, oldest first."""
+    out: list[datetime] = []
+    for span in spans:
+        out += span.between(after, until, limit - len(out))
+    return out
+
+
+def earlier_spans(versions: Sequence[DefinitionVersion], since: datetime) -> list[Span]:
+    """The stretches of a job's timeline before its schedule was last edited (at ``since``):
+    one per version saved before that edit (``versions``, oldest first: see
+    :meth:`~jobplane.store.abc.LeaderStore.schedule_history`), each from its save to the
+    next one's, the first open at its start. Ticks due under them and missed (the leader down,
+    or the job paused, across the edit) are missed ticks like any other."""
+    before = [v for v in versions if v.at < since]
+    spans = []
+    for i, version in enumerate(before):
+        options = version.options
+        if options.cron is None:
+            continue
+        try:
+            schedule = CronSchedule(options.cron, options.timezone)
+        except InvalidOptionsError:
+            continue  # (an expression a later release refuses: it has no ticks to miss)
+        until = before[i + 1].at if i + 1 < len(before) else since
+        after = version.at if i else None
+        spans.append(Span(schedule, options.start_at, options.end_at, after, until, True))
+    return spans
+
+
+@dataclass(frozen=True, slots=True)
 class CatchUp:
     """One catch-up pass: the records to write, and whether they reach the present."""
 
@@ -128,11 +188,20 @@ class CatchUp:
     complete: bool = True
 
 
-def catch_up(definition: JobDefinition, last: datetime | None, now: datetime) -> CatchUp:
+def catch_up(
+    definition: JobDefinition,
+    last: datetime | None,
+    now: datetime,
+    earlier: Sequence[Span] = (),
+) -> CatchUp:
     """What the misfire policy makes of the ticks in ``(last, now]`` missed while no leader ran,
     while the job was paused, or while a sitting leader fell behind: fired instances and
     Skipped records (reason "misfire"). A tick at most the job's ``misfire_grace_s`` late is
     not missed: it fires.
+
+    The current schedule's ticks exist from its last edit (``schedule_since``) on; those due
+    before it under the schedules it replaced are in ``earlier`` (:func:`earlier_spans`), and
+    the policy applies to them as to the others.
 
     The policy applies to the latest ``misfire_max`` missed ticks (at most
     :data:`~jobplane.domain.options.MISFIRE_MAX`). Every older one is recorded Skipped too
@@ -150,12 +219,18 @@ def catch_up(definition: JobDefinition, last: datetime | None, now: datetime) ->
         # schedule last edited), not from "now". A re-plan that reads no occurrence while the
         # first tick is due but not yet written (the tick at start_at, with an edit event and
         # the sweep both re-planning) would otherwise plan past that tick and lose it silently.
-        last = definition.schedule_since or definition.created_at
+        last = definition.created_at or definition.schedule_since
     if last is None or not is_active(definition) or options.cron is None:
         return CatchUp([])
-    schedule = CronSchedule(options.cron, options.timezone)
-    until = min(now, options.end_at) if options.end_at else now
-    last = search_from(options.start_at, last)  # nothing before start_at was missed
+    # Nothing before start_at, after end_at, or before the schedule's edit was missed.
+    current = Span(
+        CronSchedule(options.cron, options.timezone),
+        options.start_at,
+        options.end_at,
+        definition.schedule_since,
+        None,
+    )
+    spans, until = [*earlier, current], now
     if until <= last:
         return CatchUp([])
     # Ticks at most ``misfire_grace_s`` late are on time: they fire, whatever the policy.
@@ -163,7 +238,7 @@ def catch_up(definition: JobDefinition, last: datetime | None, now: datetime) ->
     late_until = min(until, now - timedelta(seconds=options.misfire_grace_s) - JUST_BEFORE)
     on_time = [
         _occurrence(definition.key, at, None)
-        for at in schedule.between(max(last, late_until), until, ON_TIME_MAX)
+        for at in _between(spans, max(last, late_until), until, ON_TIME_MAX)
     ]
     if late_until <= last:
         return CatchUp(on_time)
@@ -173,7 +248,7 @@ def catch_up(definition: JobDefinition, last: datetime | None, now: datetime) ->
     # that many ticks, for BACKFILL_BATCH written). A bound stored before MISFIRE_MAX is capped.
     fire_all = options.misfire is MisfirePolicy.FIRE_ALL
     bound = min(options.misfire_max, MISFIRE_MAX) if fire_all else 1
-    missed = schedule.between(last, late_until, bound + BACKFILL_BATCH)
+    missed = _between(spans, last, late_until, bound + BACKFILL_BATCH)
     if len(missed) >= bound + BACKFILL_BATCH:
         # Possibly many more: record a batch of the oldest ones, Skipped, and come back.
         logger.info(

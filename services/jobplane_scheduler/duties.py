@@ -18,7 +18,7 @@ from jobplane.bus.envelope import Event, EventKind
 from jobplane.clock import Clock, StoreClock
 from jobplane.definitions import DefinitionCache
 from jobplane.dispatch import Dispatcher
-from jobplane.domain.models import Instance, JobDefinition, LeaderLease, NewInstance
+from jobplane.domain.models import Instance, LeaderLease
 from jobplane.errors import (
     BusUnavailableError,
     NotLeaderError,
@@ -33,7 +33,7 @@ from jobplane.store.creation import ENQUEUED_CHANNEL
 from jobplane.tasks import run_together
 from jobplane.triggering import envelope_for
 from jobplane_scheduler import housekeeping
-from jobplane_scheduler.cron_timers import CronTimers, catch_up, is_active
+from jobplane_scheduler.cron_timers import CronTimers
 from jobplane_scheduler.firing import CronFiring
 from jobplane_scheduler.metrics import SchedulerMetrics, SweepStep
 from jobplane_scheduler.settings import SchedulerSettings
@@ -140,86 +140,6 @@ class LeaderDuties(CronFiring):
         backstop for lost events and marks; at start: every definition)."""
         async with self._planning:
             await self._replan(await self.cache.refresh(verify=True) | self._unplanned)
-
-    async def _replan(self, keys: set[str]) -> None:
-        """Re-plan the timers of the jobs whose definition changed and catch up their missed
-        ticks (a resumed or edited job follows its misfire policy). Holds ``_planning``.
-
-        The cache took the new definitions before: should this fail (an outage), the keys stay
-        in ``_unplanned`` for the next version check, which found the cache up to date: a job
-        resumed or edited during a short outage stayed unplanned until the next term."""
-        if not keys:
-            return
-        self._unplanned |= keys
-        cached = self.cache.definitions
-        active = []
-        for key in keys:
-            definition = cached.get(key)
-            if definition is None or self.settings.debug_no_auto_cron or not is_active(definition):
-                self.timers.drop_job(key)
-                self._backfill.pop(key, None)
-            else:
-                active.append(definition)
-        last = await self.store.last_occurrences([d.key for d in active])
-        now = await self.clock.now()
-        records = []
-        for definition in active:
-            try:
-                records.extend(self._plan(definition, last.get(definition.key), now))
-            except Exception:  # (its schedule cannot be computed: the others still fire)
-                self._schedule_failed(definition.key)
-        try:
-            changed = await self._fire_as_planned(records)
-        except BaseException:
-            # Not written: no timer fires before the re-plan does (a tick recorded first would
-            # move the job's last occurrence past the catch-up, which would never be written).
-            for definition in active:
-                self.timers.drop_job(definition.key)
-            raise
-        self._unplanned -= keys
-        if changed:
-            await self._replan(changed)  # (re-planned under what the fire found stored)
-        self._wake.set()
-
-    def _plan(
-        self, definition: JobDefinition, last: datetime | None, now: datetime
-    ) -> list[NewInstance]:
-        """Catch up a job's missed ticks and plan its timer; returns the records to write."""
-        since = definition.schedule_since
-        if last is not None and since is not None and since > last:
-            # The schedule was edited after its last occurrence: ticks of the new schedule
-            # before the edit never existed, so the catch-up starts at the edit.
-            last = since
-        # Every pass of a backfill looks from its first pass's time: a tick within the grace
-        # then is not missed for the time the passes took (those due since are planned next).
-        looked = self._backfill.get(definition.key, now)
-        caught = catch_up(definition, last, looked)
-        made = caught.records
-        if not caught.complete:
-            # A long outage: this pass records a batch of its oldest missed ticks; the cron
-            # loop runs the next pass (after any due tick of other jobs), and only the last
-            # one plans the job's timer.
-            self.timers.drop_job(definition.key)
-            self._backfill[definition.key] = looked
-            return made
-        self._backfill.pop(definition.key, None)
-        latest = max(
-            [last] + [m.scheduled_at for m in made],
-            key=lambda t: t or datetime.min.replace(tzinfo=now.tzinfo),
-        )
-        self.timers.set_job(definition, latest, now)
-        return made
-
-    def _schedule_failed(self, key: str) -> None:
-        """Log a job whose schedule cannot be computed and leave it unplanned until its
-        definition changes (the API shows the same error on the job)."""
-        self.timers.drop_job(key)
-        self._backfill.pop(key, None)
-        logger.exception(
-            "job %s: its next fire time cannot be computed; it does not fire until edited",
-            key,
-            extra={"action": "scheduler.schedule_error", "job_key": key},
-        )
 
     @contextlib.contextmanager
     def _refused(self, step: str) -> Iterator[None]:

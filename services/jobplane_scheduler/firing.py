@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -31,7 +32,14 @@ from jobplane.errors import (
     first_line,
 )
 from jobplane.store.abc import LeaderStore
-from jobplane_scheduler.cron_timers import CronTimers, occurrence
+from jobplane_scheduler.cron_timers import (
+    CronTimers,
+    Span,
+    catch_up,
+    earlier_spans,
+    is_active,
+    occurrence,
+)
 from jobplane_scheduler.metrics import SchedulerMetrics
 from jobplane_scheduler.settings import SchedulerSettings
 
@@ -56,15 +64,102 @@ class CronFiring:
     _planning: asyncio.Lock
     _wake: asyncio.Event
     _backfill: dict[str, datetime]
+    _unplanned: set[str]
     #: The records of the next tick, built ahead of it: (job key, tick) → record.
     _prepared: dict[tuple[str, datetime], NewInstance]
     _prepared_at: datetime | None
 
     async def _replan(self, keys: set[str]) -> None:
-        raise NotImplementedError
+        """Re-plan the timers of the jobs whose definition changed and catch up their missed
+        ticks (a resumed or edited job follows its misfire policy). Holds ``_planning``.
+
+        The cache took the new definitions before: should this fail (an outage), the keys stay
+        in ``_unplanned`` for the next version check, which found the cache up to date: a job
+        resumed or edited during a short outage stayed unplanned until the next term."""
+        if not keys:
+            return
+        self._unplanned |= keys
+        cached = self.cache.definitions
+        active = []
+        for key in keys:
+            definition = cached.get(key)
+            if definition is None or self.settings.debug_no_auto_cron or not is_active(definition):
+                self.timers.drop_job(key)
+                self._backfill.pop(key, None)
+            else:
+                active.append(definition)
+        last = await self.store.last_occurrences([d.key for d in active])
+        now = await self.clock.now()
+        earlier = {d.key: await self._earlier(d, last.get(d.key)) for d in active}
+        records = []
+        for definition in active:
+            try:
+                records.extend(
+                    self._plan(definition, last.get(definition.key), now, earlier[definition.key])
+                )
+            except Exception:  # (its schedule cannot be computed: the others still fire)
+                self._schedule_failed(definition.key)
+        try:
+            changed = await self._fire_as_planned(records)
+        except BaseException:
+            # Not written: no timer fires before the re-plan does (a tick recorded first would
+            # move the job's last occurrence past the catch-up, which would never be written).
+            for definition in active:
+                self.timers.drop_job(definition.key)
+            raise
+        self._unplanned -= keys
+        if changed:
+            await self._replan(changed)  # (re-planned under what the fire found stored)
+        self._wake.set()
+
+    def _plan(
+        self,
+        definition: JobDefinition,
+        last: datetime | None,
+        now: datetime,
+        earlier: Sequence[Span] = (),
+    ) -> list[NewInstance]:
+        """Catch up a job's missed ticks (``earlier``: those due under the schedules its last
+        edit replaced, see _earlier) and plan its timer; returns the records to write."""
+        # Every pass of a backfill looks from its first pass's time: a tick within the grace
+        # then is not missed for the time the passes took (those due since are planned next).
+        looked = self._backfill.get(definition.key, now)
+        caught = catch_up(definition, last, looked, earlier)
+        made = caught.records
+        if not caught.complete:
+            # A long outage: this pass records a batch of its oldest missed ticks; the cron
+            # loop runs the next pass (after any due tick of other jobs), and only the last
+            # one plans the job's timer.
+            self.timers.drop_job(definition.key)
+            self._backfill[definition.key] = looked
+            return made
+        self._backfill.pop(definition.key, None)
+        # The timer goes on from the latest tick written, and never from before the last
+        # edit of the schedule: its ticks before that never existed.
+        since = definition.schedule_since
+        marks = [t for t in (last, since, *(m.scheduled_at for m in made)) if t is not None]
+        self.timers.set_job(definition, max(marks, default=None), now)
+        return made
+
+    async def _earlier(self, definition: JobDefinition, last: datetime | None) -> list[Span]:
+        """The spans of the schedules that a job's last schedule edit replaced, from its last
+        occurrence to the edit, if the edit came after it: their ticks due in between were
+        missed too (an outage of the leader, or a pause, across the edit). Else none."""
+        since, start = definition.schedule_since, last or definition.created_at
+        if since is None or start is None or since <= start:
+            return []
+        return earlier_spans(await self.store.schedule_history(definition.key, start), since)
 
     def _schedule_failed(self, key: str) -> None:
-        raise NotImplementedError
+        """Log a job whose schedule cannot be computed and leave it unplanned until its
+        definition changes (the API shows the same error on the job)."""
+        self.timers.drop_job(key)
+        self._backfill.pop(key, None)
+        logger.exception(
+            "job %s: its next fire time cannot be computed; it does not fire until edited",
+            key,
+            extra={"action": "scheduler.schedule_error", "job_key": key},
+        )
 
     async def _cron_loop(self) -> None:
         reached: datetime | None = None

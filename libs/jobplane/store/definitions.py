@@ -12,6 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
+    func,
     select,
     update,
 )
@@ -222,6 +223,26 @@ class DefinitionStore(SqlBase):
             if not found and not await self._exists(conn, key):
                 raise JobNotFoundError(key)
         return found
+
+    async def schedule_history(self, key: str, after: datetime) -> list[DefinitionVersion]:
+        """The versions of a job in effect after ``after``, oldest first: the one in effect at
+        ``after`` (the latest saved at or before it; all of them if none was) and every later
+        one. Versions are numbered 1, 2, … in the order they were saved (see _record_version)."""
+        in_effect = (
+            select(func.max(version_cols.version))
+            .where(version_cols.job_key == key, version_cols.at <= after)
+            .scalar_subquery()
+        )
+        async with self._read() as conn:
+            result = await conn.execute(
+                select(job_definition_versions)
+                .where(
+                    version_cols.job_key == key,
+                    version_cols.version >= func.coalesce(in_effect, 0),
+                )
+                .order_by(version_cols.version)
+            )
+            return [rows.version_from_row(r._mapping) for r in result]
 
     async def _exists(self, conn: AsyncConnection, key: str) -> bool:
         found = await conn.execute(
