@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
@@ -28,7 +28,7 @@ from jobplane.domain.models import (
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.sql import SqlStore
 from jobplane.store.tables import job_instances
-from jobplane_scheduler.duties import LEASE_WAKE_WINDOW, LeaderDuties, _lease_wakes
+from jobplane_scheduler.duties import LeaderDuties
 from jobplane_scheduler.settings import SchedulerSettings
 from tests.scheduler_helpers import (
     FAST,
@@ -99,55 +99,6 @@ async def _enqueued(store: SqlStore, key: str) -> int:
 
 async def _total(store: SqlStore, key: str) -> int:
     return sum((await store.count_by_state(key)).values())
-
-
-async def test_delayed_instance_is_promoted_when_due(store: SqlStore, memory_bus: Bus) -> None:
-    await define(store, "job")
-    async with running_scheduler(store, memory_bus):
-        instance = await Dispatcher(store, memory_bus).trigger(
-            "job", delay=timedelta(milliseconds=600)
-        )
-        assert instance.state is S.SCHEDULED
-
-        async def enqueued() -> bool:
-            return (await store.get_instance(instance.id)).state is S.ENQUEUED
-
-        await wait_for(enqueued, timeout_s=10, what="promotion")
-    history = await store.transitions(instance.id)
-    promoted = history[-1]
-    assert promoted.to_state is S.ENQUEUED and instance.run_at is not None
-    assert promoted.at >= instance.run_at
-
-
-async def test_a_lease_is_released_when_it_ends_not_at_the_next_sweep(
-    store: SqlStore, memory_bus: Bus
-) -> None:
-    # A worker claimed the instance and died (it never renews). With sweeps 30 s apart, the
-    # leader still releases the attempt just after its lease ends: it woke for that end.
-    await define(store, "job")
-    [instance] = await store.create_instances([NewInstance(job_key="job")])
-    [claim] = (await store.claim([instance.id], "dead", 1.5, ["job"])).claimed
-    async with running_scheduler(store, memory_bus, sweep_interval_s=30.0, reap_grace_s=0):
-
-        async def released() -> bool:
-            return (await store.get_instance(instance.id)).state is S.ENQUEUED
-
-        await wait_for(released, timeout_s=15, what="the release")
-    lease_end = claim.instance.lease_expires_at
-    release = (await store.transitions(instance.id))[-1]
-    assert release.from_state is S.PROCESSING and release.to_state is S.ENQUEUED
-    assert lease_end is not None and release.at > lease_end
-    assert (release.at - lease_end).total_seconds() < 5  # the next sweep: 30 s after the first
-
-
-def test_leases_ending_close_together_are_released_by_one_wake() -> None:
-    start = datetime(2030, 1, 1, tzinfo=UTC)
-    ends = [start + timedelta(milliseconds=ms) for ms in (0, 10, 49, 50, 200)]
-    window = LEASE_WAKE_WINDOW
-    # Each end is released within the window after it: 0, 10 and 49 ms by one wake at 50 ms
-    # (they have ended before it), 50 ms by the next, 200 ms by its own.
-    assert _lease_wakes(ends) == [start + window, ends[3] + window, ends[4] + window]
-    assert _lease_wakes([]) == []
 
 
 async def test_edited_cron_applies_on_the_next_fire(store: SqlStore, memory_bus: Bus) -> None:

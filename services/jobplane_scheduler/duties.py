@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from uuid import UUID
 
 from jobplane.bus.abc import Bus, BusEpoch
@@ -29,7 +30,7 @@ from jobplane.errors import (
 from jobplane.events import Outage, listen
 from jobplane.ids import valid_ids
 from jobplane.store.abc import LeaderStore, PublishedKey
-from jobplane.store.creation import ENQUEUED_CHANNEL
+from jobplane.store.creation import DUE_PREFIX, ENQUEUED_CHANNEL
 from jobplane.tasks import run_together
 from jobplane.triggering import envelope_for
 from jobplane_scheduler import housekeeping
@@ -82,6 +83,10 @@ class LeaderDuties(CronFiring):
         self._wake = asyncio.Event()
         self._epoch: BusEpoch | None = None
         self._delayed: list[datetime] = []
+        #: run_at of instances made Scheduled since the sweep read _delayed (announced by the
+        #: database on commit), and the event that wakes the sleep for them.
+        self._announced: list[datetime] = []
+        self._announcing = asyncio.Event()
         #: Ends of running attempts' leases before the next sweep (see _sleep_until_sweep).
         self._lease_ends: list[datetime] = []
         #: Jobs whose missed ticks are still recorded in batches (see catch_up) → the time
@@ -295,37 +300,45 @@ class LeaderDuties(CronFiring):
     async def _sleep_until_sweep(self) -> None:
         """Sleep until the next sweep, waking on the way at each delayed instance's run_at (to
         promote it) and within ``LEASE_WAKE_WINDOW`` after each lease's end (to release the
-        attempt if its worker did not renew it), so that delayed instances the sweep saw start
-        to the millisecond and a dead worker's attempts are taken over when their leases end, not up
-        to a sweep interval later (docs/benchmarks.md, "Worker takeover"). The times are the
+        attempt if its worker did not renew it), so that delayed instances start to the
+        millisecond and a dead worker's attempts are taken over when their leases end, not up
+        to a sweep interval later (docs/benchmarks.md, "Worker takeover"). The run_at times
+        are the sweep's read, and those announced since (see _enqueued_loop): a delay shorter
+        than the interval, or a retry's backoff, made after the read. The times are the
         store's: promotion and expiry are decided against its clock in SQL. The store's clock
         is read once, and the loop's clock counts from there: the read's way back makes every
         wake a little late, never early."""
         loop = asyncio.get_running_loop()
         end = loop.time() + self.settings.sweep_interval_s
-        wakes = sorted(
-            [(at, False) for at in self._delayed]
-            + [(at, True) for at in _lease_wakes(self._lease_ends)]
-        )
-        if wakes:
-            await self._wake_for(wakes, end)
-        await asyncio.sleep(max(0.0, end - loop.time()))
-
-    async def _wake_for(self, wakes: list[tuple[datetime, bool]], end: float) -> None:
-        """Promote or release at each of ``wakes`` (store time, whether a lease end) before
-        ``end`` (the loop's time)."""
-        loop = asyncio.get_running_loop()
-        store_now, read_at = await self.store.now(), loop.time()
-        for at, lease_end in wakes:
-            delay = (at - store_now).total_seconds() - (loop.time() - read_at)
-            if loop.time() + max(delay, 0) >= end:
-                break
-            await asyncio.sleep(max(delay, 0))
-            if lease_end:
-                await self._release_expired()
+        wakes = [(at, False) for at in self._delayed]
+        wakes += [(at, True) for at in _lease_wakes(self._lease_ends)]
+        heapq.heapify(wakes)
+        offset: float | None = None  # the store's clock (epoch seconds) minus the loop's
+        while True:
+            for at in self._announced:
+                heapq.heappush(wakes, (at, False))
+            self._announced.clear()
+            self._announcing.clear()
+            if wakes and offset is None:
+                offset = (await self.store.now()).timestamp() - loop.time()
+            until = end
+            if wakes and offset is not None:
+                until = min(end, wakes[0][0].timestamp() - offset)
+            if until > loop.time():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._announcing.wait(), until - loop.time())
                 continue
-            with self._refused("promote"):
-                await self._promote()
+            if loop.time() >= end:
+                return
+            # Everything due by now is one promotion (and one release), however many wakes.
+            due, now = [], loop.time()
+            while wakes and offset is not None and wakes[0][0].timestamp() - offset <= now:
+                due.append(heapq.heappop(wakes)[1])
+            if any(due):
+                await self._release_expired()
+            if not all(due):
+                with self._refused("promote"):
+                    await self._promote()
 
     async def _republish_all(self) -> None:
         after: UUID | None = None
@@ -385,13 +398,36 @@ class LeaderDuties(CronFiring):
         outage = Outage("scheduler", "enqueued notifications", source="the database")
         while True:
             try:
-                async for ids in self.store.notifications(ENQUEUED_CHANNEL):
+                async for payloads in self.store.notifications(ENQUEUED_CHANNEL):
                     outage.delivered()
-                    await self._publish(await self.store.unpublished_among(valid_ids(ids)))
+                    ids = self._announce_due(payloads)
+                    if ids:
+                        await self._publish(await self.store.unpublished_among(valid_ids(ids)))
                 return  # this store has no notifications
             except UnavailableError as exc:
                 outage.failed(exc, ENQUEUED_RELISTEN_S)
                 await asyncio.sleep(ENQUEUED_RELISTEN_S)
+
+    def _announce_due(self, payloads: list[str]) -> list[str]:
+        """Take the run_at times announced on the channel (an instance made Scheduled: see
+        migration 0023) for the sleep until the sweep; returns the other payloads (the ids of
+        instances enqueued in applications' transactions)."""
+        ids = []
+        for payload in payloads:
+            if not payload.startswith(DUE_PREFIX):
+                ids.append(payload)
+                continue
+            try:
+                self._announced.append(datetime.fromtimestamp(float(payload[4:]), UTC))
+            except (ValueError, OverflowError):
+                logger.warning(
+                    "ignored an undecodable due-time notification %r",
+                    payload[:64],
+                    extra={"action": "scheduler.bad_notification"},
+                )
+        if self._announced:
+            self._announcing.set()
+        return ids
 
     async def _event_loop(self) -> None:
         """Definition edits reach the leader at once (the sweep's version check is the

@@ -31,6 +31,9 @@ from jobplane.store.types import UtcDateTime
 #: The Postgres ``NOTIFY`` channel on which an instance enqueued in an application's
 #: transaction is announced to the leader (delivered on commit only).
 ENQUEUED_CHANNEL = "jobplane_enqueued"
+#: On the same channel, ``due:<run_at as epoch seconds>`` announces an instance made
+#: Scheduled (written by a database trigger on Postgres: migration 0023).
+DUE_PREFIX = "due:"
 
 
 def initial_state(new: NewInstance, now: datetime) -> InstanceState:
