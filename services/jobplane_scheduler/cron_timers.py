@@ -16,7 +16,6 @@ from jobplane.cron import JUST_BEFORE, CronSchedule, search_from
 from jobplane.domain.models import DefinitionVersion, InstanceSource, JobDefinition, NewInstance
 from jobplane.domain.options import MISFIRE_MAX, MisfirePolicy
 from jobplane.domain.reasons import EndReason
-from jobplane.errors import InvalidOptionsError
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +141,7 @@ class Span:
             return []
         try:
             return self.schedule.between(lo, hi, limit)
-        except InvalidOptionsError:
+        except Exception:
             if not self.earlier:
                 raise
             return []
@@ -170,8 +169,10 @@ def earlier_spans(versions: Sequence[DefinitionVersion], since: datetime) -> lis
             continue
         try:
             schedule = CronSchedule(options.cron, options.timezone)
-        except InvalidOptionsError:
-            continue  # (an expression a later release refuses: it has no ticks to miss)
+        except Exception:
+            # An expression or zone a later release refuses has no ticks to miss; an old
+            # version never keeps the current schedule from firing.
+            continue
         until = before[i + 1].at if i + 1 < len(before) else since
         after = version.at if i else None
         spans.append(Span(schedule, options.start_at, options.end_at, after, until, True))
