@@ -140,3 +140,25 @@ def test_each_replaced_schedule_has_its_ticks_until_the_next_version() -> None:
     assert caught.complete and all(r.skip_reason is None for r in caught.records)
     seconds = [int((r.scheduled_at - t0).total_seconds()) for r in caught.records]  # type: ignore[operator]
     assert seconds == [10, 20, 30, 40, 50, 60, 75, 90]
+
+
+async def test_the_history_of_many_jobs_is_read_at_once_from_each_ones_time(
+    store: SqlStore,
+) -> None:
+    # Per job: the version in effect at its own time, then every later one, whatever the
+    # other jobs' times in the same read.
+    a = await define(store, "a", cron="* * * * *")
+    b = await define(store, "b", cron="* * * * *")
+    saved = [
+        await store.save_definition(a.edited(retries=n), expected_version=n, actor="t")
+        for n in (1, 2)
+    ]
+    b2 = await store.save_definition(b.edited(cron="*/5 * * * *"), expected_version=1, actor="t")
+    assert b2 is not None and saved[0] is not None and saved[1] is not None
+    long_ago = datetime(2000, 1, 1, tzinfo=UTC)
+    found = await store.schedule_histories({"a": saved[0].updated_at or long_ago, "b": long_ago})
+    assert [v.version for v in found["a"]] == [2, 3]
+    assert [v.version for v in found["b"]] == [1, 2]
+    assert found["b"][1].options.cron == "*/5 * * * *"
+    later = await store.schedule_histories({"a": datetime(2100, 1, 1, tzinfo=UTC)})
+    assert [v.version for v in later["a"]] == [3]

@@ -16,7 +16,7 @@ from jobplane.domain.models import ErrorInfo, LeaderLease, NewInstance, Outcome
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.abc import LeaderStore
 from jobplane.store.sql import SqlStore
-from jobplane_scheduler.duties import LEASE_WAKE_WINDOW, LeaderDuties, _lease_wakes
+from jobplane_scheduler.duties import LEASE_WAKE_WINDOW, SWEEP_BATCH, LeaderDuties, _lease_wakes
 from jobplane_scheduler.settings import SchedulerSettings
 from tests.scheduler_helpers import FAST, running_scheduler, swept
 from tests.store_helpers import define
@@ -131,3 +131,23 @@ async def test_an_undecodable_due_time_is_logged_and_the_rest_taken(
     assert duties._announced == [datetime(2026, 1, 1, 0, 0, 0, 250_000, tzinfo=UTC)]
     assert duties._announcing.is_set()
     assert "undecodable due-time notification 'due:soon'" in caplog.text
+
+
+async def test_many_instances_due_at_once_are_all_promoted_by_one_wake(
+    pg_store: SqlStore, memory_bus: Bus
+) -> None:
+    # More than a promotion batch (SWEEP_BATCH) due at the same moment, made after the sweep:
+    # the wake promotes batch after batch, not one and the rest at the next sweep (30 s).
+    await define(pg_store, "job")
+    async with running_scheduler(pg_store, memory_bus, sweep_interval_s=30.0) as scheduler:
+        await swept(scheduler, 1)
+        run_at = await pg_store.now() + timedelta(milliseconds=500)
+        made = await pg_store.create_instances(
+            [NewInstance(job_key="job", run_at=run_at) for _ in range(SWEEP_BATCH + 500)]
+        )
+        assert all(i.state is S.SCHEDULED for i in made)
+
+        async def all_enqueued() -> bool:
+            return (await pg_store.count_by_state("job")).get(S.ENQUEUED, 0) == len(made)
+
+        await wait_for(all_enqueued, timeout_s=15, what="every due instance promoted")

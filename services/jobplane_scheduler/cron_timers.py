@@ -144,6 +144,12 @@ class Span:
         except Exception:
             if not self.earlier:
                 raise
+            logger.warning(
+                "an earlier schedule (%r) cannot be computed; its missed ticks are not recorded",
+                self.schedule.expression,
+                exc_info=True,
+                extra={"action": "scheduler.earlier_schedule_error"},
+            )
             return []
 
 
@@ -170,8 +176,16 @@ def earlier_spans(versions: Sequence[DefinitionVersion], since: datetime) -> lis
         try:
             schedule = CronSchedule(options.cron, options.timezone)
         except Exception:
-            # An expression or zone a later release refuses has no ticks to miss; an old
-            # version never keeps the current schedule from firing.
+            # An expression or zone a later release refuses: logged, and never keeps the
+            # current schedule from firing.
+            logger.warning(
+                "job %s: version %d's schedule cannot be computed; its missed ticks are not "
+                "recorded",
+                version.key,
+                version.version,
+                exc_info=True,
+                extra={"action": "scheduler.earlier_schedule_error", "job_key": version.key},
+            )
             continue
         until = before[i + 1].at if i + 1 < len(before) else since
         after = version.at if i else None

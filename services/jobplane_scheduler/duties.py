@@ -50,6 +50,8 @@ ENQUEUED_RELISTEN_S = 1.0
 #: each), and after the end (the release takes leases that ended strictly before the
 #: database's time).
 LEASE_WAKE_WINDOW = timedelta(milliseconds=50)
+#: Instances promoted, or attempts released, per statement (again while a batch is full).
+SWEEP_BATCH = 1000
 #: Instances the republish sweep looks for at each sweep, at most.
 UNPUBLISHED_PAGE = 1000
 
@@ -208,19 +210,27 @@ class LeaderDuties(CronFiring):
         if time.monotonic() < self._reap_from:
             return
         with self._refused("expired leases"):
-            released = await self.store.release_expired(self.lease)
-            self.metrics.count(SweepStep.EXPIRED_LEASES, released)
-            await self._publish(released)
+            full = True
+            while full:  # (a full batch: more may have ended)
+                released = await self.store.release_expired(self.lease, SWEEP_BATCH)
+                self.metrics.count(SweepStep.EXPIRED_LEASES, released)
+                await self._publish(released)
+                full = len(released) >= SWEEP_BATCH
 
     async def _promote(self) -> None:
         """Promote due instances; a batch the database refuses goes one by one, so a poison
-        instance is skipped (logged with its id) and the others are promoted."""
-        try:
-            promoted = await self.store.promote_due(self.lease)
-        except StoreRefusedError:
-            promoted = await self.store.promote_due_each(self.lease)
-        self.metrics.count(SweepStep.PROMOTED, promoted)
-        await self._publish(promoted)
+        instance is skipped (logged with its id) and the others are promoted. Batch after
+        batch while they come back full: a wake for many instances due at once (a bulk trigger
+        with a delay) promotes them all, not the first batch and the rest a sweep later."""
+        full = True
+        while full:
+            try:
+                promoted = await self.store.promote_due(self.lease, SWEEP_BATCH)
+            except StoreRefusedError:
+                promoted = await self.store.promote_due_each(self.lease, SWEEP_BATCH)
+            self.metrics.count(SweepStep.PROMOTED, promoted)
+            await self._publish(promoted)
+            full = len(promoted) >= SWEEP_BATCH
 
     async def _stale(self) -> list[Instance]:
         """The next page of Enqueued instances whose message may be lost: those never

@@ -89,13 +89,15 @@ class CronFiring:
             else:
                 active.append(definition)
         last = await self.store.last_occurrences([d.key for d in active])
-        now = await self.clock.now()
-        earlier = {d.key: await self._earlier(d, last.get(d.key)) for d in active}
+        earlier = await self._earlier(active, last)
+        now = await self.clock.now()  # (after the reads: a tick due meanwhile is on time)
         records = []
         for definition in active:
             try:
                 records.extend(
-                    self._plan(definition, last.get(definition.key), now, earlier[definition.key])
+                    self._plan(
+                        definition, last.get(definition.key), now, earlier.get(definition.key, ())
+                    )
                 )
             except Exception:  # (its schedule cannot be computed: the others still fire)
                 self._schedule_failed(definition.key)
@@ -141,14 +143,23 @@ class CronFiring:
         self.timers.set_job(definition, max(marks, default=None), now)
         return made
 
-    async def _earlier(self, definition: JobDefinition, last: datetime | None) -> list[Span]:
-        """The spans of the schedules that a job's last schedule edit replaced, from its last
-        occurrence to the edit, if the edit came after it: their ticks due in between were
-        missed too (an outage of the leader, or a pause, across the edit). Else none."""
-        since, start = definition.schedule_since, last or definition.created_at
-        if since is None or start is None or since <= start:
-            return []
-        return earlier_spans(await self.store.schedule_history(definition.key, start), since)
+    async def _earlier(
+        self, active: list[JobDefinition], last: dict[str, datetime]
+    ) -> dict[str, list[Span]]:
+        """The spans of the schedules that each job's last schedule edit replaced, from its
+        last occurrence to the edit, for the jobs whose edit came after it: their ticks due in
+        between were missed too (an outage of the leader, or a pause, across the edit). One
+        read for all of them (a new leader re-plans every job at once)."""
+        starts = {}
+        for definition in active:
+            since = definition.schedule_since
+            start = last.get(definition.key) or definition.created_at
+            if since is not None and start is not None and since > start:
+                starts[definition.key] = (start, since)
+        if not starts:
+            return {}
+        histories = await self.store.schedule_histories({k: s for k, (s, _) in starts.items()})
+        return {key: earlier_spans(histories[key], since) for key, (_, since) in starts.items()}
 
     def _schedule_failed(self, key: str) -> None:
         """Log a job whose schedule cannot be computed and leave it unplanned until its

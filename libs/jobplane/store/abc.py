@@ -326,9 +326,10 @@ class LeaderStore(DispatchStore, Protocol):
     async def last_occurrences(self, keys: Collection[str]) -> dict[str, datetime]:
         """The latest recorded cron tick of each job: where the next fire is computed from."""
 
-    async def schedule_history(self, key: str, after: datetime) -> list[DefinitionVersion]:
-        """The versions of a job in effect after ``after``, oldest first (the one in effect at
-        ``after``, then every later one): the schedules its missed ticks were due under."""
+    async def schedule_histories(
+        self, after: Mapping[str, datetime]
+    ) -> dict[str, list[DefinitionVersion]]:
+        """Per job key, the versions in effect after its time, oldest first (see catch_up)."""
 
     async def promote_due(self, lease: LeaderLease, limit: int = 1000) -> list[Instance]:
         """Scheduled instances whose ``run_at`` has come (database clock) → Enqueued."""

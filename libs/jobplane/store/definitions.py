@@ -224,25 +224,40 @@ class DefinitionStore(SqlBase):
                 raise JobNotFoundError(key)
         return found
 
-    async def schedule_history(self, key: str, after: datetime) -> list[DefinitionVersion]:
-        """The versions of a job in effect after ``after``, oldest first: the one in effect at
-        ``after`` (the latest saved at or before it; all of them if none was) and every later
-        one. Versions are numbered 1, 2, … in the order they were saved (see _record_version)."""
-        in_effect = (
-            select(func.max(version_cols.version))
-            .where(version_cols.job_key == key, version_cols.at <= after)
-            .scalar_subquery()
-        )
+    async def schedule_histories(
+        self, after: Mapping[str, datetime]
+    ) -> dict[str, list[DefinitionVersion]]:
+        """For each job key, the versions in effect after its time in ``after``, oldest first:
+        the one in effect at that time (the latest saved at or before it; all of them if none
+        was) and every later one. Versions are numbered 1, 2, … in the order they were saved
+        (see _record_version). One read per slice of keys, from the slice's earliest time."""
+        found: dict[str, list[DefinitionVersion]] = {key: [] for key in after}
+        w = job_definition_versions.alias("w")
         async with self._read() as conn:
-            result = await conn.execute(
-                select(job_definition_versions)
-                .where(
-                    version_cols.job_key == key,
-                    version_cols.version >= func.coalesce(in_effect, 0),
+            for some in in_slices(sorted(after)):
+                in_effect = (
+                    select(func.max(w.c.version))
+                    .where(
+                        w.c.job_key == version_cols.job_key, w.c.at <= min(after[k] for k in some)
+                    )
+                    .scalar_subquery()
                 )
-                .order_by(version_cols.version)
-            )
-            return [rows.version_from_row(r._mapping) for r in result]
+                result = await conn.execute(
+                    select(job_definition_versions)
+                    .where(
+                        version_cols.job_key.in_(some),
+                        version_cols.version >= func.coalesce(in_effect, 0),
+                    )
+                    .order_by(version_cols.job_key, version_cols.version)
+                )
+                for r in result:
+                    found[r.job_key].append(rows.version_from_row(r._mapping))
+        for key, versions in found.items():
+            # (Read from the slice's earliest time: the ones before this key's own go.)
+            since = [i for i, v in enumerate(versions) if v.at <= after[key]]
+            if since:
+                del versions[: since[-1]]
+        return found
 
     async def _exists(self, conn: AsyncConnection, key: str) -> bool:
         found = await conn.execute(
