@@ -31,6 +31,11 @@ ZONES = [
     "Pacific/Apia",
     "UTC",
 ]
+#: cronsim moves across a clock change by whole hours: where the shift is half an hour it
+#: loses matching instants of expressions not at fixed times (test_cron_dst.py checks those
+#: against every instant). There its fire times must be among Jobplane's, and Jobplane's
+#: others must match the expression on their own wall clock.
+HALF_HOUR_SHIFTS = {"Australia/Lord_Howe"}
 FIRES = 6
 SEEDS = range(12)
 CASES_PER_SEED = 150
@@ -111,6 +116,12 @@ def reference(expr: str, zone: str, start: datetime) -> Iterator[datetime]:
             yield at
 
 
+def _on_their_wall_clock(expr: str, zone: str, fires: list[datetime]) -> bool:
+    """Whether each fire time's wall time, at its own offset, matches ``expr``."""
+    walls = [at.astimezone(ZoneInfo(zone)).replace(tzinfo=None) for at in fires]
+    return all(next(CronSim(expr, wall - timedelta(seconds=1))) == wall for wall in walls)
+
+
 def ours(expr: str, zone: str, start: datetime) -> Iterator[datetime]:
     schedule = CronSchedule(expr, zone)
     current = start
@@ -141,7 +152,15 @@ def test_fire_times_match_cronsim(seed: int) -> None:
                 validate_cron(expr)
             continue
         got = list(itertools.islice(ours(expr, zone, start), FIRES))
-        assert got == expected, f"{expr!r} in {zone} from {start.isoformat()}"
+        what = f"{expr!r} in {zone} from {start.isoformat()}"
+        minute, hour = expr.split()[:2]
+        if zone in HALF_HOUR_SHIFTS and (minute.startswith("*") or hour.startswith("*")):
+            upto = min(got[-1], expected[-1])
+            mine = [at for at in got if at <= upto]
+            assert {at for at in expected if at <= upto} <= set(mine), what
+            assert _on_their_wall_clock(expr, zone, mine), what
+        else:
+            assert got == expected, what
         compared += 1
     assert compared >= CASES_PER_SEED // 2  # the generator mostly makes expressions that fire
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import itertools
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo
 
 import pytest
+from cronsim import CronSim
 
-from jobplane.cron import CronSchedule
+from jobplane.cron import JUST_BEFORE, CronSchedule
 
 
 def fires(expr: str, tz: str, start: datetime, n: int) -> list[str]:
@@ -232,3 +233,44 @@ def test_every_second_of_a_skipped_minute_fires_after_the_gap() -> None:
     every = CronSchedule("30 2 * * * *", "Europe/Berlin")
     day = every.between(datetime(2026, 3, 29, tzinfo=UTC), datetime(2026, 3, 30, tzinfo=UTC), 100)
     assert len(day) == 60 and len(set(day)) == 60  # the whole minute, after the gap
+
+
+def _matching_instants(expr: str, tz: str, start: datetime, end: datetime) -> list[datetime]:
+    """The reference for expressions not at fixed times: every real minute in ``[start, end]``
+    whose wall time, at its own offset, the expression matches."""
+    zone, found, minute = ZoneInfo(tz), [], start
+    while minute <= end:
+        wall = minute.astimezone(zone).replace(tzinfo=None)
+        if next(CronSim(expr, wall - timedelta(seconds=1))) == wall:
+            found.append(minute)
+        minute += timedelta(minutes=1)
+    return found
+
+
+@pytest.mark.parametrize(
+    ("tz", "change"),
+    [
+        ("Australia/Lord_Howe", datetime(2026, 4, 4, 15, tzinfo=UTC)),  # 02:00 → 01:30
+        ("Australia/Lord_Howe", datetime(2026, 10, 3, 15, 30, tzinfo=UTC)),  # 02:00 → 02:30
+        ("Pacific/Chatham", datetime(2026, 4, 4, 14, tzinfo=UTC)),  # 03:45 → 02:45
+        ("Pacific/Chatham", datetime(2026, 9, 26, 14, tzinfo=UTC)),  # 02:45 → 03:45
+        ("Europe/Berlin", datetime(2026, 3, 29, 1, tzinfo=UTC)),
+        ("America/New_York", datetime(2026, 11, 1, 6, tzinfo=UTC)),
+    ],
+)
+@pytest.mark.parametrize(
+    "expr", ["0 */2 * * *", "30 * * * *", "*/20 * * * *", "45 */3 * * *", "0 */7 * * *"]
+)
+def test_steps_and_wildcards_fire_at_every_matching_instant_across_a_change(
+    tz: str, change: datetime, expr: str
+) -> None:
+    """Matched stretch by stretch between clock changes. cronsim's own zone handling moved
+    across a change by whole hours: on Lord Howe (a 30-minute shift) it lost matching instants
+    up to a day after it, with no record (``0 */7 * * *`` never fired 07:00 on the autumn
+    day), and on Chatham's autumn day ``45 */3 * * *`` never returned (a leader computing it
+    hung)."""
+    start, end = change - timedelta(hours=20), change + timedelta(hours=20)
+    schedule = CronSchedule(expr, tz)
+    assert schedule.between(start - JUST_BEFORE, end, 1000) == _matching_instants(
+        expr, tz, start, end
+    )

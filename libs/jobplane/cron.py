@@ -156,10 +156,12 @@ class CronSchedule:
       and 21:00 local, whatever the day), and with a 30-minute shift (Australia/Lord_Howe)
       ``*/20 * * * *`` fires 01:40 in both passes.
 
-    Two deliberate differences from cronsim: a 6-field expression with fixed minute and hour
-    follows the fixed-time rules too (cronsim applies them to 5 fields only), and a fire time
+    Three deliberate differences from cronsim: a 6-field expression with fixed minute and
+    hour follows the fixed-time rules too (cronsim applies them to 5 fields only); a fire time
     is always strictly after the instant searched from (cronsim, seated inside the second pass
-    of a repeated hour, may return the first pass of the same wall time, which is earlier).
+    of a repeated hour, may return the first pass of the same wall time, which is earlier);
+    and where the clocks move by half an hour, the matching instants cronsim's whole-hour
+    steps lose fire (see :meth:`_matched_after`).
 
     All times going in and out are aware; results are in UTC.
     """
@@ -189,26 +191,43 @@ class CronSchedule:
             ) from None
 
     def _next_after(self, after: datetime) -> datetime:
-        local = after.astimezone(self.zone)
-        fires: Iterator[datetime]
-        if self._wall:
-            # Seated a gap's length before ``after``: a skipped wall time fires after the gap,
-            # so one whose wall time is before ``after``'s may still be to come (02:30:30, a
-            # second after 02:30:00, both moved to 03:00: seated at 03:00:00, the second was
-            # lost). Mapped to the clock, wall times keep their order: the first later than
-            # ``after`` is the next.
-            start = local.replace(tzinfo=None) - _GAP_MAX
-            naive = _fires(_seated(self._parsed, start), self.expression)
-            fires = (self._on_the_clock(wall) for wall in naive)
-        else:
-            fires = _fires(_seated(self._parsed, local), self.expression)
-        for candidate in fires:
-            found = candidate.astimezone(UTC)
-            # A wall time before ``after`` (seated in the second pass of a repeated hour, the
-            # first pass of the same time) has fired already.
+        if not self._wall:
+            return self._matched_after(after)
+        # Seated a gap's length before ``after``: a skipped wall time fires after the gap, so
+        # one whose wall time is before ``after``'s may still be to come (02:30:30, a second
+        # after 02:30:00, both moved to 03:00: seated at 03:00:00, the second was lost).
+        # Mapped to the clock, wall times keep their order: the first later than ``after`` is
+        # the next.
+        start = after.astimezone(self.zone).replace(tzinfo=None) - _GAP_MAX
+        for wall in _fires(_seated(self._parsed, start), self.expression):
+            found = self._on_the_clock(wall).astimezone(UTC)
             if found > after:
                 return found
         raise AssertionError("unreachable: _fires raises when it runs out")
+
+    def _matched_after(self, after: datetime) -> datetime:
+        """The first real instant after ``after`` whose wall time (at its own offset) matches.
+
+        Between two clock changes the offset is fixed, so each such stretch is matched on its
+        own wall clock by cronsim without a zone: the stretch's first match is the next fire
+        time if it comes before the stretch ends, else the search goes on from the change.
+        (cronsim's own zone handling moves across a change by whole hours: with a shift of
+        half an hour, Australia/Lord_Howe, it skipped matching instants up to a day after the
+        change, and around Pacific/Chatham's autumn change ``45 */3 * * *`` never returned.)
+        """
+        start, inclusive = after, False
+        while True:
+            offset = start.astimezone(self.zone).utcoffset()
+            assert offset is not None
+            wall = (start + offset).replace(tzinfo=None)
+            # cronsim searches strictly after a whole second; a change is on a whole second.
+            seat = wall - _SECOND if inclusive else wall
+            naive = next(_fires(_seated(self._parsed, seat), self.expression))
+            found = (naive - offset).replace(tzinfo=UTC)
+            change = _first_change(self.zone, start, found)
+            if change is None:
+                return found
+            start, inclusive = change, True
 
     def _on_the_clock(self, wall: datetime) -> datetime:
         """A wall time in the zone: its first pass if repeated, or the first real minute after
@@ -233,6 +252,30 @@ class CronSchedule:
 
 #: Longer than any clock change (a summer time's hour, the two hours of a double one).
 _GAP_MAX = timedelta(hours=3)
+
+
+_DAY = timedelta(days=1)
+_SECOND = timedelta(seconds=1)
+
+
+def _first_change(zone: ZoneInfo, after: datetime, until: datetime) -> datetime | None:
+    """The first instant in ``(after, until]`` at which ``zone``'s UTC offset differs from
+    its offset at ``after``, or None. A zone's clock changes are weeks apart, so a step of a
+    day sees each, and a search shorter than a day (the common case) reads two offsets."""
+    lo, offset = after, after.astimezone(zone).utcoffset()
+    while lo < until:
+        hi = until if until - lo <= _DAY else lo + _DAY
+        if hi.astimezone(zone).utcoffset() == offset:
+            lo = hi
+            continue
+        while hi - lo > JUST_BEFORE:  # the change is in (lo, hi]: halve it
+            mid = lo + (hi - lo) / 2
+            if mid.astimezone(zone).utcoffset() == offset:
+                lo = mid
+            else:
+                hi = mid
+        return hi
+    return None
 
 
 def _fires(it: CronSim, expression: str) -> Iterator[datetime]:
