@@ -90,14 +90,25 @@ def cpu_seconds(pids: Iterable[int]) -> float:
     return total
 
 
-def spawn_worker(url: str, prefix: str, index: int, concurrency: int) -> subprocess.Popen[bytes]:
-    env = {
+def role_env(url: str, prefix: str) -> dict[str, str]:
+    """The environment of a role process on the benchmark's database and key prefix."""
+    return {
         **os.environ,
         "JOBPLANE_DATABASE_URL": url,
         "JOBPLANE_REDIS_URL": REDIS_URL,
         "JOBPLANE_KEY_PREFIX": prefix,
         "JOBPLANE_LOG_LEVEL": "WARNING",
     }
+
+
+def spawn_scheduler(url: str, prefix: str) -> subprocess.Popen[bytes]:
+    """A ``jobplane scheduler`` process (the leader once it has campaigned)."""
+    command = [str(Path(sys.executable).parent / "jobplane"), "scheduler"]
+    return subprocess.Popen(command, cwd=ROOT, env=role_env(url, prefix))
+
+
+def spawn_worker(url: str, prefix: str, index: int, concurrency: int) -> subprocess.Popen[bytes]:
+    env = role_env(url, prefix)
     return subprocess.Popen(
         [
             str(Path(sys.executable).parent / "jobplane"),

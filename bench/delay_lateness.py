@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import subprocess
-import sys
 from datetime import timedelta
 
-from bench.common import REDIS_URL, ROOT, bus_for, environment, percentile
+from bench.common import bus_for, environment, percentile, spawn_scheduler
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState
@@ -24,18 +21,7 @@ from jobplane.domain.states import InstanceState
 async def main(count: int, delay_ms: int) -> None:
     async with environment() as (url, prefix, store):
         await store.register_definition(JobOptions.parse(key="noop", kind="triggered"), None, "b")
-        env = {
-            **os.environ,
-            "JOBPLANE_DATABASE_URL": url,
-            "JOBPLANE_REDIS_URL": REDIS_URL,
-            "JOBPLANE_KEY_PREFIX": prefix,
-            "JOBPLANE_LOG_LEVEL": "WARNING",
-        }
-        scheduler = subprocess.Popen(
-            [os.path.join(os.path.dirname(sys.executable), "jobplane"), "scheduler"],
-            cwd=ROOT,
-            env=env,
-        )
+        scheduler = spawn_scheduler(url, prefix)
         bus = bus_for(prefix)
         dispatcher = Dispatcher(store, bus)
         late, phases = [], random.Random(7)

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import subprocess
-import sys
 import time
 
 from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 
-from bench.common import REDIS_URL, ROOT, environment, percentile
+from bench.common import environment, percentile, spawn_scheduler
 from jobplane.domain.options import JobOptions
 from jobplane.enqueue import enqueue
 
@@ -24,18 +21,7 @@ from jobplane.enqueue import enqueue
 async def main(count: int) -> None:
     async with environment() as (url, prefix, store):
         await store.register_definition(JobOptions.parse(key="noop", kind="triggered"), None, "b")
-        env = {
-            **os.environ,
-            "JOBPLANE_DATABASE_URL": url,
-            "JOBPLANE_REDIS_URL": REDIS_URL,
-            "JOBPLANE_KEY_PREFIX": prefix,
-            "JOBPLANE_LOG_LEVEL": "WARNING",
-        }
-        scheduler = subprocess.Popen(
-            [os.path.join(os.path.dirname(sys.executable), "jobplane"), "scheduler"],
-            cwd=ROOT,
-            env=env,
-        )
+        scheduler = spawn_scheduler(url, prefix)
         engine = create_engine(make_url(url).set(drivername="postgresql+psycopg"))
         delays = []
         try:

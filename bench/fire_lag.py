@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import subprocess
-import sys
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
@@ -24,7 +21,7 @@ from uuid import UUID
 import redis.asyncio as aioredis
 from sqlalchemy import text
 
-from bench.common import REDIS_URL, ROOT, environment, percentile
+from bench.common import REDIS_URL, environment, percentile, spawn_scheduler
 from jobplane.bus.envelope import Envelope
 from jobplane.domain.options import JobOptions
 
@@ -61,18 +58,7 @@ async def main(jobs: int, seconds: float) -> None:
         for i in range(jobs):
             options = JobOptions.parse(key=f"tick-{i:04d}", kind="recurring", cron="* * * * * *")
             await store.register_definition(options, None, "bench")
-        env = {
-            **os.environ,
-            "JOBPLANE_DATABASE_URL": url,
-            "JOBPLANE_REDIS_URL": REDIS_URL,
-            "JOBPLANE_KEY_PREFIX": prefix,
-            "JOBPLANE_LOG_LEVEL": "WARNING",
-        }
-        scheduler = subprocess.Popen(
-            [os.path.join(os.path.dirname(sys.executable), "jobplane"), "scheduler"],
-            cwd=ROOT,
-            env=env,
-        )
+        scheduler = spawn_scheduler(url, prefix)
         try:
             await asyncio.sleep(seconds + 2)
         finally:
