@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import itertools
-from datetime import UTC, datetime, timedelta
-from zoneinfo import ZoneInfo
+from datetime import UTC, datetime, timedelta, timezone
+from zoneinfo import ZoneInfo, available_timezones
+from zoneinfo._zoneinfo import (  # type: ignore[import-not-found]  # (lists transitions)
+    ZoneInfo as PythonZoneInfo,
+)
 
 import pytest
 from cronsim import CronSim
 
-from jobplane.cron import JUST_BEFORE, CronSchedule
+from jobplane.cron import JUST_BEFORE, CronSchedule, next_fire_times
+from jobplane.errors import InvalidOptionsError
 
 
 def fires(expr: str, tz: str, start: datetime, n: int) -> list[str]:
@@ -274,3 +278,43 @@ def test_steps_and_wildcards_fire_at_every_matching_instant_across_a_change(
     assert schedule.between(start - JUST_BEFORE, end, 1000) == _matching_instants(
         expr, tz, start, end
     )
+
+
+def test_a_search_from_any_offset_is_a_search_from_that_instant() -> None:
+    """Times going in may carry any offset (a ``start_at`` stored with its own offset before
+    it was normalised): the search starts at the instant, not at its wall time read as UTC."""
+    instant = datetime(2026, 6, 1, 10, tzinfo=UTC)
+    expected = next_fire_times("*/15 * * * *", "Europe/Berlin", instant, 3)
+    for hours in (2, -5):
+        other = instant.astimezone(timezone(timedelta(hours=hours)))
+        assert next_fire_times("*/15 * * * *", "Europe/Berlin", other, 3) == expected
+    assert expected[0] == datetime(2026, 6, 1, 10, 15, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(
+    ("expr", "tz"),
+    [("*/15 2 * 3 0#2", "America/New_York"), ("* 2 * 3 0L", "Europe/Berlin")],
+)
+@pytest.mark.timeout(30)  # (the search used to run to the year 9999 on each call)
+def test_an_expression_matching_only_skipped_times_never_fires(expr: str, tz: str) -> None:
+    """Every match falls in a spring gap (the second Sunday of March at 2 a.m. in New York):
+    each stretch's first match is in the gap, so each search went on from the change, up to
+    the year 9999 (3 s per call). It gives up after 50 years, as cronsim does."""
+    with pytest.raises(InvalidOptionsError, match="never fires"):
+        CronSchedule(expr, tz).next_after(datetime(2026, 11, 28, tzinfo=UTC))
+
+
+def test_no_zone_changes_its_clock_twice_within_a_day() -> None:
+    """The search finds a zone's clock changes a day's step at a time (``_changes_in``), which
+    sees every change only if no two are within a day: true of the zone database installed
+    (the closest two, Africa/Freetown's in 1939, are four days apart). The pure-Python zone
+    reader lists the transitions, and each rule's two changes of a year."""
+    day = 86_400
+    for key in sorted(available_timezones()):
+        zone = PythonZoneInfo.no_cache(key)
+        explicit = vars(zone)["_trans_utc"]
+        assert all(b - a > day for a, b in itertools.pairwise(explicit)), key
+        rule = vars(zone)["_tz_after"]
+        if hasattr(rule, "transitions"):
+            start, end = rule.transitions(2030)
+            assert abs(end - start) > day, key

@@ -13,6 +13,7 @@ datetimes; the daylight-saving rules are in :class:`CronSchedule`.
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -215,16 +216,28 @@ class CronSchedule:
         half an hour, Australia/Lord_Howe, it skipped matching instants up to a day after the
         change, and around Pacific/Chatham's autumn change ``45 */3 * * *`` never returned.)
         """
-        start, inclusive = after, False
+        start, inclusive = after.astimezone(UTC), False  # (the arithmetic below is UTC's)
+        give_up = start + _SEARCH_MAX if start < _LAST_SEARCH else None
+        naive: datetime | None = None
+        searched = datetime.min
         while True:
+            if give_up is not None and start > give_up:
+                # Each stretch's first match fell in a time that does not exist (``*/15 2 *
+                # 3 0#2`` in New York: a spring gap, every year): as cronsim, give up.
+                raise InvalidOptionsError("cron", f"{self.expression!r} never fires")
             offset = start.astimezone(self.zone).utcoffset()
             assert offset is not None
             wall = (start + offset).replace(tzinfo=None)
             # cronsim searches strictly after a whole second; a change is on a whole second.
-            seat = wall - _SECOND if inclusive else wall
-            naive = next(_fires(_seated(self._parsed, seat), self.expression))
+            seat = (wall - _SECOND if inclusive else wall).replace(microsecond=0)
+            # The last search's match is still the first after a later seat before it (there
+            # was none between them): a rare expression is searched for once, not once per
+            # change on the way to it.
+            if naive is None or not searched <= seat < naive:
+                naive = next(_fires(_seated(self._parsed, seat), self.expression))
+                searched = seat
             found = (naive - offset).replace(tzinfo=UTC)
-            change = _first_change(self.zone, start, found)
+            change = _first_change(self.zone, start, found, offset)
             if change is None:
                 return found
             start, inclusive = change, True
@@ -256,26 +269,60 @@ _GAP_MAX = timedelta(hours=3)
 
 _DAY = timedelta(days=1)
 _SECOND = timedelta(seconds=1)
+#: A search for a fire time gives up after this long (cronsim's own limit).
+_SEARCH_MAX = timedelta(days=50 * 366)
+_LAST_SEARCH = datetime(9000, 1, 1, tzinfo=UTC)  # (past it, the year 10000 ends a search)
+_LAST_DAYS = datetime(9999, 12, 30, tzinfo=UTC)
 
 
-def _first_change(zone: ZoneInfo, after: datetime, until: datetime) -> datetime | None:
-    """The first instant in ``(after, until]`` at which ``zone``'s UTC offset differs from
-    its offset at ``after``, or None. A zone's clock changes are weeks apart, so a step of a
-    day sees each, and a search shorter than a day (the common case) reads two offsets."""
-    lo, offset = after, after.astimezone(zone).utcoffset()
-    while lo < until:
-        hi = until if until - lo <= _DAY else lo + _DAY
-        if hi.astimezone(zone).utcoffset() == offset:
-            lo = hi
-            continue
-        while hi - lo > JUST_BEFORE:  # the change is in (lo, hi]: halve it
-            mid = lo + (hi - lo) / 2
-            if mid.astimezone(zone).utcoffset() == offset:
-                lo = mid
-            else:
-                hi = mid
-        return hi
+def _first_change(
+    zone: ZoneInfo, after: datetime, until: datetime, offset: timedelta
+) -> datetime | None:
+    """The first instant in ``(after, until]`` (UTC) at which ``zone``'s UTC offset differs
+    from ``offset``, its offset at ``after``, or None. A search shorter than a day (the common
+    case) reads one more offset; a longer one looks the changes up by year (_changes_in)."""
+    if until - after <= _DAY:
+        if until.astimezone(zone).utcoffset() == offset:
+            return None
+        return _change_in(zone, after, until, offset)
+    for year in range(after.year, until.year + 1):
+        for change in _changes_in(zone, year):
+            if after < change <= until:
+                return change
     return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _changes_in(zone: ZoneInfo, year: int) -> tuple[datetime, ...]:
+    """The instants of ``year`` (UTC) at which ``zone``'s offset changes, each the first of
+    its new offset. Two changes of a zone are never within a day of each other (the closest
+    in the zone database are four days apart: tests/test_cron_dst.py checks it), so a step
+    of a day sees each; then halving finds it. Computed once per zone and year."""
+    lo = datetime(year, 1, 1, tzinfo=UTC) - JUST_BEFORE
+    # (Year 9999 stops short of its last days: any zone's wall clock there is past the year.)
+    end = datetime(year + 1, 1, 1, tzinfo=UTC) if year < 9999 else _LAST_DAYS
+    found = []
+    offset = lo.astimezone(zone).utcoffset()
+    while lo < end - JUST_BEFORE:
+        hi = end - JUST_BEFORE if end - lo <= _DAY else lo + _DAY
+        if hi.astimezone(zone).utcoffset() != offset:
+            hi = _change_in(zone, lo, hi, offset)
+            offset = hi.astimezone(zone).utcoffset()
+            found.append(hi)
+        lo = hi
+    return tuple(found)
+
+
+def _change_in(zone: ZoneInfo, lo: datetime, hi: datetime, offset: timedelta | None) -> datetime:
+    """The first instant of ``(lo, hi]`` whose offset is not ``offset`` (``lo``'s; ``hi``'s
+    is another), by halving."""
+    while hi - lo > JUST_BEFORE:
+        mid = lo + (hi - lo) / 2
+        if mid.astimezone(zone).utcoffset() == offset:
+            lo = mid
+        else:
+            hi = mid
+    return hi
 
 
 def _fires(it: CronSim, expression: str) -> Iterator[datetime]:
