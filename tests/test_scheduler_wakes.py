@@ -12,7 +12,7 @@ import pytest
 
 from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
-from jobplane.domain.models import ErrorInfo, LeaderLease, NewInstance, Outcome
+from jobplane.domain.models import ErrorInfo, Instance, LeaderLease, NewInstance, Outcome
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.abc import LeaderStore
 from jobplane.store.sql import SqlStore
@@ -72,6 +72,20 @@ def test_leases_ending_close_together_are_released_by_one_wake() -> None:
     assert _lease_wakes([]) == []
 
 
+async def _promoted_at_its_run_at(store: SqlStore, instance: Instance) -> None:
+    """Wait for the Scheduled ``instance`` to be promoted; check it was at its run_at, not at
+    the next sweep (30 s after the first, in these tests)."""
+    assert instance.run_at is not None
+
+    async def enqueued() -> bool:
+        return (await store.get_instance(instance.id)).state is S.ENQUEUED
+
+    await wait_for(enqueued, timeout_s=15, what="the promotion")
+    promoted = (await store.transitions(instance.id))[-1]
+    assert promoted.to_state is S.ENQUEUED and promoted.at >= instance.run_at
+    assert (promoted.at - instance.run_at).total_seconds() < 5
+
+
 async def test_a_short_delay_made_between_two_sweeps_is_promoted_at_its_run_at(
     pg_store: SqlStore, memory_bus: Bus
 ) -> None:
@@ -83,15 +97,8 @@ async def test_a_short_delay_made_between_two_sweeps_is_promoted_at_its_run_at(
         instance = await Dispatcher(pg_store, memory_bus).trigger(
             "job", delay=timedelta(milliseconds=300)
         )
-        assert instance.state is S.SCHEDULED and instance.run_at is not None
-
-        async def enqueued() -> bool:
-            return (await pg_store.get_instance(instance.id)).state is S.ENQUEUED
-
-        await wait_for(enqueued, timeout_s=15, what="the promotion")
-    promoted = (await pg_store.transitions(instance.id))[-1]
-    assert promoted.to_state is S.ENQUEUED and promoted.at >= instance.run_at
-    assert (promoted.at - instance.run_at).total_seconds() < 5  # the next sweep: 30 s later
+        assert instance.state is S.SCHEDULED
+        await _promoted_at_its_run_at(pg_store, instance)
 
 
 async def test_a_retry_backoff_shorter_than_the_sweep_interval_starts_when_it_ends(
@@ -106,15 +113,8 @@ async def test_a_retry_backoff_shorter_than_the_sweep_interval_starts_when_it_en
         failed = Outcome(instance.id, claim.token, S.FAILED, error=error, retry_delay_s=0.3)
         await pg_store.complete([failed])
         retry = await pg_store.get_instance(instance.id)
-        assert retry.state is S.SCHEDULED and retry.run_at is not None
-
-        async def enqueued() -> bool:
-            return (await pg_store.get_instance(instance.id)).state is S.ENQUEUED
-
-        await wait_for(enqueued, timeout_s=15, what="the retry's promotion")
-    promoted = (await pg_store.transitions(instance.id))[-1]
-    assert promoted.to_state is S.ENQUEUED and promoted.at >= retry.run_at
-    assert (promoted.at - retry.run_at).total_seconds() < 5
+        assert retry.state is S.SCHEDULED
+        await _promoted_at_its_run_at(pg_store, retry)
 
 
 async def test_an_undecodable_due_time_is_logged_and_the_rest_taken(
