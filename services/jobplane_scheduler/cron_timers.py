@@ -164,7 +164,7 @@ def _between(spans: Sequence[Span], after: datetime, until: datetime, limit: int
 def earlier_spans(versions: Sequence[DefinitionVersion], since: datetime) -> list[Span]:
     """The stretches of a job's timeline before its schedule was last edited (at ``since``):
     one per version saved before that edit (``versions``, oldest first: see
-    :meth:`~jobplane.store.abc.LeaderStore.schedule_history`), each from its save to the
+    :meth:`~jobplane.store.abc.LeaderStore.schedule_histories`), each from its save to the
     next one's, the first open at its start. Ticks due under them and missed (the leader down,
     or the job paused, across the edit) are missed ticks like any other."""
     before = [v for v in versions if v.at < since]
