@@ -5,6 +5,8 @@ a trigger's NOTIFY on commit)."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
@@ -72,6 +74,15 @@ def test_leases_ending_close_together_are_released_by_one_wake() -> None:
     assert _lease_wakes([]) == []
 
 
+@asynccontextmanager
+async def _swept_once(store: SqlStore, bus: Bus) -> AsyncIterator[None]:
+    """A leader whose sweeps are 30 s apart, once its first sweep has read what is due
+    before the next: what is made Scheduled now only an announcement can wake it for."""
+    async with running_scheduler(store, bus, sweep_interval_s=30.0) as scheduler:
+        await swept(scheduler, 1)
+        yield
+
+
 async def _promoted_at_its_run_at(store: SqlStore, instance: Instance) -> None:
     """Wait for the Scheduled ``instance`` to be promoted; check it was at its run_at, not at
     the next sweep (30 s after the first, in these tests)."""
@@ -92,8 +103,7 @@ async def test_a_short_delay_made_between_two_sweeps_is_promoted_at_its_run_at(
     # Sweeps 30 s apart: the trigger comes after the leader's sweep read what is due before
     # the next one, so only the database's announcement can wake the leader for it.
     await define(pg_store, "job")
-    async with running_scheduler(pg_store, memory_bus, sweep_interval_s=30.0) as scheduler:
-        await swept(scheduler, 1)
+    async with _swept_once(pg_store, memory_bus):
         instance = await Dispatcher(pg_store, memory_bus).trigger(
             "job", delay=timedelta(milliseconds=300)
         )
@@ -107,8 +117,7 @@ async def test_a_retry_backoff_shorter_than_the_sweep_interval_starts_when_it_en
     await define(pg_store, "job", retries=1)
     [instance] = await pg_store.create_instances([NewInstance(job_key="job")])
     [claim] = (await pg_store.claim([instance.id], "w", 30, ["job"])).claimed
-    async with running_scheduler(pg_store, memory_bus, sweep_interval_s=30.0) as scheduler:
-        await swept(scheduler, 1)
+    async with _swept_once(pg_store, memory_bus):
         error = ErrorInfo("RuntimeError", "boom", "Traceback ...")
         failed = Outcome(instance.id, claim.token, S.FAILED, error=error, retry_delay_s=0.3)
         await pg_store.complete([failed])
@@ -139,8 +148,7 @@ async def test_many_instances_due_at_once_are_all_promoted_by_one_wake(
     # More than a promotion batch (SWEEP_BATCH) due at the same moment, made after the sweep:
     # the wake promotes batch after batch, not one and the rest at the next sweep (30 s).
     await define(pg_store, "job")
-    async with running_scheduler(pg_store, memory_bus, sweep_interval_s=30.0) as scheduler:
-        await swept(scheduler, 1)
+    async with _swept_once(pg_store, memory_bus):
         run_at = await pg_store.now() + timedelta(milliseconds=500)
         made = await pg_store.create_instances(
             [NewInstance(job_key="job", run_at=run_at) for _ in range(SWEEP_BATCH + 500)]

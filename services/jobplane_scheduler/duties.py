@@ -428,7 +428,8 @@ class LeaderDuties(CronFiring):
                 ids.append(payload)
                 continue
             try:
-                self._announced.append(datetime.fromtimestamp(float(payload[4:]), UTC))
+                epoch = float(payload.removeprefix(DUE_PREFIX))
+                self._announced.append(datetime.fromtimestamp(epoch, UTC))
             except (ValueError, OverflowError):
                 logger.warning(
                     "ignored an undecodable due-time notification %r",
