@@ -23,6 +23,7 @@ from jobplane.errors import (
     IllegalTransitionError,
     InstanceNotFoundError,
 )
+from jobplane.ids import new_id
 from jobplane.store.sql import SqlStore
 from tests.store_helpers import define, enqueue, slots_used
 
@@ -354,6 +355,22 @@ async def test_keyset_pagination_and_filters(store: SqlStore) -> None:
         created_before=datetime.max.replace(tzinfo=UTC),
     )
     assert len((await store.list_instances(extremes, limit=100)).items) == 9
+
+
+async def test_an_instance_made_after_a_burst_of_ids_stays_in_its_creation_window(
+    store: SqlStore,
+) -> None:
+    """A creation window bounds the ids too (UUIDv7, widened by ``ID_CLOCK_SKEW``). After a
+    burst of ids (a minute of bulk triggers at ~7,000/s) an id still carries its own
+    millisecond, so the window that ends a second after its creation finds the instance: ids
+    that took the next millisecond whenever the last one was used had run 400 s ahead of the
+    clock, past the skew, and the window missed it."""
+    await define(store, "a")
+    for _ in range(400_000):
+        new_id()
+    [made] = await store.create_instances([NewInstance(job_key="a")])
+    window = InstanceFilter(created_before=made.created_at + timedelta(seconds=1))
+    assert [i.id for i in (await store.list_instances(window)).items] == [made.id]
 
 
 async def _all(store: SqlStore) -> list[Instance]:
