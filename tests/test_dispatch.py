@@ -289,6 +289,62 @@ async def test_publishing_resumes_with_its_mark_once_the_bus_is_back(
     assert {d.envelope.instance_id for d in delivered} == {first.id, second.id}
 
 
+async def test_a_batch_trigger_records_its_publication_in_its_insert_and_sends_each_once(
+    store: SqlStore, bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On Postgres a batch's Enqueued instances are marked published by the insert itself, not
+    by a second write; a delayed one is neither marked nor sent, and each Enqueued one goes
+    out once. (The embedded store marks them in a write of its own, as before.)"""
+    await define(store, "job")
+    marks: list[list[UUID]] = []
+    mark = store.mark_published
+
+    async def counted_mark(ids: list[UUID], **kwargs: object) -> None:
+        marks.append(list(ids))
+        await mark(ids, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(store, "mark_published", counted_mark)
+    async with Dispatcher(store, bus) as dispatcher:
+        now, later, also_now = await dispatcher.trigger_many(
+            [
+                NewInstance(job_key="job"),
+                NewInstance(job_key="job", run_at=await store.now() + timedelta(hours=1)),
+                NewInstance(job_key="job"),
+            ]
+        )
+    assert (now.state, later.state, also_now.state) == (S.ENQUEUED, S.SCHEDULED, S.ENQUEUED)
+    if store.engine.dialect.name == "postgresql":
+        assert marks == [] and now.published_at is not None  # in the insert
+    for made in (now, also_now):
+        assert (await store.get_instance(made.id)).published_at is not None
+    assert (await store.get_instance(later.id)).published_at is None
+    delivered = await bus.consumer("w1", ["default"]).read(10, 500)
+    assert sorted(d.envelope.instance_id for d in delivered) == sorted([now.id, also_now.id])
+
+
+async def test_a_batch_the_bus_cannot_take_is_left_unmarked_for_the_sweep(
+    store: SqlStore, bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The send fails: the batch is committed, its marks cleared (the sweep publishes it
+    after its short grace), and while the bus stays away the next batch is not marked by
+    its insert either (its mark follows a send that works)."""
+    await define(store, "job")
+
+    async def away(envelopes: Sequence[tuple[str, Envelope]]) -> None:
+        raise BusUnavailableError("redis is away")
+
+    monkeypatch.setattr(bus, "publish", away)
+    dispatcher = Dispatcher(store, bus)
+    first = await dispatcher.trigger_many([NewInstance(job_key="job") for _ in range(2)])
+    assert not dispatcher.marks_first
+    second = await dispatcher.trigger_many([NewInstance(job_key="job") for _ in range(2)])
+    # Not marked by the insert while the bus is away:
+    assert [i.published_at for i in second] == [None, None]
+    for made in (*first, *second):
+        stored = await store.get_instance(made.id)
+        assert stored.state is S.ENQUEUED and stored.published_at is None
+
+
 async def _fired(store: SqlStore, *, published: bool) -> tuple[list[NewInstance], list[Instance]]:
     """A leader's fire of one on-time tick and one missed tick (recorded Skipped)."""
     await define(store, "tick", cron="* * * * * *")

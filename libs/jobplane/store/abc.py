@@ -135,15 +135,18 @@ class DispatchStore(StoreConnection, DefinitionReads, Protocol):
     bookkeeping, and an operator's moves (cancel, run now)."""
 
     async def create_instances(
-        self, new: Sequence[NewInstance], *, fence: LeaderLease | None = None
+        self,
+        new: Sequence[NewInstance],
+        *,
+        fence: LeaderLease | None = None,
+        published: bool = False,
     ) -> list[Instance]:
         """Insert instances in one batch with their creation history, in order. With
-        ``fence`` (a leader's lease) nothing is written unless that term is still live.
-
-        Raises JobNotFoundError for an unknown key (nothing inserted). A cron occurrence whose
-        (job key, scheduled time) exists, or an idempotency key already used for the job,
-        is not inserted again: the existing instance is returned in its place.
-        """
+        ``fence`` (a leader's lease) nothing is written unless that term is still live. With
+        ``published``, a store may record the Enqueued ones as published in the same write
+        (see :meth:`LeaderStore.fire`). Raises JobNotFoundError for an unknown key (nothing
+        inserted). A cron occurrence whose (job key, scheduled time) exists, or an idempotency
+        key already used for the job, is not inserted again: the existing one stands in."""
 
     async def create_published(self, new: NewInstance, definition: JobDefinition) -> Instance:
         """Insert one instance with its creation history, as :meth:`create_instances` does,
@@ -153,12 +156,9 @@ class DispatchStore(StoreConnection, DefinitionReads, Protocol):
         as published in the same write: the caller publishes it next and, if it cannot,
         calls :meth:`unmark_published`. An instance whose publisher died in between is
         republished by the sweep once its ``published_at`` is older than the republish
-        threshold.
-
-        Raises :class:`~jobplane.errors.StaleDefinitionError` when the stored definition
-        differs or is gone (nothing inserted). An idempotency key already used for the
-        job returns the existing instance (or raises IdempotencyConflictError).
-        """
+        threshold. Raises :class:`~jobplane.errors.StaleDefinitionError` when the stored
+        definition differs or is gone (nothing inserted). An idempotency key already used
+        for the job returns the existing instance (or raises IdempotencyConflictError)."""
 
     async def replay_of(self, new: NewInstance) -> Instance | None:
         """The instance an earlier request under ``new``'s idempotency key created, if that

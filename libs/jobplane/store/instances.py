@@ -66,8 +66,14 @@ class InstanceStore(SqlBase):
 
     @retry_conflicts
     async def create_instances(
-        self, new: Sequence[NewInstance], *, fence: LeaderLease | None = None
+        self,
+        new: Sequence[NewInstance],
+        *,
+        fence: LeaderLease | None = None,
+        published: bool = False,
     ) -> list[Instance]:
+        # (``published`` is not used here: the instances come back unmarked, and the caller
+        # marks and sends them as any others; as ``fire`` does.)
         if not new:
             return []
         async with self._write() as conn:

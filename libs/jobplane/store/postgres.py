@@ -178,14 +178,20 @@ class PostgresStore(PostgresStatsStore, SqlStore):
 
     @retry_conflicts
     async def create_instances(
-        self, new: Sequence[NewInstance], *, fence: LeaderLease | None = None
+        self,
+        new: Sequence[NewInstance],
+        *,
+        fence: LeaderLease | None = None,
+        published: bool = False,
     ) -> list[Instance]:
         if not new:
             return []
+        params = creation_params(new)
+        params["published"] = published  # recorded by the insert (``CREATE``)
         async with self._write() as conn:
             await self._fence(conn, fence)
             await self._check_keys(conn, {n.job_key for n in new})
-            result = await conn.execute(CREATE, creation_params(new))
+            result = await conn.execute(CREATE, params)
             by_id = {row.id: rows.instance_from_row(row._mapping) for row in result}
             return await self._resolve_created(conn, new, by_id)
 

@@ -248,6 +248,11 @@ history AS (
 )"""
 
 
+#: ``published_at`` of a created row when the caller asks (``:published``): an Enqueued one is
+#: recorded as published by its insert, as ``CREATE_ONE`` does. The caller sends it next and
+#: clears the mark if the send fails (``Dispatcher.publish_created``).
+_PUBLISHED = "CASE WHEN state = 'enqueued' AND CAST(:published AS boolean) THEN now() END"
+
 _STATE = """CASE WHEN t.skip_reason IS NOT NULL THEN 'skipped'
                 WHEN t.held OR t.run_at > now() THEN 'scheduled'
                 ELSE 'enqueued' END AS state"""
@@ -259,7 +264,7 @@ resolved AS (
            {_STATE}
     FROM input t JOIN job_definitions d ON d.key = t.job_key
 ),
-{_create_insert("NULL")}
+{_create_insert(_PUBLISHED)}
 SELECT * FROM ins
 """
 
@@ -290,7 +295,6 @@ SELECT * FROM ins
 # ``CREATE_ONE`` does: the caller sends it at once, and clears the mark if the send fails.
 # The single row always comes back with the flags: the instance columns are NULL when nothing
 # was inserted.
-_FIRE_PUBLISHED = "CASE WHEN state = 'enqueued' AND CAST(:published AS boolean) THEN now() END"
 #: The unique index of cron occurrences, as an ``ON CONFLICT`` arbiter.
 _OCCURRENCE = "(job_key, scheduled_at) WHERE source = 'cron'"
 #: The columns of a fired instance the insert decides (the clock, the state, the options'
@@ -333,7 +337,7 @@ resolved AS (
     WHERE EXISTS (SELECT 1 FROM fence) AND (SELECT job_key FROM missing) IS NULL
       AND (SELECT job_keys FROM changed) IS NULL
 ),
-{_create_insert(_FIRE_PUBLISHED, _OCCURRENCE, ", ".join(FIRED_COLUMNS))}
+{_create_insert(_PUBLISHED, _OCCURRENCE, ", ".join(FIRED_COLUMNS))}
 SELECT ins.*, EXISTS (SELECT 1 FROM fence) AS live, (SELECT job_key FROM missing) AS missing_key,
        (SELECT job_keys FROM changed) AS changed_keys
 FROM (SELECT 1) AS one LEFT JOIN ins ON true
