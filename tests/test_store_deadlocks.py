@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections.abc import Sequence
 from uuid import UUID
 
 import httpx
@@ -16,9 +17,11 @@ import pytest
 from sqlalchemy import text
 
 from jobplane.bus.abc import Bus
+from jobplane.bus.envelope import Envelope
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import NewInstance, Outcome
 from jobplane.domain.states import InstanceState as S
+from jobplane.errors import BusUnavailableError
 from jobplane.settings import SessionLimits
 from jobplane.store.factory import open_store
 from jobplane.store.sql import SqlStore
@@ -208,10 +211,20 @@ async def _refuse_marks(store: SqlStore) -> None:
 
 
 async def test_the_api_never_answers_an_error_after_a_batch_trigger_committed(
-    pg_store: SqlStore, redis_bus: Bus
+    pg_store: SqlStore,
+    redis_bus: Bus,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """The batch is committed (marked by its insert), its send fails, and clearing its marks
+    is refused by the database: the answer is still the instances."""
     await define(pg_store, "job", max_concurrency=10)
     await _refuse_marks(pg_store)
+
+    async def away(envelopes: Sequence[tuple[str, Envelope]]) -> None:
+        raise BusUnavailableError("redis is away")
+
+    monkeypatch.setattr(redis_bus, "publish", away)
     app = create_app(ApiSettings(auth_enabled=False), store=pg_store, bus=redis_bus)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
@@ -223,25 +236,40 @@ async def test_the_api_never_answers_an_error_after_a_batch_trigger_committed(
     assert answer.status_code == 201, answer.text
     made = [UUID(i["id"]) for i in answer.json()]
     assert {(await pg_store.get_instance(i)).state for i in made} == {S.ENQUEUED}
+    assert any(getattr(r, "action", None) == "dispatch.unmark_failed" for r in caplog.records)
 
 
 async def test_a_trigger_answers_once_committed_even_if_its_bookkeeping_fails(
-    pg_store: SqlStore, redis_bus: Bus, caplog: pytest.LogCaptureFixture
+    pg_store: SqlStore,
+    redis_bus: Bus,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The instances are committed and published; recording ``published_at`` then fails (a
-    real database error, raised by a trigger in the database): the caller still gets its
-    instances, never an error that would make it trigger again."""
+    """The instances are committed; the publication bookkeeping after them fails (a real
+    database error, raised by a trigger in the database): the caller still gets its
+    instances, never an error that would make it trigger again. A batch is marked by its
+    insert; its send fails, and clearing the marks is refused (they stay: the sweep
+    republishes marked, unclaimed instances after its threshold). With the bus back, the
+    next batch is sent first (the last send failed) and its mark, written after, is refused."""
     await define(pg_store, "job", max_concurrency=10)
     await _refuse_marks(pg_store)
-    made = await Dispatcher(pg_store, redis_bus).trigger_many(
-        [NewInstance(job_key="job") for _ in range(3)]
-    )
-    assert len(made) == 3
-    stored = [await pg_store.get_instance(i.id) for i in made]
-    assert all(i.state is S.ENQUEUED and i.published_at is None for i in stored)
-    assert any(
-        getattr(r, "action", None) == "dispatch.mark_published_failed" for r in caplog.records
-    )
+    dispatcher = Dispatcher(pg_store, redis_bus)
+    send = redis_bus.publish
+
+    async def away(envelopes: Sequence[tuple[str, Envelope]]) -> None:
+        raise BusUnavailableError("redis is away")
+
+    monkeypatch.setattr(redis_bus, "publish", away)
+    unsent = await dispatcher.trigger_many([NewInstance(job_key="job") for _ in range(3)])
+    monkeypatch.setattr(redis_bus, "publish", send)
+    made = await dispatcher.trigger_many([NewInstance(job_key="job") for _ in range(3)])
+    assert len(unsent) == len(made) == 3
+    for instances, marked in ((unsent, True), (made, False)):
+        stored = [await pg_store.get_instance(i.id) for i in instances]
+        assert all(i.state is S.ENQUEUED for i in stored)
+        assert all((i.published_at is not None) is marked for i in stored)
+    actions = {getattr(r, "action", None) for r in caplog.records}
+    assert {"dispatch.unmark_failed", "dispatch.mark_published_failed"} <= actions
     consumer = redis_bus.consumer("w1", ["default"])
     delivered = await consumer.read(10, 500)
     assert {d.envelope.instance_id for d in delivered} == {i.id for i in made}
