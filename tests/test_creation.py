@@ -11,6 +11,8 @@ from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
+import pytest
+
 from jobplane.domain.models import Instance, InstanceSource, NewInstance
 from jobplane.domain.states import InstanceState as S
 from jobplane.enqueue import enqueue_async
@@ -131,9 +133,12 @@ async def test_a_batch_of_mixed_requests_creates_each_as_alone(store: SqlStore) 
             assert instance == await store.get_instance(instance.id)
 
 
-async def test_the_fire_answers_each_instance_as_it_stored_it(store: SqlStore) -> None:
-    # The fire's statement returns only the columns the insert decides; the rest of each
-    # instance comes from its record: every field must still be the stored one.
+@pytest.mark.parametrize("creation", ["batch", "fire"])
+async def test_a_creation_answers_each_instance_as_it_stored_it(
+    store: SqlStore, creation: str
+) -> None:
+    # The batch's and the fire's statements return only the columns the insert decides; the
+    # rest of each instance comes from its record: every field must still be the stored one.
     await define(store, "job", queue="mail", priority=3)
     now = await store.now()
     lease = await store.acquire_leadership(0, "creation-test", 30)
@@ -152,7 +157,10 @@ async def test_the_fire_answers_each_instance_as_it_stored_it(store: SqlStore) -
         NewInstance(job_key="job", idempotency_key="once", args={"n": 1}),
         NewInstance(job_key="job", held=True),
     ]
-    made = await store.fire(lease, batch)
+    if creation == "fire":
+        made = await store.fire(lease, batch)
+    else:
+        made = await store.create_instances(batch, published=True)
     assert [i.id for i in made] == [n.id for n in batch]
     for instance in made:
         assert instance == await store.get_instance(instance.id)

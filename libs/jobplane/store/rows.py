@@ -81,10 +81,11 @@ def instance_from_row(row: Mapping[Any, Any]) -> Instance:
     return Instance(**values)
 
 
-def fired_instance(new: NewInstance, row: Mapping[str, Any]) -> Instance:
-    """The instance the fire inserted for record ``new``: the columns the insert decided
-    (``FIRED_COLUMNS``) from ``row``, every other one as the record gave it and the insert
-    wrote it (a contract test compares it with the stored row)."""
+def inserted_instance(new: NewInstance, args: str | None, row: Mapping[str, Any]) -> Instance:
+    """The instance a creation (a batch, a fire) inserted for record ``new``: the columns the
+    insert decided (``DECIDED_COLUMNS``) from ``row``, every other one as the record gave it
+    and the insert wrote it, its arguments read from ``args``, the JSON text sent for them (a
+    contract test compares it with the stored row)."""
     return Instance(
         id=new.id,
         job_key=new.job_key,
@@ -92,7 +93,7 @@ def fired_instance(new: NewInstance, row: Mapping[str, Any]) -> Instance:
         source=new.source,
         queue=row["queue"],
         priority=row["priority"],
-        args=None if new.args is None else json.loads(json.dumps(new.args)),  # as stored
+        args=None if args is None else json.loads(args),  # as stored
         created_at=row["created_at"],
         scheduled_at=new.scheduled_at,
         run_at=row["run_at"],
