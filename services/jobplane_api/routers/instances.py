@@ -116,7 +116,9 @@ async def batch_trigger(
                 actor=actor_of(principal),
             )
         )
-    return [InstanceOut.of(i) for i in await dispatcher.trigger_many(requests)]
+    made = await dispatcher.trigger_many(requests)
+    new = {r.id for r in requests}  # (an earlier instance a key replayed is checked as read)
+    return [InstanceOut.of(i, args_checked=i.id in new) for i in made]
 
 
 BULK_EXAMPLE = {
