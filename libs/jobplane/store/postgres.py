@@ -195,8 +195,8 @@ class PostgresStore(PostgresStatsStore, SqlStore):
             # On the driver, in this transaction: only the columns the insert decided come
             # back, and each instance is built from its record (as the fire's).
             found = await self._create_batch.fetch(conn, params)
-            records = _records(new, params)
-            by_id = {row["id"]: rows.inserted_instance(*records[row["id"]], row) for row in found}
+            records = {n.id: n for n in new}
+            by_id = {row["id"]: rows.inserted_instance(records[row["id"]], row) for row in found}
             return await self._resolve_created(conn, new, by_id)
 
     @retry_conflicts
@@ -229,9 +229,9 @@ class PostgresStore(PostgresStatsStore, SqlStore):
                 raise JobNotFoundError(result[0]["missing_key"])
             if result[0]["changed_keys"] is not None:
                 raise DefinitionsChangedError(result[0]["changed_keys"])
-            records = _records(new, params)
+            records = {n.id: n for n in new}
             by_id = {
-                row["id"]: rows.inserted_instance(*records[row["id"]], row)
+                row["id"]: rows.inserted_instance(records[row["id"]], row)
                 for row in result
                 if row["id"] is not None
             }
@@ -393,15 +393,6 @@ def _ended(outcomes: Sequence[Outcome], found: list[tuple[UUID, str]]) -> dict[U
         if outcome.instance_id not in ended:
             log_fenced(outcome)
     return ended
-
-
-def _records(
-    new: Sequence[NewInstance], params: Mapping[str, Any]
-) -> dict[UUID, tuple[NewInstance, str | None]]:
-    """Each record by id, with its arguments as :func:`creation_params` encoded them (the
-    instance's arguments are read back from that text, as the store keeps them)."""
-    encoded = params["args"] or [None] * len(new)
-    return {n.id: (n, text) for n, text in zip(new, encoded, strict=True)}
 
 
 def creation_params(new: Sequence[NewInstance]) -> dict[str, Any]:

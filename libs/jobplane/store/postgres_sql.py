@@ -258,14 +258,17 @@ _STATE = """CASE WHEN t.skip_reason IS NOT NULL THEN 'skipped'
                 ELSE 'enqueued' END AS state"""
 
 #: The columns of a created instance the insert decides (the clock, the state, the options'
-#: defaults): the caller has every other column in its records (``rows.inserted_instance``).
-#: Returning only these spares the caller decoding and converting whole rows: 1,000 times a
-#: tick for the leader before its publish, 1,000 times a call for a batch trigger.
+#: defaults), and its arguments as stored (jsonb writes a float's exponent out in full: a
+#: ``1e+23`` sent reads back as the integer, so the answer takes them from the row): the caller
+#: has every other column in its records (``rows.inserted_instance``). Returning only these
+#: spares the caller decoding and converting whole rows: 1,000 times a tick for the leader
+#: before its publish, 1,000 times a call for a batch trigger.
 DECIDED_COLUMNS = (
     "id",
     "state",
     "queue",
     "priority",
+    "args",
     "created_at",
     "run_at",
     "published_at",

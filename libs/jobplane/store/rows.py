@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -81,11 +80,11 @@ def instance_from_row(row: Mapping[Any, Any]) -> Instance:
     return Instance(**values)
 
 
-def inserted_instance(new: NewInstance, args: str | None, row: Mapping[str, Any]) -> Instance:
+def inserted_instance(new: NewInstance, row: Mapping[str, Any]) -> Instance:
     """The instance a creation (a batch, a fire) inserted for record ``new``: the columns the
-    insert decided (``DECIDED_COLUMNS``) from ``row``, every other one as the record gave it
-    and the insert wrote it, its arguments read from ``args``, the JSON text sent for them (a
-    contract test compares it with the stored row)."""
+    insert decided and the arguments as stored (``DECIDED_COLUMNS``) from ``row``, every other
+    one as the record gave it and the insert wrote it (a contract test compares it with the
+    stored row)."""
     return Instance(
         id=new.id,
         job_key=new.job_key,
@@ -93,7 +92,7 @@ def inserted_instance(new: NewInstance, args: str | None, row: Mapping[str, Any]
         source=new.source,
         queue=row["queue"],
         priority=row["priority"],
-        args=None if args is None else json.loads(args),  # as stored
+        args=row["args"],
         created_at=row["created_at"],
         scheduled_at=new.scheduled_at,
         run_at=row["run_at"],
