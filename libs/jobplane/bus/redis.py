@@ -2,7 +2,7 @@
 
 Entries carry one field, ``d``: the envelope's JSON bytes. Queue streams are never trimmed
 (an unread entry must not vanish); entries are deleted when acknowledged, which the worker does
-as soon as its claim has committed in Postgres.
+once its claim has committed in Postgres.
 """
 
 from __future__ import annotations
