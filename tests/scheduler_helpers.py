@@ -146,10 +146,19 @@ async def swept(scheduler: Scheduler, n: int = 3) -> None:
 
 
 async def applied(scheduler: Scheduler, key: str, version: int = 1, paused: bool = False) -> None:
-    """Wait until the leader has applied ``version`` of ``key`` (cached and planned)."""
+    """Wait until the leader has applied ``version`` of ``key``: cached and planned. The cache
+    takes a version inside the re-plan, which holds the planning lock until the job's timer is
+    planned and the cron loop woken: on the version alone, a test drove the clock on while the
+    loop still slept on the old plan (a once-a-year cron edited to every second fired nothing
+    in 22 driven seconds, then recorded its 22 ticks at once)."""
 
     async def done() -> bool:
-        return (scheduler.cached_definitions() or {}).get(key) == (version, paused)
+        leader = scheduler._leader
+        return (
+            (scheduler.cached_definitions() or {}).get(key) == (version, paused)
+            and leader is not None
+            and not leader._planning.locked()
+        )
 
     await wait_for(done, timeout_s=10, what=f"the leader to apply {key} v{version}")
 
