@@ -1,7 +1,7 @@
 """The leader's wakes between sweeps: at each delayed instance's run_at, and just after each
 attempt's lease ends, so that neither waits for the next sweep. A delay made after the sweep
-read what is due (a short delay, a retry's backoff) is announced by the database (Postgres:
-a trigger's NOTIFY on commit)."""
+read what is due (a short delay, a retry's backoff) is announced by the store when it commits
+(Postgres: a trigger's NOTIFY; SQLite: connection-local triggers, heard in the same process)."""
 
 from __future__ import annotations
 
@@ -98,32 +98,33 @@ async def _promoted_at_its_run_at(store: SqlStore, instance: Instance) -> None:
 
 
 async def test_a_short_delay_made_between_two_sweeps_is_promoted_at_its_run_at(
-    pg_store: SqlStore, memory_bus: Bus
+    store: SqlStore, memory_bus: Bus
 ) -> None:
     # Sweeps 30 s apart: the trigger comes after the leader's sweep read what is due before
-    # the next one, so only the database's announcement can wake the leader for it.
-    await define(pg_store, "job")
-    async with _swept_once(pg_store, memory_bus):
-        instance = await Dispatcher(pg_store, memory_bus).trigger(
+    # the next one, so only the store's announcement can wake the leader for it (Postgres: a
+    # NOTIFY; SQLite: the store's own, in this process).
+    await define(store, "job")
+    async with _swept_once(store, memory_bus):
+        instance = await Dispatcher(store, memory_bus).trigger(
             "job", delay=timedelta(milliseconds=300)
         )
         assert instance.state is S.SCHEDULED
-        await _promoted_at_its_run_at(pg_store, instance)
+        await _promoted_at_its_run_at(store, instance)
 
 
 async def test_a_retry_backoff_shorter_than_the_sweep_interval_starts_when_it_ends(
-    pg_store: SqlStore, memory_bus: Bus
+    store: SqlStore, memory_bus: Bus
 ) -> None:
-    await define(pg_store, "job", retries=1)
-    [instance] = await pg_store.create_instances([NewInstance(job_key="job")])
-    [claim] = (await pg_store.claim([instance.id], "w", 30, ["job"])).claimed
-    async with _swept_once(pg_store, memory_bus):
+    await define(store, "job", retries=1)
+    [instance] = await store.create_instances([NewInstance(job_key="job")])
+    [claim] = (await store.claim([instance.id], "w", 30, ["job"])).claimed
+    async with _swept_once(store, memory_bus):
         error = ErrorInfo("RuntimeError", "boom", "Traceback ...")
         failed = Outcome(instance.id, claim.token, S.FAILED, error=error, retry_delay_s=0.3)
-        await pg_store.complete([failed])
-        retry = await pg_store.get_instance(instance.id)
+        await store.complete([failed])
+        retry = await store.get_instance(instance.id)
         assert retry.state is S.SCHEDULED
-        await _promoted_at_its_run_at(pg_store, retry)
+        await _promoted_at_its_run_at(store, retry)
 
 
 async def test_an_undecodable_due_time_is_logged_and_the_rest_taken(

@@ -122,7 +122,7 @@ class SqlBase:
 
     async def notifications(self, channel: str) -> AsyncIterator[list[str]]:
         """Batches of payloads notified on ``channel`` by committed transactions. This store
-        has none (SQLite): it ends at once, and the sweep is what finds the work."""
+        has none (see the subclasses'): it ends at once, and the sweep is what finds the work."""
         for _ in ():
             yield []
 

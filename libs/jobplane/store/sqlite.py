@@ -3,24 +3,167 @@ serialised and the generic statements of :class:`SqlStore` cannot race."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import sqlite3
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import ColumnElement, event, literal
+from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.pool import ConnectionPoolEntry
 
+from jobplane.store.creation import DUE_PREFIX, ENQUEUED_CHANNEL
 from jobplane.store.sql import SqlStore
 from jobplane.store.types import UtcDateTime
 
 BUSY_TIMEOUT_MS = 30_000
 
+logger = logging.getLogger("jobplane.store")
+
+#: The SQL function the connection-local triggers call with the ``run_at`` of each row made
+#: Scheduled, and the triggers: ``TEMP``, they live and die with the connection that made
+#: them, so the file's schema has none (another program writing the file, such as the
+#: application's own transaction around ``enqueue()``, writes without them).
+DUE_FUNCTION = "jobplane_due"
+_DUE_TRIGGERS = [
+    f"""CREATE TEMP TRIGGER IF NOT EXISTS jobplane_due_{operation}
+    AFTER {operation.upper()}{columns} ON main.job_instances
+    FOR EACH ROW WHEN NEW.state = 'scheduled' AND NEW.run_at IS NOT NULL
+    BEGIN SELECT {DUE_FUNCTION}(NEW.run_at); END"""
+    for operation, columns in (("insert", ""), ("update", " OF state, run_at"))
+]
+#: Where a connection's record keeps the announcements of its open transaction, and whether
+#: its triggers are in place.
+_PENDING, _INSTALLED = "jobplane_due_pending", "jobplane_due_installed"
+
 
 class SqliteStore(SqlStore):
+    """The generic store on a SQLite file, with in-process notifications.
+
+    SQLite has no ``NOTIFY``. An instance made Scheduled (a short delay, a retry's backoff, a
+    held one released) is announced on :data:`ENQUEUED_CHANNEL` as on Postgres (migration
+    0023), by triggers local to each of this store's connections, when its transaction
+    commits; :meth:`notifications` hands the announcements to listeners in this process. So
+    the embedded default (``jobplane dev``: every role on one store) wakes its leader at the
+    instance's ``run_at``, not at the next sweep. A role in another process on the same file
+    hears nothing: the sweep finds the instance there, up to one interval late."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        super().__init__(engine)
+        self._listeners: dict[str, set[asyncio.Queue[str]]] = {}
+        sync_engine = engine.sync_engine
+        event.listen(sync_engine, "connect", _install_function)
+        event.listen(sync_engine, "checkout", _install_triggers)
+        event.listen(sync_engine, "commit", self._committed)
+        event.listen(sync_engine, "rollback", _rolled_back)
+
     def _clock(self) -> ColumnElement[datetime]:
         # One process owns the file, so its clock is the store's clock; CURRENT_TIMESTAMP
         # would only have second precision.
         return literal(datetime.now(UTC), UtcDateTime)
+
+    async def notifications(self, channel: str) -> AsyncIterator[list[str]]:
+        """Batches of what this process's transactions on this store announced on
+        ``channel``, as they commit (see the class)."""
+        queue: asyncio.Queue[str] = asyncio.Queue()
+        self._listeners.setdefault(channel, set()).add(queue)
+        try:
+            while True:
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                yield batch
+        finally:
+            self._listeners[channel].discard(queue)
+
+    def _committed(self, conn: Connection) -> None:
+        """Hand the committing transaction's announcements to the listeners. (The event comes
+        just before the commit itself: a listener that reads at once takes the file's lock
+        after this transaction's, so it finds the rows. One that wakes for a commit that then
+        fails, or for a row a rolled-back savepoint wrote, finds nothing due: a read lost.)"""
+        pending = _pending(conn)
+        if not pending:
+            return
+        payloads = [f"{DUE_PREFIX}{p}" for p in pending]
+        pending.clear()
+        for queue in self._listeners.get(ENQUEUED_CHANNEL, ()):
+            for payload in payloads:
+                queue.put_nowait(payload)
+
+
+def _install_function(dbapi_connection: Any, record: ConnectionPoolEntry) -> None:
+    """Give a new connection the function its triggers call, which keeps each ``run_at``
+    (epoch seconds) for the commit."""
+    pending: list[str] = []
+    record.info[_PENDING] = pending
+
+    def due(run_at: str | None) -> None:
+        # Called by SQLite, in the driver's thread, for each row made Scheduled. An error
+        # raised here would fail the write it announces, so none may leave: a value it
+        # cannot read is logged and left to the sweep.
+        try:
+            epoch = datetime.fromisoformat(str(run_at)).replace(tzinfo=UTC).timestamp()
+        except Exception:
+            logger.warning(
+                "could not read the run_at %r of an instance made Scheduled; the sweep finds it",
+                run_at,
+                exc_info=True,
+                extra={"action": "store.due_unreadable"},
+            )
+            return
+        pending.append(repr(epoch))
+
+    dbapi_connection.create_function(DUE_FUNCTION, 1, due)
+
+
+def _install_triggers(dbapi_connection: Any, record: ConnectionPoolEntry, _proxy: Any) -> None:
+    """Create a connection's triggers at its first checkout once the instance table exists
+    (a connection opened before the schema was migrated gets them at a later checkout). A
+    failure here must not fail the checkout (and the call that needed the connection): it is
+    logged, and tried again at the next one."""
+    if record.info.get(_INSTALLED):
+        return
+    try:
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(
+                "SELECT 1 FROM main.sqlite_master WHERE type = 'table' AND name = 'job_instances'"
+            )
+            if cursor.fetchone() is None:
+                return
+            for statement in _DUE_TRIGGERS:
+                cursor.execute(statement)
+        finally:
+            cursor.close()
+    except Exception as exc:
+        logger.warning(
+            "could not give a connection its due-time triggers (%s); tried again at its next "
+            "checkout, and the sweep finds what it writes meanwhile",
+            exc,
+            extra={"action": "store.due_triggers_failed"},
+        )
+        return
+    record.info[_INSTALLED] = True
+
+
+def _rolled_back(conn: Connection) -> None:
+    """A transaction rolled back announces nothing."""
+    pending = _pending(conn)
+    if pending:
+        pending.clear()
+
+
+def _pending(conn: Connection) -> list[str] | None:
+    """The announcements kept on ``conn``'s DBAPI connection, if it still has one. (An
+    invalidated one, a statement cancelled mid-way, is gone with what it kept: its
+    ``info`` would raise, and the one that replaces it starts with nothing kept.)"""
+    if conn.invalidated or conn.closed:
+        return None
+    found: list[str] | None = conn.info.get(_PENDING)
+    return found
 
 
 class _RollbackOnClose(sqlite3.Connection):

@@ -25,7 +25,8 @@ def upgrade() -> None:
     # Every such row now announces its run_at on the leader's notification channel, from
     # whatever statement wrote it (delivered on commit only, as the enqueue notifications).
     # The trigger's condition is evaluated per row written; the function runs only for rows
-    # that meet it. Postgres only: SQLite has no notifications, and its sweep finds them.
+    # that meet it. Postgres only: SQLite has no notifications; its store makes the same
+    # announcements in-process, with triggers local to its connections (jobplane.store.sqlite).
     if op.get_bind().dialect.name != "postgresql":
         return
     op.execute(

@@ -1,0 +1,122 @@
+"""The embedded SQLite store's announcements: an instance made Scheduled is announced with its
+run_at to listeners in the same process when its transaction commits, as Postgres's trigger
+NOTIFYs it (migration 0023), so that the leader of ``jobplane dev`` wakes for a short delay or
+a retry's backoff instead of waiting for its next sweep."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import timedelta
+from pathlib import Path
+
+from sqlalchemy import text
+
+from jobplane.domain.models import Instance, NewInstance
+from jobplane.domain.states import InstanceState as S
+from jobplane.store.creation import DUE_PREFIX, ENQUEUED_CHANNEL
+from jobplane.store.factory import make_engine, open_store
+from jobplane.store.migrate import upgrade
+from jobplane.store.sql import SqlStore
+from tests.store_helpers import define
+
+
+@asynccontextmanager
+async def _listening(store: SqlStore) -> AsyncIterator[asyncio.Queue[list[str]]]:
+    """Batches heard on the leader's channel, in a queue, while the block runs."""
+    heard: asyncio.Queue[list[str]] = asyncio.Queue()
+
+    async def listen() -> None:
+        async for batch in store.notifications(ENQUEUED_CHANNEL):
+            await heard.put(batch)
+
+    task = asyncio.create_task(listen())
+    await asyncio.sleep(0)  # (registered before the block writes anything)
+    try:
+        yield heard
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def _due(instance: Instance) -> float:
+    assert instance.run_at is not None
+    return instance.run_at.timestamp()
+
+
+def _epochs(batch: list[str]) -> list[float]:
+    assert all(p.startswith(DUE_PREFIX) for p in batch), batch
+    return [float(p.removeprefix(DUE_PREFIX)) for p in batch]
+
+
+async def _delayed(store: SqlStore, seconds: float = 60) -> Instance:
+    [made] = await store.create_instances(
+        [NewInstance(job_key="job", run_at=await store.now() + timedelta(seconds=seconds))]
+    )
+    assert made.state is S.SCHEDULED
+    return made
+
+
+async def test_an_instance_made_scheduled_is_announced_with_its_run_at_on_commit(
+    sqlite_database_url: str,
+) -> None:
+    store = open_store(sqlite_database_url)
+    try:
+        await define(store, "job")
+        async with _listening(store) as heard:
+            [now] = await store.create_instances([NewInstance(job_key="job")])
+            assert now.state is S.ENQUEUED  # not announced: nothing to wait for
+            later = await _delayed(store)
+            batch = await asyncio.wait_for(heard.get(), 5)
+            assert _epochs(batch) == [_due(later)]
+            assert heard.empty()
+    finally:
+        await store.close()
+
+
+async def test_a_transaction_rolled_back_announces_nothing(sqlite_database_url: str) -> None:
+    store = open_store(sqlite_database_url, pool_size=1)  # (the next write: same connection)
+    try:
+        await define(store, "job")
+        first = await _delayed(store, 60)
+        async with _listening(store) as heard:
+            # A new run_at for a Scheduled row fires the update trigger; the rollback drops it.
+            async with store.engine.connect() as conn:
+                await conn.execute(
+                    text("UPDATE job_instances SET run_at = datetime('now') WHERE id = :id"),
+                    {"id": first.id.hex},
+                )
+                await conn.rollback()
+            second = await _delayed(store, 120)
+            batch = await asyncio.wait_for(heard.get(), 5)
+            assert _epochs(batch) == [_due(second)]
+            assert (await store.get_instance(first.id)).run_at == first.run_at
+    finally:
+        await store.close()
+
+
+async def test_a_connection_opened_before_the_schema_announces_once_it_exists(
+    tmp_path: Path,
+) -> None:
+    # A role may open its store on a file not migrated yet (it waits for the schema): the
+    # connection it opened then, reused after the migration, still announces.
+    url = f"sqlite:///{tmp_path / 'late.db'}"
+    store = open_store(url, pool_size=1)
+    try:
+        await store.ping()  # the pool's one connection, opened on an empty file
+        assert await store.schema_revision() is None
+        engine = make_engine(url)
+        try:
+            await upgrade(engine)
+        finally:
+            await engine.dispose()
+        await define(store, "job")
+        async with _listening(store) as heard:
+            later = await _delayed(store)
+            batch = await asyncio.wait_for(heard.get(), 5)
+            assert _epochs(batch) == [_due(later)]
+    finally:
+        await store.close()
