@@ -12,7 +12,9 @@ from contextlib import asynccontextmanager
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 from sqlalchemy import text
+from sqlalchemy.pool import QueuePool
 
 from jobplane.domain.models import Instance, NewInstance
 from jobplane.domain.states import InstanceState as S
@@ -20,6 +22,7 @@ from jobplane.store.creation import DUE_PREFIX, ENQUEUED_CHANNEL
 from jobplane.store.factory import make_engine, open_store
 from jobplane.store.migrate import upgrade
 from jobplane.store.sql import SqlStore
+from jobplane.store.sqlite import DUE_FUNCTION, SqliteStore
 from tests.store_helpers import define
 
 
@@ -78,7 +81,7 @@ async def test_an_instance_made_scheduled_is_announced_with_its_run_at_on_commit
 
 
 async def test_a_transaction_rolled_back_announces_nothing(sqlite_database_url: str) -> None:
-    store = open_store(sqlite_database_url, pool_size=1)  # (the next write: same connection)
+    store = open_store(sqlite_database_url)
     try:
         await define(store, "job")
         first = await _delayed(store, 60)
@@ -94,6 +97,7 @@ async def test_a_transaction_rolled_back_announces_nothing(sqlite_database_url: 
             batch = await asyncio.wait_for(heard.get(), 5)
             assert _epochs(batch) == [_due(second)]
             assert (await store.get_instance(first.id)).run_at == first.run_at
+        _one_connection(store)  # so the rolled-back one also made the write after it
     finally:
         await store.close()
 
@@ -104,15 +108,81 @@ async def test_a_connection_opened_before_the_schema_announces_once_it_exists(
     # A role may open its store on a file not migrated yet (it waits for the schema): the
     # connection it opened then, reused after the migration, still announces.
     url = f"sqlite:///{tmp_path / 'late.db'}"
-    store = open_store(url, pool_size=1)
+    store = open_store(url)
     try:
-        await store.ping()  # the pool's one connection, opened on an empty file
+        await store.ping()  # the pool's first connection, opened on an empty file
         assert await store.schema_revision() is None
         engine = make_engine(url)
         try:
             await upgrade(engine)
         finally:
             await engine.dispose()
+        await define(store, "job")
+        async with _listening(store) as heard:
+            later = await _delayed(store)
+            batch = await asyncio.wait_for(heard.get(), 5)
+            assert _epochs(batch) == [_due(later)]
+        _one_connection(store)  # (the one opened before the schema)
+    finally:
+        await store.close()
+
+
+def _one_connection(store: SqlStore) -> None:
+    """The store's calls, one after another, all ran on the one connection its pool opened."""
+    pool = store.engine.pool
+    assert isinstance(pool, QueuePool)
+    assert (pool.checkedin(), pool.checkedout(), pool.overflow()) == (1, 0, -pool.size() + 1)
+
+
+async def test_instances_made_scheduled_for_the_same_moment_are_announced_once(
+    sqlite_database_url: str,
+) -> None:
+    # As Postgres delivers a transaction's identical NOTIFYs once: one wake for a batch.
+    store = open_store(sqlite_database_url)
+    try:
+        await define(store, "job")
+        at = await store.now() + timedelta(seconds=60)
+        async with _listening(store) as heard:
+            made = await store.create_instances(
+                [NewInstance(job_key="job", run_at=at) for _ in range(50)]
+            )
+            assert {i.state for i in made} == {S.SCHEDULED}
+            batch = await asyncio.wait_for(heard.get(), 5)
+            assert _epochs(batch) == [at.timestamp()]
+    finally:
+        await store.close()
+
+
+async def test_an_unreadable_due_time_fails_no_write_and_is_logged(
+    sqlite_database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The function runs inside the statement that fired it: an error out of it would fail
+    # that write. One it cannot read (nothing the store writes) is logged and skipped.
+    store = open_store(sqlite_database_url)
+    try:
+        await define(store, "job")
+        async with _listening(store) as heard:
+            async with store.engine.begin() as conn:
+                await conn.execute(text(f"SELECT {DUE_FUNCTION}('not a time')"))
+            later = await _delayed(store)
+            batch = await asyncio.wait_for(heard.get(), 5)
+            assert _epochs(batch) == [_due(later)]
+        assert "could not read the run_at 'not a time'" in caplog.text
+    finally:
+        await store.close()
+
+
+async def test_a_connection_pooled_before_the_store_gets_its_function_with_its_triggers(
+    sqlite_database_url: str,
+) -> None:
+    # An engine used before the store was made on it: its pooled connection never saw the
+    # store's "connect" listener. Triggers without their function would fail every write
+    # that makes an instance Scheduled.
+    engine = make_engine(sqlite_database_url)
+    async with engine.connect() as conn:
+        await conn.execute(text("SELECT 1"))
+    store = SqliteStore(engine)
+    try:
         await define(store, "job")
         async with _listening(store) as heard:
             later = await _delayed(store)

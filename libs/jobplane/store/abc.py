@@ -372,7 +372,7 @@ class LeaderStore(DispatchStore, Protocol):
 
     def notifications(self, channel: str) -> AsyncIterator[list[str]]:
         """Batches of payloads notified on ``channel`` by committed transactions (Postgres
-        ``LISTEN``; SQLite: those of this process). Ends at once on a store without any. Raises
+        ``LISTEN``; SQLite: this store's own, in this process: ``jobplane.store.sqlite``). Raises
         :class:`~jobplane.errors.StoreUnavailableError` when the listening connection is lost."""
 
     async def all_enqueued(self, after: UUID | None, limit: int = 1000) -> list[Instance]:

@@ -43,13 +43,14 @@ _PENDING, _INSTALLED = "jobplane_due_pending", "jobplane_due_installed"
 class SqliteStore(SqlStore):
     """The generic store on a SQLite file, with in-process notifications.
 
-    SQLite has no ``NOTIFY``. An instance made Scheduled (a short delay, a retry's backoff, a
-    held one released) is announced on :data:`ENQUEUED_CHANNEL` as on Postgres (migration
-    0023), by triggers local to each of this store's connections, when its transaction
-    commits; :meth:`notifications` hands the announcements to listeners in this process. So
-    the embedded default (``jobplane dev``: every role on one store) wakes its leader at the
-    instance's ``run_at``, not at the next sweep. A role in another process on the same file
-    hears nothing: the sweep finds the instance there, up to one interval late."""
+    SQLite has no ``NOTIFY``. An instance made Scheduled (a short delay, a retry's backoff) is
+    announced on :data:`ENQUEUED_CHANNEL` as on Postgres (migration 0023), by triggers local
+    to each of this store's connections, as its transaction commits; :meth:`notifications`
+    hands the announcements to this store's listeners. So the embedded default (``jobplane
+    dev``: every role on one store) wakes its leader at the instance's ``run_at``, not at the
+    next sweep. A role in another process on the same file, or an ``enqueue()`` in the
+    application's own transaction, is not heard: the sweep finds those instances, up to one
+    interval late. The store owns its engine (one store per engine)."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         super().__init__(engine)
@@ -87,7 +88,9 @@ class SqliteStore(SqlStore):
         pending = _pending(conn)
         if not pending:
             return
-        payloads = [f"{DUE_PREFIX}{p}" for p in pending]
+        # Once per distinct time, as Postgres delivers a transaction's identical NOTIFYs once:
+        # a batch of 1,000 delayed alike wakes the leader once.
+        payloads = [f"{DUE_PREFIX}{p}" for p in dict.fromkeys(pending)]
         pending.clear()
         for queue in self._listeners.get(ENQUEUED_CHANNEL, ()):
             for payload in payloads:
@@ -126,6 +129,10 @@ def _install_triggers(dbapi_connection: Any, record: ConnectionPoolEntry, _proxy
     logged, and tried again at the next one."""
     if record.info.get(_INSTALLED):
         return
+    if _PENDING not in record.info:
+        # Opened before this store listened for new connections: without the function, its
+        # triggers would fail every write they fire on.
+        _install_function(dbapi_connection, record)
     try:
         cursor = dbapi_connection.cursor()
         try:
