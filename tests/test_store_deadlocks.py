@@ -264,6 +264,7 @@ async def test_a_trigger_answers_once_committed_even_if_its_bookkeeping_fails(
     monkeypatch.setattr(redis_bus, "publish", send)
     made = await dispatcher.trigger_many([NewInstance(job_key="job") for _ in range(3)])
     assert len(unsent) == len(made) == 3
+    assert all(i.published_at is not None for i in unsent)  # as stored: the clear was refused
     for instances, marked in ((unsent, True), (made, False)):
         stored = [await pg_store.get_instance(i.id) for i in instances]
         assert all(i.state is S.ENQUEUED for i in stored)

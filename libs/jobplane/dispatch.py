@@ -199,8 +199,8 @@ class Dispatcher:
                     await self.publish([instance])  # held, delayed, or an earlier one replayed
                 elif self._background:
                     self._post(instance)
-                else:
-                    await self._publish_created([instance])
+                elif await self._publish_created([instance]):  # not sent, and unmarked
+                    instance = replace(instance, published_at=None)
             return instance
         raise StoreConflictError(f"job {request.job_key!r} kept changing while triggered")
 
@@ -213,8 +213,7 @@ class Dispatcher:
         its marks fenced, in :meth:`publish`."""
         published = self.marks_first and self.fence is None
         instances = await self.store.create_instances(requests, published=published)
-        await self.publish_created(instances, {r.id for r in requests})
-        return instances
+        return await self.publish_created(instances, {r.id for r in requests})
 
     async def _checked(self, request: NewInstance, definition: JobDefinition) -> Instance | None:
         """Raise JobDisabledError or InvalidArgumentsError unless ``definition`` takes
@@ -245,11 +244,9 @@ class Dispatcher:
     def _post(self, instance: Instance) -> None:
         """Send the message of an instance that :meth:`DispatchStore.create_published`
         committed and recorded as published, in the background (inside ``async with``): the
-        trigger is acknowledged by its commit, and its caller need not wait for the bus too.
-        The send then overlaps the caller's next database round trip, and the messages of
-        triggers made while a send is under way (requests in flight in the API) go out
-        together, in one call, next.
-
+        trigger is acknowledged by its commit; its caller need not wait for the bus too. The
+        send overlaps the caller's next round trip, and the messages of triggers made while
+        one is under way (requests in flight in the API) go out together, in one call, next.
         Nothing is lost if this process dies before the send: the instance is committed and
         marked, and the sweep republishes a marked, unclaimed instance once its mark is older
         than the republish threshold (as when the process dies between a commit and its send).
@@ -263,7 +260,7 @@ class Dispatcher:
         if self._sender is None:
             self._sender = self._track(loop.create_task(self._send_outbox(), name=SEND_TASK))
 
-    def _track(self, task: asyncio.Task[None]) -> asyncio.Task[None]:
+    def _track(self, task: asyncio.Task[Any]) -> asyncio.Task[Any]:
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
         return task
@@ -284,9 +281,9 @@ class Dispatcher:
                 )
                 self._outbox = []
 
-    async def _publish_created(self, instances: list[Instance]) -> None:
+    async def _publish_created(self, instances: list[Instance]) -> bool:
         """Send instances that :meth:`DispatchStore.create_published` recorded as published;
-        if the bus cannot take them, clear that record so the sweep publishes them shortly."""
+        if the bus cannot take them, clear that record for the sweep (True: cleared)."""
         try:
             sent = await self._send(instances)
         except Exception:  # a send task has no caller to tell: log, and leave it to the sweep
@@ -296,8 +293,7 @@ class Dispatcher:
                 extra={"action": "dispatch.publish_failed"},
             )
             sent = False
-        if not sent:
-            await self._unmark([i.id for i in instances])
+        return not sent and await self._unmark([i.id for i in instances])
 
     @property
     def marks_first(self) -> bool:
@@ -305,21 +301,25 @@ class Dispatcher:
         reach (see :meth:`publish`). A creator that marks in its own write asks this."""
         return not self._bus_failed
 
-    async def publish_created(self, instances: Sequence[Instance], created: set[UUID]) -> None:
+    async def publish_created(
+        self, instances: Sequence[Instance], created: set[UUID]
+    ) -> list[Instance]:
         """Publish what a write that may mark its instances published created (a cron fire,
-        see :meth:`~jobplane.store.abc.LeaderStore.fire`): those of ``created`` (the ids
-        requested) that came back Enqueued and marked are sent as they are, their marks
-        cleared if the send fails (as :meth:`_publish_created`); any other (an occurrence
-        recorded before, unmarked ones) goes through :meth:`publish`."""
+        :meth:`~jobplane.store.abc.LeaderStore.fire`): those of ``created`` (the ids asked
+        for) that came back Enqueued and marked are sent as they are, their marks cleared if
+        the send fails; any other (recorded before, unmarked) goes through :meth:`publish`.
+        Returns ``instances`` as stored now: those whose marks were cleared without them."""
         marked = [
             i
             for i in instances
             if i.id in created and i.state is InstanceState.ENQUEUED and i.published_at
         ]
-        if marked and not await self._send(marked):
-            await self._unmark([i.id for i in marked])
-        sent = {i.id for i in marked}
-        await self.publish([i for i in instances if i.id not in sent])
+        unsent = bool(marked) and not await self._send(marked)
+        cleared = unsent and await self._unmark([i.id for i in marked])
+        tried = {i.id for i in marked}
+        await self.publish([i for i in instances if i.id not in tried])
+        cut = tried if cleared else set()
+        return [replace(i, published_at=None) if i.id in cut else i for i in instances]
 
     async def run_now(self, instance_id: UUID, actor: str = "client") -> Instance:
         """Run a Scheduled instance (held or delayed) now: Enqueued and published. Raises
@@ -464,9 +464,9 @@ class Dispatcher:
             return False
         return True
 
-    async def _unmark(self, ids: list[UUID]) -> None:
+    async def _unmark(self, ids: list[UUID]) -> bool:
         """Clear the marks of instances whose messages were not sent, so the sweep publishes
-        them at its next pass; if even that fails, it does once the marks are old enough."""
+        them at its next pass (True); if even that fails, it does once the marks are old."""
         try:
             await self.store.unmark_published(ids)
         except (UnavailableError, StoreRefusedError) as exc:
@@ -478,6 +478,8 @@ class Dispatcher:
                 exc_info=not isinstance(exc, UnavailableError),
                 extra={"action": "dispatch.unmark_failed"},
             )
+            return False
+        return True
 
     async def _send(self, due: Sequence[Instance]) -> bool:
         """Hand ``due`` to the bus; False (logged) when it is out of reach."""
