@@ -76,9 +76,9 @@ def enqueue(
     plan = _plan(definition, key, args, run_at, delay, priority, idempotency_key, hold, actor)
     if plan.refused is not None:
         return plan.replay_or_refuse(target.execute(plan.candidates()).all())
-    if target.execute(plan.insert(dialect)).first() is None:
+    if target.execute(*plan.insert(dialect)).first() is None:
         return plan.replayed(target.execute(plan.candidates()).all())
-    target.execute(plan.history())
+    target.execute(*plan.history())
     if plan.notifies(dialect):
         target.execute(creation.notify_enqueued(plan.new.id))
     return plan.new.id
@@ -103,9 +103,9 @@ async def enqueue_async(
     plan = _plan(definition, key, args, run_at, delay, priority, idempotency_key, hold, actor)
     if plan.refused is not None:
         return plan.replay_or_refuse((await target.execute(plan.candidates())).all())
-    if (await target.execute(plan.insert(dialect))).first() is None:
+    if (await target.execute(*plan.insert(dialect))).first() is None:
         return plan.replayed((await target.execute(plan.candidates())).all())
-    await target.execute(plan.history())
+    await target.execute(*plan.history())
     if plan.notifies(dialect):
         await target.execute(creation.notify_enqueued(plan.new.id))
     return plan.new.id
@@ -134,11 +134,13 @@ class _Plan:
         delayed one (it is published when run or due)."""
         return dialect == "postgresql" and self.state is InstanceState.ENQUEUED
 
-    def insert(self, dialect: str) -> Insert:
-        return creation.insert_instances(dialect, [self.values])
+    def insert(self, dialect: str) -> tuple[Insert, dict[str, Any]]:
+        """The instance's insert and its row, as ``execute``'s arguments."""
+        return creation.insert_instances(dialect), self.values
 
-    def history(self) -> Insert:
-        return creation.insert_history([creation.history_values(self.new, self.values)])
+    def history(self) -> tuple[Insert, dict[str, Any]]:
+        """Its creation record's insert and row."""
+        return creation.INSERT_HISTORY, creation.history_values(self.new, self.values)
 
     def candidates(self) -> Select[Any]:
         assert self.new.idempotency_key is not None  # only a keyed insert can be skipped

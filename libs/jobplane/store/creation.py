@@ -14,6 +14,7 @@ past included.
 
 from __future__ import annotations
 
+import functools
 from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
@@ -79,18 +80,23 @@ def history_values(new: NewInstance, values: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def insert_instances(dialect: str, values: list[dict[str, Any]]) -> Insert:
-    """Insert rows of :func:`instance_values`, returning the ids inserted. A duplicate cron
-    occurrence or a replayed idempotency key is not inserted (the unique indexes): its id does
-    not come back, and the caller finds the existing instance (:func:`replay_candidates`)."""
+# The rows go as the statements' parameters (``conn.execute(INSERT, rows)``), never in their
+# ``values()``: a statement holding its rows is compiled again at every call (SQLAlchemy
+# caches no multi-row VALUES), and that compilation was most of a trigger's CPU on SQLite and
+# of an ``enqueue()`` (docs/benchmarks.md, "The embedded default's creations"). Several rows
+# are sent as one statement all the same (SQLAlchemy's "insertmanyvalues").
+@functools.cache
+def insert_instances(dialect: str) -> Insert:
+    """Insert rows of :func:`instance_values` (its parameters), returning the ids inserted.
+    A duplicate cron occurrence or a replayed idempotency key is not inserted (the unique
+    indexes): its id does not come back, and the caller finds the existing instance
+    (:func:`replay_candidates`)."""
     insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    return (
-        insert(job_instances).values(values).on_conflict_do_nothing().returning(job_instances.c.id)
-    )
+    return insert(job_instances).on_conflict_do_nothing().returning(job_instances.c.id)
 
 
-def insert_history(records: list[dict[str, Any]]) -> Insert:
-    return instance_transitions.insert().values(records)
+#: Insert rows of :func:`history_values` (its parameters).
+INSERT_HISTORY: Insert = instance_transitions.insert()
 
 
 def clock(dialect: str) -> ColumnElement[datetime]:

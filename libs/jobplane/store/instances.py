@@ -47,8 +47,8 @@ from jobplane.store.base import (
     unindexed_state,
 )
 from jobplane.store.creation import (
+    INSERT_HISTORY,
     history_values,
-    insert_history,
     insert_instances,
     instance_values,
     replay_candidates,
@@ -98,14 +98,15 @@ class InstanceStore(SqlBase):
         # A duplicate cron occurrence or idempotency key is not inserted (unique indexes):
         # the existing instance stands in for it below.
         dialect = self.engine.dialect.name
-        inserted_ids = {r.id for r in await conn.execute(insert_instances(dialect, values))}
+        inserted = await conn.execute(insert_instances(dialect), values)
+        inserted_ids = {r.id for r in inserted}
         history = [
             history_values(n, v)
             for n, v in zip(new, values, strict=True)
             if v["id"] in inserted_ids
         ]
         if history:
-            await conn.execute(insert_history(history))
+            await conn.execute(INSERT_HISTORY, history)
         by_id = {
             r.id: rows.instance_from_row(r._mapping)
             for r in await conn.execute(
