@@ -83,3 +83,27 @@ def _worker(worker_id: str) -> WorkerInfo:
     return WorkerInfo(
         id=worker_id, host="h", pid=1, queues=("default",), capacity=1, version="0", jobs=()
     )
+
+
+async def test_a_process_s_transactions_on_the_file_take_turns_in_the_order_asked(
+    sqlite_database_url: str,
+) -> None:
+    """Every transaction takes the file's write lock at its start; SQLite lets the ones that
+    find it taken sleep and retry, so under a stream of writes one could wait for seconds
+    (the leader's lease renewal behind a busy worker lost its term). A process's own
+    transactions queue instead, first come, first served."""
+    store = open_store(sqlite_database_url)
+    try:
+        workers = [f"w{i}" for i in range(40)]
+        for worker_id in workers:
+            await store.register_worker(_worker(worker_id))
+        done: list[str] = []
+
+        async def beat(worker_id: str) -> None:
+            assert await store.worker_heartbeat(worker_id)
+            done.append(worker_id)
+
+        await asyncio.gather(*(beat(w) for w in workers))
+        assert done == workers
+    finally:
+        await store.close()

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import sqlite3
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any
 
@@ -54,6 +55,16 @@ class SqliteStore(SqlStore):
 
     def __init__(self, engine: AsyncEngine) -> None:
         super().__init__(engine)
+        #: This process's transactions on the file, one after another, in the order asked
+        #: for (``asyncio.Lock`` is first come, first served). Every transaction here takes
+        #: the file's write lock at its start (BEGIN IMMEDIATE), and SQLite makes a
+        #: connection that finds it taken sleep and try again (1 ms, then longer, up to
+        #: 100 ms): while a worker wrote without pause, the leader's lease renewal, trying at
+        #: those moments, found the lock taken each time for up to 2.6 s, long enough to lose
+        #: its term, and a transaction slept on after the lock was free. Queued here, each
+        #: starts as the one before it ends. (Another process on the same file still meets
+        #: the file's lock and the busy timeout.)
+        self._turns = asyncio.Lock()
         self._listeners: dict[str, set[asyncio.Queue[str]]] = {}
         sync_engine = engine.sync_engine
         event.listen(sync_engine, "connect", _install_function)
@@ -75,6 +86,13 @@ class SqliteStore(SqlStore):
 
     async def _now(self, conn: AsyncConnection) -> datetime:
         return datetime.now(UTC)
+
+    @asynccontextmanager
+    async def _write(self) -> AsyncIterator[AsyncConnection]:
+        async with self._turns, super()._write() as conn:
+            yield conn
+
+    _read = _write
 
     async def notifications(self, channel: str) -> AsyncIterator[list[str]]:
         """Batches of what this process's transactions on this store announced on
