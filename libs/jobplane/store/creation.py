@@ -83,7 +83,7 @@ def history_values(new: NewInstance, values: dict[str, Any]) -> dict[str, Any]:
 # The rows go as the statements' parameters (``conn.execute(INSERT, rows)``), never in their
 # ``values()``: a statement holding its rows is compiled again at every call (SQLAlchemy
 # caches no multi-row VALUES), and that compilation was most of a trigger's CPU on SQLite and
-# of an ``enqueue()`` (docs/benchmarks.md, "The embedded default's creations"). Several rows
+# of an ``enqueue()`` (docs/benchmarks.md, "The embedded default and enqueue()"). Several rows
 # are sent as one statement all the same (SQLAlchemy's "insertmanyvalues").
 @functools.cache
 def insert_instances(dialect: str) -> Insert:
