@@ -21,7 +21,7 @@ class Clock(Protocol):
     async def now(self) -> datetime:
         """The current time (aware UTC). Raises
         :class:`~jobplane.errors.StoreUnavailableError` when it is read from a store that
-        does not answer."""
+        does not answer (a database's clock; SQLite's is the process's, read without it)."""
 
     async def sleep(self, seconds: float, wake: asyncio.Event | None = None) -> float:
         """Return once ``seconds`` have passed on this clock (at once if not positive), or as

@@ -308,7 +308,7 @@ class Dispatcher:
         :meth:`~jobplane.store.abc.LeaderStore.fire`): those of ``created`` (the ids asked
         for) that came back Enqueued and marked are sent as they are, their marks cleared if
         the send fails; any other (recorded before, unmarked) goes through :meth:`publish`.
-        Returns ``instances`` as stored now: those whose marks were cleared without them."""
+        Returns ``instances``; those whose marks a failed send cleared, without them."""
         marked = [
             i
             for i in instances

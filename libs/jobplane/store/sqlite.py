@@ -62,8 +62,11 @@ class SqliteStore(SqlStore):
         #: 100 ms): while a worker wrote without pause, the leader's lease renewal, trying at
         #: those moments, found the lock taken each time for up to 2.6 s, long enough to lose
         #: its term, and a transaction slept on after the lock was free. Queued here, each
-        #: starts as the one before it ends. (Another process on the same file still meets
-        #: the file's lock and the busy timeout.)
+        #: starts as the one before it ends. (A connection that is not the store's, such as
+        #: the application's transaction around ``enqueue()`` or the schema check at start,
+        #: and another process on the same file, still meet the file's lock and its busy
+        #: timeout. The lock belongs to the event loop that first uses it, as the engine's
+        #: connections do.)
         self._turns = asyncio.Lock()
         self._listeners: dict[str, set[asyncio.Queue[str]]] = {}
         sync_engine = engine.sync_engine
