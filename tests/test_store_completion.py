@@ -54,3 +54,33 @@ async def test_a_batch_with_failures_moves_them_on_with_the_others(store: SqlSto
     history = [t.to_state for t in await store.transitions(retried.instance.id)]
     assert history == [S.ENQUEUED, S.PROCESSING, S.FAILED, S.ENQUEUED]
     assert (await store.get_instance(delayed.instance.id)).retries_used == 1
+
+
+async def test_alike_outcomes_are_each_fenced_by_their_own_token(store: SqlStore) -> None:
+    # Successes alike but for their instance (SQLite records them by one move): each still
+    # lands only on its own attempt, a stale token among them is fenced off alone, an outcome
+    # with a result of its own keeps it, and an instance given twice is recorded once.
+    await define(store, "job", max_concurrency=10)
+    instances = await enqueue(store, n=6)
+    claims = (await store.claim([i.id for i in instances], "w1", 10, ["job"])).claimed
+    a, b, stale, c, d, own = claims
+    ended = await store.complete(
+        [
+            Outcome(a.instance.id, a.token, S.SUCCEEDED),
+            Outcome(b.instance.id, b.token, S.SUCCEEDED),
+            Outcome(stale.instance.id, stale.token + 1_000, S.SUCCEEDED),  # fenced off
+            Outcome(c.instance.id, c.token, S.SUCCEEDED),
+            Outcome(a.instance.id, a.token, S.SUCCEEDED),  # again: already ended
+            Outcome(own.instance.id, own.token, S.SUCCEEDED, result={"n": 7}),
+            Outcome(d.instance.id, d.token, S.SUCCEEDED),
+        ]
+    )
+    done = [a, b, c, d, own]
+    assert ended == {x.instance.id: S.SUCCEEDED for x in done}
+    assert await slots_used(store) == 1  # the fenced attempt's slot only
+    for x in done:
+        history = [t.to_state for t in await store.transitions(x.instance.id)]
+        assert history == [S.ENQUEUED, S.PROCESSING, S.SUCCEEDED]
+    assert (await store.get_instance(stale.instance.id)).state is S.PROCESSING
+    assert (await store.get_instance(own.instance.id)).result == {"n": 7}
+    assert (await store.get_instance(d.instance.id)).result is None

@@ -7,6 +7,7 @@ the job's concurrency slot back in the same transaction.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -259,34 +260,38 @@ class LifecycleStore(SqlBase):
     async def complete(self, outcomes: Sequence[Outcome]) -> dict[UUID, InstanceState]:
         if not outcomes:
             return {}
+        for outcome in outcomes:
+            check_transition(InstanceState.PROCESSING, outcome.state)
         async with self._write() as conn:
             ended: dict[UUID, InstanceState] = {}
-            for outcome in outcomes:
-                check_transition(InstanceState.PROCESSING, outcome.state)
+            # Outcomes alike but for their instance (a worker's batch of no-op successes) are
+            # recorded by one move: three statements for the batch, not for each outcome.
+            for alike in _alike(outcomes):
+                first = alike[0]
                 moved = await move_instances(
                     conn,
                     self._clock(),
-                    [outcome.instance_id],
+                    [o.instance_id for o in alike],
                     InstanceState.PROCESSING,
-                    outcome.state,
-                    claim_token=outcome.claim_token,
+                    first.state,
+                    claim_token={o.instance_id: o.claim_token for o in alike},
                     actor=None,
-                    reason=outcome.reason,
+                    reason=first.reason,
                     values={
-                        "result": outcome.result,
-                        "error": outcome.error.to_json() if outcome.error else None,
+                        "result": first.result,
+                        "error": first.error.to_json() if first.error else None,
                     },
                     # A cancel beats a retry (see move_instances): the row locked by the
                     # UPDATE decides, so no cancel request slips in between.
                     cancel_reason=(
-                        EndReason.CANCEL_WINS if outcome.state is InstanceState.FAILED else None
+                        EndReason.CANCEL_WINS if first.state is InstanceState.FAILED else None
                     ),
-                    holds_slot=outcome.holds_slot,
+                    holds_slot=first.holds_slot,
                 )
-                if not moved:
-                    log_fenced(outcome)
-                    continue
-                ended[moved[0].id] = moved[0].state
+                ended.update((m.id, m.state) for m in moved)
+                for outcome in alike:
+                    if outcome.instance_id not in ended:
+                        log_fenced(outcome)
             failed = [o for o in outcomes if ended.get(o.instance_id) is InstanceState.FAILED]
             ended.update(await self._after_failure(conn, failed))
         return ended
@@ -457,6 +462,27 @@ async def release_runaway_rows(conn: AsyncConnection, which: ColumnElement[bool]
             update(job_slots).where(job_slots.c.job_key == key).values(used=job_slots.c.used - n)
         )
     return per_key
+
+
+def _alike(outcomes: Sequence[Outcome]) -> list[list[Outcome]]:
+    """``outcomes`` in groups that write the same (state, reason, result, error, slot kept),
+    in order; an instance met twice goes to a later group, so each is recorded once per
+    outcome as before (the second finds it moved: fenced)."""
+    groups: dict[tuple[Any, ...], list[dict[UUID, Outcome]]] = {}
+    for outcome in outcomes:
+        error = outcome.error.to_json() if outcome.error else None
+        key = (
+            outcome.state,
+            outcome.reason,
+            json.dumps(outcome.result),
+            json.dumps(error),
+            outcome.holds_slot,
+        )
+        batches = groups.setdefault(key, [{}])
+        if outcome.instance_id in batches[-1]:
+            batches.append({})
+        batches[-1][outcome.instance_id] = outcome
+    return [list(batch.values()) for batches in groups.values() for batch in batches]
 
 
 def log_fenced(outcome: Outcome) -> None:

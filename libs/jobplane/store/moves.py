@@ -50,7 +50,7 @@ async def move_instances(
     *,
     actor: str | None,
     reason: str | None,
-    claim_token: int | None = None,
+    claim_token: int | Mapping[UUID, int] | None = None,
     values: Mapping[str, Any] | None = None,
     attempt: NewAttempt | None = None,
     cancel_reason: str | None = None,
@@ -59,6 +59,7 @@ async def move_instances(
     """Move those of ``ids`` still in ``from_state`` (and, when given, still holding
     ``claim_token``) to ``to_state``, in ``conn``'s transaction; returns the moved instances in
     the order of ``ids``. Rows that no longer match are left alone and get no history.
+    ``claim_token`` may be given per instance (a mapping by id): each row is fenced by its own.
     ``now`` is the database's clock as an SQL expression (the store's ``_clock()``).
 
     ``actor`` is recorded in the history (``None``: the attempt's worker). ``values`` are
@@ -94,7 +95,11 @@ async def move_instances(
     if clash := extra.keys() & changes.keys():
         raise ValueError(f"columns {sorted(clash)} are the transition's own")
     where = [columns.id.in_(list(ids)), unindexed_state(columns, from_state)]
-    if claim_token is not None:
+    if isinstance(claim_token, Mapping):
+        # Fencing, row by row: each attempt's outcome matches its own row only while the row
+        # still holds that attempt's token.
+        where.append(columns.claim_token == case(dict(claim_token), value=columns.id))
+    elif claim_token is not None:
         # Fencing: a stale attempt (lease lost, instance re-claimed) matches nothing.
         where.append(columns.claim_token == claim_token)
     result = await conn.execute(
