@@ -310,9 +310,9 @@ async def test_publishing_resumes_with_its_mark_once_the_bus_is_back(
 async def test_a_batch_trigger_records_its_publication_in_its_insert_and_sends_each_once(
     store: SqlStore, bus: Bus, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On Postgres a batch's Enqueued instances are marked published by the insert itself, not
-    by a second write; a delayed one is neither marked nor sent, and each Enqueued one goes
-    out once. (The embedded store marks them in a write of its own, as before.)"""
+    """A batch's Enqueued instances are marked published by the insert itself, not by a second
+    write (on both stores); a delayed one is neither marked nor sent, and each Enqueued one
+    goes out once."""
     await define(store, "job")
     marks: list[list[UUID]] = []
     mark = store.mark_published
@@ -331,8 +331,7 @@ async def test_a_batch_trigger_records_its_publication_in_its_insert_and_sends_e
             ]
         )
     assert (now.state, later.state, also_now.state) == (S.ENQUEUED, S.SCHEDULED, S.ENQUEUED)
-    if store.engine.dialect.name == "postgresql":
-        assert marks == [] and now.published_at is not None  # in the insert
+    assert marks == [] and now.published_at is not None  # in the insert
     for made in (now, also_now):
         assert (await store.get_instance(made.id)).published_at is not None
     assert (await store.get_instance(later.id)).published_at is None
@@ -386,14 +385,13 @@ async def _fired(store: SqlStore, *, published: bool) -> tuple[list[NewInstance]
 async def test_a_fired_tick_goes_out_once_with_its_publication_recorded(
     store: SqlStore, bus: Bus
 ) -> None:
-    """A fire asked to record the publication (Postgres does it in the insert) is sent as it
+    """A fire asked to record the publication (both stores do it in the insert) is sent as it
     is; the missed tick is neither marked nor sent."""
     records, instances = await _fired(store, published=True)
     skipped, enqueued = instances
     assert (skipped.state, enqueued.state) == (S.SKIPPED, S.ENQUEUED)
     assert skipped.published_at is None
-    if store.engine.dialect.name == "postgresql":
-        assert enqueued.published_at is not None  # recorded by the insert itself
+    assert enqueued.published_at is not None  # recorded by the insert itself
     await Dispatcher(store, bus).publish_created(instances, {r.id for r in records})
     assert (await store.get_instance(enqueued.id)).published_at is not None
     assert (await store.get_instance(skipped.id)).published_at is None

@@ -72,16 +72,18 @@ class InstanceStore(SqlBase):
         fence: LeaderLease | None = None,
         published: bool = False,
     ) -> list[Instance]:
-        # (``published`` is not used here: the instances come back unmarked, and the caller
-        # marks and sends them as any others; as ``fire`` does.)
         if not new:
             return []
         async with self._write() as conn:
             await self._fence(conn, fence)
-            return await self._create(conn, new)
+            return await self._create(conn, new, published=published)
 
-    async def _create(self, conn: AsyncConnection, new: Sequence[NewInstance]) -> list[Instance]:
-        """The body of :meth:`create_instances`, in the caller's transaction."""
+    async def _create(
+        self, conn: AsyncConnection, new: Sequence[NewInstance], *, published: bool = False
+    ) -> list[Instance]:
+        """The body of :meth:`create_instances`, in the caller's transaction. With
+        ``published``, the Enqueued ones are recorded as published by their insert (the
+        caller sends them next, and clears the mark if it cannot), not by a second write."""
         now = await self._now(conn)
         keys = {n.job_key for n in new}
         defs = {
@@ -95,6 +97,8 @@ class InstanceStore(SqlBase):
         for key in keys - defs.keys():
             raise JobNotFoundError(key)
         values = [instance_values(n, defs[n.job_key], now) for n in new]
+        for v in values:  # (every row names the same columns: one statement for them all)
+            v["published_at"] = now if published and v["state"] == "enqueued" else None
         # A duplicate cron occurrence or idempotency key is not inserted (unique indexes):
         # the existing instance stands in for it below.
         dialect = self.engine.dialect.name
@@ -127,18 +131,9 @@ class InstanceStore(SqlBase):
             ).first()
             if found is None or tuple(found) != (definition.version, definition.args_schema):
                 raise StaleDefinitionError(new.job_key, definition.version)
-            [instance] = await self._create(conn, [new])
-            if instance.id != new.id or instance.state is not InstanceState.ENQUEUED:
-                return instance  # a replayed idempotency key: the first instance, as it is
-            row = (
-                await conn.execute(
-                    update(job_instances)
-                    .where(job_instances.c.id == instance.id)
-                    .values(published_at=self._clock())
-                    .returning(job_instances)
-                )
-            ).one()
-            return rows.instance_from_row(row._mapping)
+            # (A replayed idempotency key: the first instance, as it is.)
+            [instance] = await self._create(conn, [new], published=True)
+            return instance
 
     async def unmark_published(self, ids: Collection[UUID]) -> None:
         if not ids:

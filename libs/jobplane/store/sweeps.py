@@ -52,8 +52,8 @@ class SweepStore(PublicationStore):
         """Create cron occurrences (and misfire records) as leader. A tick already recorded is
         not created again (unique job key + scheduled time): the existing one is returned.
         With ``planned``, nothing is created if a job's stored version is not the one given
-        (DefinitionsChangedError). Here ``published`` is not used: the instances come back
-        unmarked, and the caller publishes them as any others."""
+        (DefinitionsChangedError). With ``published``, the Enqueued ones are recorded as
+        published by their insert, fenced by the same term."""
         if not new:
             return []
         async with self._write() as conn:
@@ -70,7 +70,9 @@ class SweepStore(PublicationStore):
                 ]
                 if changed:
                     raise DefinitionsChangedError(changed)
-            return await self._create(conn, new)  # type: ignore[attr-defined,no-any-return]
+            return await self._create(  # type: ignore[attr-defined,no-any-return]
+                conn, new, published=published
+            )
 
     async def last_occurrences(self, keys: Collection[str]) -> dict[str, datetime]:
         """The latest recorded cron tick of each job (fired or recorded as missed)."""
