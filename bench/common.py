@@ -6,6 +6,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
@@ -18,6 +19,8 @@ from sqlalchemy.engine import make_url
 from jobplane.backends import migrate_database
 from jobplane.bus.abc import Bus
 from jobplane.bus.factory import open_bus
+from jobplane.dispatch import Dispatcher
+from jobplane.domain.models import NewInstance
 from jobplane.store.factory import open_store
 from jobplane.store.sql import SqlStore
 
@@ -123,6 +126,20 @@ def spawn_worker(url: str, prefix: str, index: int, concurrency: int) -> subproc
         cwd=ROOT,
         env=env,
     )
+
+
+#: Instances a call of the benchmarks' bulk triggers.
+CHUNK = 1000
+
+
+async def trigger_backlog(dispatcher: Dispatcher, jobs: int, key: str = "noop") -> float:
+    """``jobs`` instances of ``key`` by ``trigger_many``, :data:`CHUNK` a call; the seconds
+    that took."""
+    started = time.perf_counter()
+    for offset in range(0, jobs, CHUNK):
+        n = min(CHUNK, jobs - offset)
+        await dispatcher.trigger_many([NewInstance(job_key=key) for _ in range(n)])
+    return time.perf_counter() - started
 
 
 def bus_for(prefix: str) -> Bus:

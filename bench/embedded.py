@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 
 from bench.apps import app
+from bench.common import CHUNK, trigger_backlog
 from jobplane.backends import migrate_database
 from jobplane.bus.factory import open_bus
 from jobplane.dispatch import Dispatcher
-from jobplane.domain.models import NewInstance
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState
 from jobplane.enqueue import enqueue_async
@@ -36,8 +36,6 @@ from jobplane_scheduler.scheduler import Scheduler
 from jobplane_scheduler.settings import SchedulerSettings
 from jobplane_worker.settings import WorkerSettings
 from jobplane_worker.worker import Worker
-
-CHUNK = 1000
 
 
 async def main(jobs: int, singles: int, concurrency: int) -> None:
@@ -63,11 +61,7 @@ async def main(jobs: int, singles: int, concurrency: int) -> None:
             took = time.perf_counter() - started
             print(f"enqueue_async, a transaction each: {took / singles * 1000:.2f} ms a call")
 
-            started = time.perf_counter()
-            for offset in range(0, jobs, CHUNK):
-                n = min(CHUNK, jobs - offset)
-                await dispatcher.trigger_many([NewInstance(job_key="noop") for _ in range(n)])
-            took = time.perf_counter() - started
+            took = await trigger_backlog(dispatcher, jobs)
             print(f"trigger_many, {CHUNK} a call: {jobs / took:,.0f} instances/s")
 
             total = jobs + 2 * singles

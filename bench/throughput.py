@@ -23,14 +23,20 @@ from datetime import datetime
 
 from sqlalchemy import text
 
-from bench.common import bus_for, cpu_seconds, environment, spawn_worker, wait_until
+from bench.common import (
+    CHUNK,
+    bus_for,
+    cpu_seconds,
+    environment,
+    spawn_worker,
+    trigger_backlog,
+    wait_until,
+)
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import NewInstance
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState
 from jobplane.store.sql import SqlStore
-
-CHUNK = 1000
 
 
 async def main(jobs: int, workers: int, concurrency: int, history: int) -> None:
@@ -41,11 +47,7 @@ async def main(jobs: int, workers: int, concurrency: int, history: int) -> None:
             await _history(store, history)
         bus = bus_for(prefix)
         dispatcher = Dispatcher(store, bus)
-        started = time.perf_counter()
-        for offset in range(0, jobs, CHUNK):
-            n = min(CHUNK, jobs - offset)
-            await dispatcher.trigger_many([NewInstance(job_key="noop") for _ in range(n)])
-        created = time.perf_counter() - started
+        created = await trigger_backlog(dispatcher, jobs)
         print(f"trigger (bulk, {CHUNK} per call): {jobs / created:,.0f} instances/s")
 
         spawned = await store.now()  # the workers' backends start after this
