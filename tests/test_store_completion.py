@@ -4,8 +4,11 @@ end every attempt, give the slots back and write the history."""
 
 from __future__ import annotations
 
+from uuid import uuid4
+
 from jobplane.domain.models import ErrorInfo, Outcome
 from jobplane.domain.states import InstanceState as S
+from jobplane.store.moves import ALIKE_MOST, alike_outcomes
 from jobplane.store.sql import SqlStore
 from tests.store_helpers import define, enqueue, slots_used
 
@@ -84,3 +87,33 @@ async def test_alike_outcomes_are_each_fenced_by_their_own_token(store: SqlStore
     assert (await store.get_instance(stale.instance.id)).state is S.PROCESSING
     assert (await store.get_instance(own.instance.id)).result == {"n": 7}
     assert (await store.get_instance(d.instance.id)).result is None
+
+
+async def test_one_instance_s_outcomes_in_a_batch_are_recorded_in_their_order(
+    store: SqlStore,
+) -> None:
+    # Grouped by what they write, a later outcome of an instance must still come after its
+    # earlier one: here the failure is recorded (and retried), the success after it fenced.
+    await define(store, "job", max_concurrency=10, retries=3)
+    instances = await enqueue(store, n=2)
+    y, x = (await store.claim([i.id for i in instances], "w1", 10, ["job"])).claimed
+    error = ErrorInfo("ValueError", "boom", "Traceback ...")
+    ended = await store.complete(
+        [
+            Outcome(y.instance.id, y.token, S.SUCCEEDED),
+            Outcome(x.instance.id, x.token, S.FAILED, error=error),
+            Outcome(x.instance.id, x.token, S.SUCCEEDED),
+        ]
+    )
+    assert ended == {y.instance.id: S.SUCCEEDED, x.instance.id: S.ENQUEUED}
+    history = [t.to_state for t in await store.transitions(x.instance.id)]
+    assert history == [S.ENQUEUED, S.PROCESSING, S.FAILED, S.ENQUEUED]
+
+
+def test_alike_outcomes_are_moved_a_thousand_at_most_and_in_order() -> None:
+    ids = [uuid4() for _ in range(2_500)]
+    done = [Outcome(i, 1, S.SUCCEEDED) for i in ids]
+    other = Outcome(ids[0], 1, S.SUCCEEDED, result={"n": 1})  # ids[0] again: a later run
+    groups = alike_outcomes([*done, other])
+    assert [len(g) for g in groups] == [ALIKE_MOST, ALIKE_MOST, 500, 1]
+    assert [o for g in groups for o in g] == [*done, other]

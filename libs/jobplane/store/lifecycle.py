@@ -7,7 +7,6 @@ the job's concurrency slot back in the same transaction.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -45,7 +44,7 @@ from jobplane.store.base import (
     retry_conflicts,
     unindexed_state,
 )
-from jobplane.store.moves import NewAttempt, move_instances, park
+from jobplane.store.moves import NewAttempt, alike_outcomes, move_instances, park
 from jobplane.store.tables import (
     job_definitions,
     job_instances,
@@ -266,7 +265,7 @@ class LifecycleStore(SqlBase):
             ended: dict[UUID, InstanceState] = {}
             # Outcomes alike but for their instance (a worker's batch of no-op successes) are
             # recorded by one move: three statements for the batch, not for each outcome.
-            for alike in _alike(outcomes):
+            for alike in alike_outcomes(outcomes):
                 first = alike[0]
                 moved = await move_instances(
                     conn,
@@ -288,9 +287,10 @@ class LifecycleStore(SqlBase):
                     ),
                     holds_slot=first.holds_slot,
                 )
-                ended.update((m.id, m.state) for m in moved)
+                recorded = {m.id: m.state for m in moved}
+                ended.update(recorded)
                 for outcome in alike:
-                    if outcome.instance_id not in ended:
+                    if outcome.instance_id not in recorded:
                         log_fenced(outcome)
             failed = [o for o in outcomes if ended.get(o.instance_id) is InstanceState.FAILED]
             ended.update(await self._after_failure(conn, failed))
@@ -462,27 +462,6 @@ async def release_runaway_rows(conn: AsyncConnection, which: ColumnElement[bool]
             update(job_slots).where(job_slots.c.job_key == key).values(used=job_slots.c.used - n)
         )
     return per_key
-
-
-def _alike(outcomes: Sequence[Outcome]) -> list[list[Outcome]]:
-    """``outcomes`` in groups that write the same (state, reason, result, error, slot kept),
-    in order; an instance met twice goes to a later group, so each is recorded once per
-    outcome as before (the second finds it moved: fenced)."""
-    groups: dict[tuple[Any, ...], list[dict[UUID, Outcome]]] = {}
-    for outcome in outcomes:
-        error = outcome.error.to_json() if outcome.error else None
-        key = (
-            outcome.state,
-            outcome.reason,
-            json.dumps(outcome.result),
-            json.dumps(error),
-            outcome.holds_slot,
-        )
-        batches = groups.setdefault(key, [{}])
-        if outcome.instance_id in batches[-1]:
-            batches.append({})
-        batches[-1][outcome.instance_id] = outcome
-    return [list(batch.values()) for batches in groups.values() for batch in batches]
 
 
 def log_fenced(outcome: Outcome) -> None:

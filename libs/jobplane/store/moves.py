@@ -11,6 +11,7 @@ runs them and checks them against the table.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -20,7 +21,7 @@ from uuid import UUID
 from sqlalchemy import ClauseElement, ColumnElement, case, insert, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from jobplane.domain.models import Instance
+from jobplane.domain.models import Instance, Outcome
 from jobplane.domain.states import InstanceState
 from jobplane.domain.transitions import SlotChange, effects_of
 from jobplane.store import rows
@@ -245,4 +246,39 @@ async def unpin(conn: AsyncConnection, ids: Sequence[UUID], reason: str) -> list
     return [rows.instance_from_row(r._mapping) for r in result]
 
 
-__all__ = ["NewAttempt", "move_instances", "park", "unpin"]
+#: Outcomes recorded by one move at most (its statement names each instance three times).
+ALIKE_MOST = 1000
+
+
+def alike_outcomes(outcomes: Sequence[Outcome]) -> list[list[Outcome]]:
+    """``outcomes`` in groups that write the same (state, reason, result, error, slot kept),
+    each of at most :data:`ALIKE_MOST`. An instance met again starts a new run of groups after
+    the ones before, so each instance's outcomes are recorded in their order, as one by one
+    (the later ones find it moved: fenced)."""
+    runs: list[list[Outcome]] = [[]]
+    seen: set[UUID] = set()
+    for outcome in outcomes:
+        if outcome.instance_id in seen:
+            runs.append([])
+            seen = set()
+        seen.add(outcome.instance_id)
+        runs[-1].append(outcome)
+    out: list[list[Outcome]] = []
+    for run in runs:
+        groups: dict[tuple[Any, ...], list[Outcome]] = {}
+        for outcome in run:
+            error = outcome.error.to_json() if outcome.error else None
+            key = (
+                outcome.state,
+                outcome.reason,
+                json.dumps(outcome.result),
+                json.dumps(error),
+                outcome.holds_slot,
+            )
+            groups.setdefault(key, []).append(outcome)
+        for group in groups.values():
+            out.extend(group[i : i + ALIKE_MOST] for i in range(0, len(group), ALIKE_MOST))
+    return out
+
+
+__all__ = ["ALIKE_MOST", "NewAttempt", "alike_outcomes", "move_instances", "park", "unpin"]
