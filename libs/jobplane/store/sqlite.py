@@ -60,13 +60,13 @@ class SqliteStore(SqlStore):
         #: the file's write lock at its start (BEGIN IMMEDIATE), and SQLite makes a
         #: connection that finds it taken sleep and try again (1 ms, then longer, up to
         #: 100 ms): while a worker wrote without pause, the leader's lease renewal, trying at
-        #: those moments, found the lock taken each time for up to 2.6 s, long enough to lose
-        #: its term, and a transaction slept on after the lock was free. Queued here, each
-        #: starts as the one before it ends. (A connection that is not the store's, such as
-        #: the application's transaction around ``enqueue()`` or the schema check at start,
-        #: and another process on the same file, still meet the file's lock and its busy
-        #: timeout. The lock belongs to the event loop that first uses it, as the engine's
-        #: connections do.)
+        #: those moments, found the lock taken each time for seconds (6.04 s once), long
+        #: enough to lose its term, and a transaction slept on after the lock was free.
+        #: Queued here, each starts as the one before it ends. (A connection that is not the
+        #: store's, such as the application's transaction around ``enqueue()`` or the schema
+        #: check at start, and another process on the same file, still meet the file's lock
+        #: and its busy timeout. The lock belongs to the event loop that first uses it, as
+        #: the engine's connections do.)
         self._turns = asyncio.Lock()
         self._listeners: dict[str, set[asyncio.Queue[str]]] = {}
         sync_engine = engine.sync_engine
@@ -160,11 +160,11 @@ def _install_triggers(dbapi_connection: Any, record: ConnectionPoolEntry, _proxy
     logged, and tried again at the next one."""
     if record.info.get(_INSTALLED):
         return
-    if _PENDING not in record.info:
-        # Opened before this store listened for new connections: without the function, its
-        # triggers would fail every write they fire on.
-        _install_function(dbapi_connection, record)
     try:
+        if _PENDING not in record.info:
+            # Opened before this store listened for new connections: without the function,
+            # its triggers would fail every write they fire on.
+            _install_function(dbapi_connection, record)
         cursor = dbapi_connection.cursor()
         try:
             cursor.execute(
