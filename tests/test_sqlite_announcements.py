@@ -45,6 +45,22 @@ async def _listening(store: SqlStore) -> AsyncIterator[asyncio.Queue[list[str]]]
             await task
 
 
+@pytest.fixture
+async def job_store(sqlite_database_url: str) -> AsyncIterator[SqlStore]:
+    """The SQLite store of this test's file, with the job ``job`` defined."""
+    store = open_store(sqlite_database_url)
+    try:
+        await define(store, "job")
+        yield store
+    finally:
+        await store.close()
+
+
+async def _next_epochs(heard: asyncio.Queue[list[str]]) -> list[float]:
+    """The due times of the next batch heard (within 5 s)."""
+    return _epochs(await asyncio.wait_for(heard.get(), 5))
+
+
 def _due(instance: Instance) -> float:
     assert instance.run_at is not None
     return instance.run_at.timestamp()
@@ -64,42 +80,30 @@ async def _delayed(store: SqlStore, seconds: float = 60) -> Instance:
 
 
 async def test_an_instance_made_scheduled_is_announced_with_its_run_at_on_commit(
-    sqlite_database_url: str,
+    job_store: SqlStore,
 ) -> None:
-    store = open_store(sqlite_database_url)
-    try:
-        await define(store, "job")
-        async with _listening(store) as heard:
-            [now] = await store.create_instances([NewInstance(job_key="job")])
-            assert now.state is S.ENQUEUED  # not announced: nothing to wait for
-            later = await _delayed(store)
-            batch = await asyncio.wait_for(heard.get(), 5)
-            assert _epochs(batch) == [_due(later)]
-            assert heard.empty()
-    finally:
-        await store.close()
+    async with _listening(job_store) as heard:
+        [now] = await job_store.create_instances([NewInstance(job_key="job")])
+        assert now.state is S.ENQUEUED  # not announced: nothing to wait for
+        later = await _delayed(job_store)
+        assert await _next_epochs(heard) == [_due(later)]
+        assert heard.empty()
 
 
-async def test_a_transaction_rolled_back_announces_nothing(sqlite_database_url: str) -> None:
-    store = open_store(sqlite_database_url)
-    try:
-        await define(store, "job")
-        first = await _delayed(store, 60)
-        async with _listening(store) as heard:
-            # A new run_at for a Scheduled row fires the update trigger; the rollback drops it.
-            async with store.engine.connect() as conn:
-                await conn.execute(
-                    text("UPDATE job_instances SET run_at = datetime('now') WHERE id = :id"),
-                    {"id": first.id.hex},
-                )
-                await conn.rollback()
-            second = await _delayed(store, 120)
-            batch = await asyncio.wait_for(heard.get(), 5)
-            assert _epochs(batch) == [_due(second)]
-            assert (await store.get_instance(first.id)).run_at == first.run_at
-        _one_connection(store)  # so the rolled-back one also made the write after it
-    finally:
-        await store.close()
+async def test_a_transaction_rolled_back_announces_nothing(job_store: SqlStore) -> None:
+    first = await _delayed(job_store, 60)
+    async with _listening(job_store) as heard:
+        # A new run_at for a Scheduled row fires the update trigger; the rollback drops it.
+        async with job_store.engine.connect() as conn:
+            await conn.execute(
+                text("UPDATE job_instances SET run_at = datetime('now') WHERE id = :id"),
+                {"id": first.id.hex},
+            )
+            await conn.rollback()
+        second = await _delayed(job_store, 120)
+        assert await _next_epochs(heard) == [_due(second)]
+        assert (await job_store.get_instance(first.id)).run_at == first.run_at
+    _one_connection(job_store)  # so the rolled-back one also made the write after it
 
 
 async def test_a_connection_opened_before_the_schema_announces_once_it_exists(
@@ -120,8 +124,7 @@ async def test_a_connection_opened_before_the_schema_announces_once_it_exists(
         await define(store, "job")
         async with _listening(store) as heard:
             later = await _delayed(store)
-            batch = await asyncio.wait_for(heard.get(), 5)
-            assert _epochs(batch) == [_due(later)]
+            assert await _next_epochs(heard) == [_due(later)]
         _one_connection(store)  # (the one opened before the schema)
     finally:
         await store.close()
@@ -135,41 +138,29 @@ def _one_connection(store: SqlStore) -> None:
 
 
 async def test_instances_made_scheduled_for_the_same_moment_are_announced_once(
-    sqlite_database_url: str,
+    job_store: SqlStore,
 ) -> None:
     # As Postgres delivers a transaction's identical NOTIFYs once: one wake for a batch.
-    store = open_store(sqlite_database_url)
-    try:
-        await define(store, "job")
-        at = await store.now() + timedelta(seconds=60)
-        async with _listening(store) as heard:
-            made = await store.create_instances(
-                [NewInstance(job_key="job", run_at=at) for _ in range(50)]
-            )
-            assert {i.state for i in made} == {S.SCHEDULED}
-            batch = await asyncio.wait_for(heard.get(), 5)
-            assert _epochs(batch) == [at.timestamp()]
-    finally:
-        await store.close()
+    at = await job_store.now() + timedelta(seconds=60)
+    async with _listening(job_store) as heard:
+        made = await job_store.create_instances(
+            [NewInstance(job_key="job", run_at=at) for _ in range(50)]
+        )
+        assert {i.state for i in made} == {S.SCHEDULED}
+        assert await _next_epochs(heard) == [at.timestamp()]
 
 
 async def test_an_unreadable_due_time_fails_no_write_and_is_logged(
-    sqlite_database_url: str, caplog: pytest.LogCaptureFixture
+    job_store: SqlStore, caplog: pytest.LogCaptureFixture
 ) -> None:
     # The function runs inside the statement that fired it: an error out of it would fail
     # that write. One it cannot read (nothing the store writes) is logged and skipped.
-    store = open_store(sqlite_database_url)
-    try:
-        await define(store, "job")
-        async with _listening(store) as heard:
-            async with store.engine.begin() as conn:
-                await conn.execute(text(f"SELECT {DUE_FUNCTION}('not a time')"))
-            later = await _delayed(store)
-            batch = await asyncio.wait_for(heard.get(), 5)
-            assert _epochs(batch) == [_due(later)]
-        assert "could not read the run_at 'not a time'" in caplog.text
-    finally:
-        await store.close()
+    async with _listening(job_store) as heard:
+        async with job_store.engine.begin() as conn:
+            await conn.execute(text(f"SELECT {DUE_FUNCTION}('not a time')"))
+        later = await _delayed(job_store)
+        assert await _next_epochs(heard) == [_due(later)]
+    assert "could not read the run_at 'not a time'" in caplog.text
 
 
 async def test_a_connection_pooled_before_the_store_gets_its_function_with_its_triggers(
@@ -186,7 +177,6 @@ async def test_a_connection_pooled_before_the_store_gets_its_function_with_its_t
         await define(store, "job")
         async with _listening(store) as heard:
             later = await _delayed(store)
-            batch = await asyncio.wait_for(heard.get(), 5)
-            assert _epochs(batch) == [_due(later)]
+            assert await _next_epochs(heard) == [_due(later)]
     finally:
         await store.close()
