@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from sqlalchemy import BigInteger, DateTime, Integer, bindparam, text
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobplane.domain.options import JobOptions
+from jobplane.store.engine import AsyncEngine
 from jobplane.store.sql import SqlStore
 
 

@@ -8,10 +8,10 @@ import asyncio
 from datetime import timedelta
 
 from sqlalchemy import func, select, text, update
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobplane.domain.models import ErrorInfo, Outcome, WorkerInfo
 from jobplane.domain.states import InstanceState as S
+from jobplane.store.engine import AsyncConnection
 from jobplane.store.sql import SqlStore
 from jobplane.store.tables import instance_counts, job_instances, workers
 from tests.store_helpers import define, enqueue

@@ -10,8 +10,8 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
-from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobplane.store.engine import AsyncEngine
 from jobplane.store.factory import make_engine
 from jobplane.store.migrate import alembic_revisions, downgrade, upgrade
 from jobplane.store.schema import current_revision, head_revision, is_ancestor, known_revisions

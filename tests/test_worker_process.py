@@ -229,6 +229,10 @@ OPTIONAL_PACKAGES = [
     # The embedded default's store: the worker here is on Postgres.
     "jobplane.store.sqlite",
     "sqlite3",
+    # SQLAlchemy's ORM, and its asyncio extension, which imports it: the store runs Core on
+    # an engine of its own (jobplane.store.engine).
+    "sqlalchemy.orm",
+    "sqlalchemy.ext.asyncio",
 ]
 PROBE_PACKAGES = ["jobplane.serving", "jobplane_worker.health", "starlette", "uvicorn"]
 

@@ -27,16 +27,15 @@ in any case, on SQLite and if the notification is lost.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 from uuid import UUID
 
 from pydantic import TypeAdapter
 from sqlalchemy import Connection, Insert, Row, Select
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
-from sqlalchemy.orm import Session
 
 from jobplane.domain.limits import check_idempotency_key, check_json, to_utc
 from jobplane.domain.models import NewInstance
@@ -51,6 +50,14 @@ from jobplane.errors import (
 )
 from jobplane.idempotency import fingerprint, replayed
 from jobplane.store import creation, rows
+from jobplane.store.engine import AsyncConnection as StoreConnection
+
+if TYPE_CHECKING:
+    # Not imported at run time: SQLAlchemy's ORM and asyncio extension come with the
+    # application that passes their objects, not with every Jobplane process (``import
+    # jobplane`` imports this module; the two cost a role 7.7 MB and 90 ms of start-up).
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+    from sqlalchemy.orm import Session
 from jobplane.triggering import validate_args
 
 
@@ -85,7 +92,7 @@ def enqueue(
 
 
 async def enqueue_async(
-    session_or_connection: AsyncSession | AsyncConnection,
+    session_or_connection: AsyncSession | AsyncConnection | StoreConnection,
     key: str,
     args: Any = None,
     *,
@@ -96,7 +103,8 @@ async def enqueue_async(
     hold: bool | None = None,
     actor: str = "app",
 ) -> UUID:
-    """:func:`enqueue` for an ``AsyncSession`` or ``AsyncConnection``."""
+    """:func:`enqueue` for an ``AsyncSession`` or ``AsyncConnection`` (or a connection of a
+    Jobplane store's engine)."""
     target = session_or_connection
     dialect = _dialect(target)
     definition = (await target.execute(creation.definition_and_clock(key, dialect))).first()
@@ -237,7 +245,13 @@ def _aware(moment: datetime) -> datetime:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
-def _dialect(target: Session | Connection | AsyncSession | AsyncConnection) -> str:
-    if isinstance(target, Connection | AsyncConnection):
+def _dialect(
+    target: Session | Connection | AsyncSession | AsyncConnection | StoreConnection,
+) -> str:
+    if isinstance(target, Connection | StoreConnection):
         return target.dialect.name
-    return target.get_bind().dialect.name
+    # Loaded already if ``target`` is one of its connections (see the imports).
+    extension = sys.modules.get("sqlalchemy.ext.asyncio")
+    if extension is not None and isinstance(target, extension.AsyncConnection):
+        return cast("AsyncConnection", target).dialect.name
+    return cast("Session | AsyncSession", target).get_bind().dialect.name

@@ -28,7 +28,6 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.domain.models import LeaderLease
 from jobplane.domain.states import InstanceState
@@ -36,6 +35,7 @@ from jobplane.errors import NotLeaderError as NotLeaderError  # re-exported
 from jobplane.errors import StoreConflictError as StoreConflictError  # re-exported
 from jobplane.errors import StoreRefusedError, StoreUnavailableError, first_line
 from jobplane.store import schema
+from jobplane.store.engine import AsyncConnection, AsyncEngine
 from jobplane.store.tables import counters, job_instances, scheduler_leases
 from jobplane.tasks import being_cancelled
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 from uuid import UUID
 
 from sqlalchemy import select, update
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobplane.domain.models import BulkCancel, Instance, InstanceFilter
 from jobplane.domain.reasons import EndReason
@@ -19,6 +18,7 @@ from jobplane.domain.states import InstanceState
 from jobplane.errors import IllegalTransitionError, InstanceNotFoundError
 from jobplane.store import rows
 from jobplane.store.base import SqlBase, retry_conflicts, unindexed_state
+from jobplane.store.engine import AsyncConnection
 from jobplane.store.instances import filtered
 from jobplane.store.moves import move_instances
 from jobplane.store.tables import job_instances

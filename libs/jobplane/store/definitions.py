@@ -16,7 +16,6 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobplane.domain.models import (
     DefinitionChange,
@@ -30,6 +29,7 @@ from jobplane.errors import (
 )
 from jobplane.store import rows
 from jobplane.store.base import SqlBase, in_slices
+from jobplane.store.engine import AsyncConnection
 from jobplane.store.tables import (
     job_definition_versions,
     job_definitions,

@@ -17,11 +17,12 @@ from typing import Any
 
 from sqlalchemy import Dialect
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.sql.elements import TextClause
 from sqlalchemy.sql.selectable import TextualSelect
 from sqlalchemy.util import greenlet_spawn
+
+from jobplane.store.engine import AsyncConnection, AsyncEngine
 
 
 class DriverStatement:

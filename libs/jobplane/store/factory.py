@@ -8,11 +8,11 @@ from typing import Any
 from sqlalchemy import event
 from sqlalchemy.engine import ExceptionContext
 from sqlalchemy.exc import DisconnectionError
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import PoolProxiedConnection
 
 from jobplane.errors import ConfigurationError
 from jobplane.settings import SessionLimits, normalise_database_url
+from jobplane.store.engine import AsyncEngine, create_async_engine
 from jobplane.store.postgres import PostgresStore
 from jobplane.store.sql import SqlStore
 

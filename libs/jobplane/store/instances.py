@@ -16,7 +16,6 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobplane.domain.models import (
     Instance,
@@ -53,6 +52,7 @@ from jobplane.store.creation import (
     instance_values,
     replay_candidates,
 )
+from jobplane.store.engine import AsyncConnection
 from jobplane.store.tables import (
     instance_counts,
     instance_transitions,

@@ -22,7 +22,6 @@ from sqlalchemy import (
     tuple_,
     update,
 )
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobplane.domain.models import (
     Claim,
@@ -44,6 +43,7 @@ from jobplane.store.base import (
     retry_conflicts,
     unindexed_state,
 )
+from jobplane.store.engine import AsyncConnection
 from jobplane.store.moves import NewAttempt, alike_outcomes, move_instances, park
 from jobplane.store.tables import (
     job_definitions,

@@ -9,7 +9,8 @@ from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Connection
-from sqlalchemy.ext.asyncio import AsyncEngine
+
+from jobplane.store.engine import AsyncEngine
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 

@@ -19,13 +19,13 @@ from typing import Any
 from uuid import UUID
 
 from sqlalchemy import ClauseElement, ColumnElement, case, insert, update
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobplane.domain.models import Instance, Outcome
 from jobplane.domain.states import InstanceState
 from jobplane.domain.transitions import SlotChange, effects_of
 from jobplane.store import rows
 from jobplane.store.base import unindexed_state
+from jobplane.store.engine import AsyncConnection
 from jobplane.store.tables import instance_transitions, job_instances, job_slots, runaway_slots
 
 columns = job_instances.c

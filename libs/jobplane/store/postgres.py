@@ -13,7 +13,6 @@ from typing import Any
 from uuid import UUID
 
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobplane.domain.models import (
     Claim,
@@ -40,6 +39,7 @@ from jobplane.store import rows
 from jobplane.store.abc import PublishedKey
 from jobplane.store.base import reachable, retry_conflicts
 from jobplane.store.driver import DriverStatement
+from jobplane.store.engine import AsyncConnection, AsyncEngine
 from jobplane.store.lifecycle import log_fenced
 from jobplane.store.postgres_sessions import END_EXPIRED_HOLDER, END_SILENT_WORKERS
 from jobplane.store.postgres_sql import (

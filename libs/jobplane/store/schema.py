@@ -12,7 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncEngine
+
+from jobplane.store.engine import AsyncEngine
 
 VERSIONS = Path(__file__).parent / "migrations" / "versions"
 #: Alembic's table of the applied revision.

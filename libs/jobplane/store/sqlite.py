@@ -13,10 +13,10 @@ from typing import Any
 
 from sqlalchemy import ColumnElement, event, literal
 from sqlalchemy.engine import Connection
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry
 
 from jobplane.store.creation import DUE_PREFIX, ENQUEUED_CHANNEL
+from jobplane.store.engine import AsyncConnection, AsyncEngine, create_async_engine
 from jobplane.store.sql import SqlStore
 from jobplane.store.types import UtcDateTime
 

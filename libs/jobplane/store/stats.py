@@ -23,12 +23,12 @@ from sqlalchemy import (
     select,
     union_all,
 )
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobplane.domain.models import Bucket, JobSummary, Lags
 from jobplane.domain.states import TERMINAL_STATES, InstanceState
 from jobplane.ids import ID_CLOCK_SKEW, id_floor
 from jobplane.store.base import SqlBase
+from jobplane.store.engine import AsyncConnection
 from jobplane.store.tables import (
     instance_counts,
     instance_transitions,

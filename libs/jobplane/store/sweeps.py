@@ -16,7 +16,6 @@ from typing import Any
 from uuid import UUID
 
 from sqlalchemy import Select, and_, delete, func, or_, select, update
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobplane.domain.models import Instance, InstanceSource, LeaderLease, NewInstance, WorkerInfo
 from jobplane.domain.options import JobOptions, PinFallback
@@ -24,6 +23,7 @@ from jobplane.domain.reasons import EndReason
 from jobplane.domain.states import InstanceState
 from jobplane.errors import DefinitionsChangedError, NotLeaderError, StoreRefusedError
 from jobplane.store.base import in_slices, logger, retry_conflicts
+from jobplane.store.engine import AsyncConnection
 from jobplane.store.lifecycle import release_runaway_rows
 from jobplane.store.moves import move_instances, unpin
 from jobplane.store.publication import PublicationStore
