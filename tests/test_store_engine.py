@@ -8,11 +8,13 @@ import asyncio
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from sqlalchemy import text
+from sqlalchemy.exc import InvalidRequestError
 
-from jobplane.store.engine import AsyncEngine
+from jobplane.store.engine import AsyncEngine, create_async_engine
 from jobplane.store.factory import make_engine
 
 
@@ -47,6 +49,37 @@ async def test_a_transaction_commits_when_its_block_ends_and_rolls_back_when_it_
             await conn.rollback()
     assert await _rows(engine) == [1, 2, 4]
     assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+
+
+async def test_a_statement_after_a_commit_inside_a_transaction_block_is_refused(
+    engine: AsyncEngine,
+) -> None:
+    """Not run in a transaction of its own that the block's end would leave uncommitted."""
+    with pytest.raises(InvalidRequestError):
+        async with engine.begin() as conn:
+            await conn.execute(text("INSERT INTO engine_probe VALUES (1)"))
+            await conn.commit()
+            await conn.execute(text("INSERT INTO engine_probe VALUES (2)"))
+    assert await _rows(engine) == [1]
+
+
+async def test_a_result_s_driver_cursor_is_closed_when_execute_returns(
+    engine: AsyncEngine,
+) -> None:
+    """Its rows are kept; the cursor itself is closed at once, as aiosqlite's close must be
+    awaited in the greenlet (it would otherwise stay open until collected)."""
+    async with engine.connect() as conn:
+        result = await conn.execute(text("SELECT 1 UNION ALL SELECT 2"))
+        driver_cursor = result.cursor._cursor  # the asyncio adapter's driver cursor
+        if engine.dialect.name == "sqlite":
+            with pytest.raises(Exception, match="closed"):
+                await driver_cursor.fetchone()
+        assert result.scalars().all() == [1, 2]
+
+
+def test_an_engine_needs_an_asyncio_driver(tmp_path: Path) -> None:
+    with pytest.raises(InvalidRequestError, match="pysqlite"):
+        create_async_engine(f"sqlite:///{tmp_path / 'sync.db'}")
 
 
 async def test_a_connection_goes_back_to_the_pool_when_its_task_is_cancelled_mid_statement(

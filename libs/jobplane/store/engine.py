@@ -24,6 +24,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar, overload
 from sqlalchemy import Dialect, create_engine
 from sqlalchemy.engine import Connection, CursorResult, Engine, RootTransaction, ScalarResult
 from sqlalchemy.engine.interfaces import CoreExecuteOptionsParameter
+from sqlalchemy.exc import InvalidRequestError
 from sqlalchemy.pool import Pool, PoolProxiedConnection
 from sqlalchemy.sql.base import Executable
 from sqlalchemy.sql.selectable import TypedReturnsRows
@@ -40,7 +41,10 @@ Parameters = Mapping[str, Any] | Sequence[Mapping[str, Any]] | None
 def create_async_engine(url: str, **kwargs: Any) -> AsyncEngine:
     """An engine for an asyncio driver's URL (``postgresql+asyncpg://``,
     ``sqlite+aiosqlite://``); ``kwargs`` are :func:`sqlalchemy.create_engine`'s."""
-    return AsyncEngine(create_engine(url, **kwargs))
+    engine = create_engine(url, **kwargs)
+    if not engine.dialect.is_async:
+        raise InvalidRequestError(f"{engine.dialect.driver} is not an asyncio driver")
+    return AsyncEngine(engine)
 
 
 class AsyncEngine:
@@ -99,19 +103,8 @@ class AsyncConnection:
         return self.engine.dialect
 
     @property
-    def info(self) -> dict[Any, Any]:
-        return self.sync_connection.info
-
-    @property
     def closed(self) -> bool:
         return self.sync_connection.closed
-
-    @property
-    def invalidated(self) -> bool:
-        return self.sync_connection.invalidated
-
-    def in_transaction(self) -> bool:
-        return self.sync_connection.in_transaction()
 
     async def start(self) -> AsyncConnection:
         """Check a connection out of the pool (``async with`` does it)."""
@@ -191,17 +184,22 @@ class AsyncConnection:
         execution_options: CoreExecuteOptionsParameter | None = None,
     ) -> CursorResult[Unpack[TupleAny]]:
         """Run ``statement``; its result is buffered."""
-        return await greenlet_spawn(
-            self.sync_connection.execute,
-            statement,
-            parameters,
-            execution_options=execution_options,
+        return await _buffered(
+            await greenlet_spawn(
+                self.sync_connection.execute,
+                statement,
+                parameters,
+                execution_options=execution_options,
+            )
         )
 
     async def exec_driver_sql(
         self, statement: str, parameters: Parameters = None
     ) -> CursorResult[Any]:
-        return await greenlet_spawn(self.sync_connection.exec_driver_sql, statement, parameters)
+        """Run a statement in the driver's own SQL (``Connection.exec_driver_sql``)."""
+        return await _buffered(
+            await greenlet_spawn(self.sync_connection.exec_driver_sql, statement, parameters)
+        )
 
     async def scalar(self, statement: Executable, parameters: Parameters = None) -> Any:
         return (await self.execute(statement, parameters)).scalar()
@@ -228,6 +226,10 @@ class AsyncTransaction:
 
     async def __aenter__(self) -> AsyncTransaction:
         self._sync = await greenlet_spawn(self.connection.sync_connection.begin)
+        # Entered as the context of the block, as a ``with conn.begin():`` would: a statement
+        # run after a commit or rollback inside the block then raises, where it would start
+        # a transaction of its own that the block's end neither commits nor reports.
+        self._sync.__enter__()
         return self
 
     async def __aexit__(
@@ -240,6 +242,19 @@ class AsyncTransaction:
         # Commits if the block ended normally, rolls back otherwise (``Transaction``'s own
         # context exit).
         await greenlet_spawn(self._sync.__exit__, exc_type, exc, traceback)
+
+
+async def _buffered(result: CursorResult[Any]) -> CursorResult[Any]:
+    """``result``, its cursor closed with its rows kept (the driver's close is awaitable on
+    aiosqlite: it cannot run later, outside the greenlet). A server-side cursor would read
+    its rows outside the greenlet: refused, as ``sqlalchemy.ext.asyncio`` refuses it."""
+    if getattr(result.context, "_is_server_side", False):
+        await greenlet_spawn(result.close)
+        raise InvalidRequestError("stream_results is not supported by the store's engine")
+    cursor = result.cursor
+    if cursor is not None:
+        await cursor._async_soft_close()
+    return result
 
 
 async def _run_to_completion(coro: Coroutine[Any, Any, T]) -> T:
