@@ -1,8 +1,8 @@
 """SQLAlchemy's engine for asyncio, without its ORM.
 
 ``sqlalchemy.ext.asyncio`` imports SQLAlchemy's ORM along with its engine (the package's
-``__init__`` loads ``AsyncSession``): 7.7 MB of every role's memory and about 90 ms of its
-start-up, for sessions no role uses. This module gives the store the part it does use: a
+``__init__`` loads ``AsyncSession``): 6 to 7 MB of each role's idle memory, for sessions no role
+uses (docs/benchmarks.md, "Idle memory"). This module gives the store the part it does use: a
 Core :class:`~sqlalchemy.engine.Engine` on an asyncio driver (asyncpg, aiosqlite), whose
 calls run in a greenlet (:func:`sqlalchemy.util.greenlet_spawn`, as the extension runs
 them), so that the driver's awaits reach the event loop. Results are buffered: the drivers'
