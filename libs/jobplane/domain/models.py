@@ -8,6 +8,7 @@ from enum import StrEnum
 from typing import Any
 from uuid import UUID
 
+from jobplane.domain.frozen import quick_init
 from jobplane.domain.options import JobOptions
 from jobplane.domain.states import InstanceState
 from jobplane.ids import new_id
@@ -142,6 +143,7 @@ class ErrorInfo:
         return cls(type=data["type"], message=data["message"], traceback=data.get("traceback"))
 
 
+@quick_init  # made by the thousand (claims, bulk triggers, cron ticks): see domain.frozen
 @dataclass(frozen=True, slots=True)
 class Instance:
     id: UUID
