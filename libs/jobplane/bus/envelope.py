@@ -9,6 +9,7 @@ from json.encoder import encode_basestring_ascii as _quoted
 from typing import Any
 from uuid import UUID
 
+from jobplane.domain.frozen import quick_init
 from jobplane.errors import EnvelopeError
 
 ENVELOPE_VERSION = 1
@@ -21,6 +22,7 @@ class MessageKind(StrEnum):
     RUN = "run"  # an Enqueued instance is ready to be claimed
 
 
+@quick_init  # one per message sent and per message read (see jobplane.domain.frozen)
 @dataclass(frozen=True, slots=True)
 class Envelope:
     """One message on a queue stream. The store, not the message, is the truth: a worker

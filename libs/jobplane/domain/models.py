@@ -233,6 +233,7 @@ class ClaimResult:
     ignored: list[UUID] = field(default_factory=list)
 
 
+@quick_init  # one per attempt recorded (see jobplane.domain.frozen)
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """The end of one attempt, reported by the worker holding ``claim_token``.
