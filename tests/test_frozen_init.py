@@ -7,13 +7,15 @@ import copy
 import dataclasses
 import inspect
 import pickle
+import typing
 from datetime import UTC, datetime
 from uuid import uuid4
 
 import pytest
 
+from jobplane.bus.envelope import Envelope
 from jobplane.domain.frozen import quick_init
-from jobplane.domain.models import Instance, InstanceSource
+from jobplane.domain.models import Instance, InstanceSource, Outcome
 from jobplane.domain.states import InstanceState
 
 
@@ -87,9 +89,60 @@ def test_it_refuses_classes_it_cannot_build_as_the_dataclass_would() -> None:
     class WithoutSlots:
         a: int
 
-    for cls in (WithFactory, WithPostInit, KeywordOnly, WithoutSlots):
+    @dataclasses.dataclass(slots=True)
+    class NotFrozen:
+        a: int
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class WithInitVar:
+        a: int
+        b: dataclasses.InitVar[int] = 0
+
+    @dataclasses.dataclass(frozen=True, slots=True, init=False)
+    class OwnInit:
+        a: int = 0
+
+        def __init__(self, x: int) -> None:
+            object.__setattr__(self, "a", x * 2)
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Inheriting(Plain):
+        d: int = 0
+
+    refused = (
+        WithFactory,
+        WithPostInit,
+        KeywordOnly,
+        WithoutSlots,
+        NotFrozen,
+        WithInitVar,
+        OwnInit,
+        Inheriting,
+    )
+    for cls in refused:
         with pytest.raises(TypeError):
             quick_init(cls)
+    assert OwnInit(2).a == 4  # left as it was
+
+
+def test_a_field_may_have_any_name_the_generated_init_allows() -> None:
+    @quick_init
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Named:
+        self: int
+        a: int = 1
+        _set_a: int = 2
+
+    made = Named(0, _set_a=5)
+    assert (made.self, made.a, made._set_a) == (0, 1, 5)
+
+
+@pytest.mark.parametrize("cls", [Instance, Outcome, Envelope])
+def test_the_annotations_of_the_classes_made_in_bulk_resolve_as_before(cls: type) -> None:
+    """Their ``__init__`` is made in their module, as the dataclass's was."""
+    hints = typing.get_type_hints(vars(cls)["__init__"])
+    assert hints == {**typing.get_type_hints(cls), "return": type(None)}
+    assert str(inspect.signature(cls, eval_str=True)).startswith("(")
 
 
 def test_an_instance_gets_every_field_it_is_given_and_the_defaults_of_the_rest() -> None:
