@@ -27,7 +27,7 @@ def quick_init(cls: type[T]) -> type[T]:
     ``__init__`` parameters, with plain defaults if any (no ``default_factory``, ``InitVar``,
     ``__post_init__`` or keyword-only field): anything else is refused here, at import."""
     params = getattr(cls, "__dataclass_params__", None)
-    if params is None or not (params.frozen and params.init) or not cls.__dict__.get("__slots__"):
+    if params is None or not (params.frozen and params.init) or "__slots__" not in cls.__dict__:
         raise TypeError(f"{cls.__name__}: quick_init needs a frozen, slotted dataclass")
     if getattr(cls, "__post_init__", None) is not None:
         raise TypeError(f"{cls.__name__}: quick_init does not call __post_init__")
@@ -56,7 +56,7 @@ def quick_init(cls: type[T]) -> type[T]:
     source = (
         f"def {_PREFIX}make({', '.join(names)}):\n"
         f"    def __init__({_PREFIX}self, {', '.join(signature)}):\n"
-        + "\n".join(body)
+        + "\n".join([*body, "        pass"])
         + "\n    return __init__\n"
     )
     # Made in the class's module (as dataclasses make theirs), so that its annotations resolve
