@@ -95,10 +95,6 @@ class AsyncConnection:
         return self._sync
 
     @property
-    def sync_engine(self) -> Engine:
-        return self.engine.sync_engine
-
-    @property
     def dialect(self) -> Dialect:
         return self.engine.dialect
 
