@@ -27,6 +27,7 @@ from jobplane.errors import (
     JobNotFoundError,
 )
 from jobplane.store.sql import SqlStore
+from jobplane.triggering import envelope_for
 from tests.store_helpers import define
 
 
@@ -412,6 +413,36 @@ async def test_a_fired_tick_the_bus_cannot_take_is_left_unmarked_for_the_sweep(
     await dispatcher.publish_created(instances, {r.id for r in records})
     assert (await store.get_instance(instances[1].id)).published_at is None
     assert not dispatcher.marks_first  # the next fire leaves the mark to the send
+
+
+async def test_a_tick_s_messages_made_ready_before_it_are_sent_as_made(
+    store: SqlStore, bus: Bus
+) -> None:
+    """A tick written ahead has its messages encoded before its commit; at the tick they are
+    appended as they are: the same entries a publish would make."""
+    records, instances = await _fired(store, published=True)
+    dispatcher = Dispatcher(store, bus)
+    ready = dispatcher.prepare_created(instances, {r.id for r in records})
+    assert ready.entries is not None and len(ready.entries) == 1  # (the other one: Skipped)
+    await dispatcher.publish_prepared(ready)
+    [delivered] = await bus.consumer("w1", ["default"]).read(10, 500)
+    assert delivered.envelope == envelope_for(instances[1])
+
+
+async def test_a_tick_s_messages_made_ready_the_bus_cannot_take_are_left_for_the_sweep(
+    store: SqlStore, bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    records, instances = await _fired(store, published=True)
+    dispatcher = Dispatcher(store, bus)
+    ready = dispatcher.prepare_created(instances, {r.id for r in records})
+
+    async def away(entries: Sequence[tuple[str, bytes]]) -> None:
+        raise BusUnavailableError("redis is away")
+
+    monkeypatch.setattr(bus, "publish_encoded", away)
+    await dispatcher.publish_prepared(ready)
+    assert (await store.get_instance(instances[1].id)).published_at is None
+    assert not dispatcher.marks_first
 
 
 async def test_a_fire_not_asked_to_record_the_publication_does_not(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
@@ -54,6 +54,19 @@ from jobplane.triggering import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CreatedPublication:
+    """What :meth:`Dispatcher.publish_created` sends for a write's ``instances``: ``marked``
+    (created, Enqueued, marked published by the write) as ``entries``, their messages encoded
+    (:meth:`~jobplane.bus.abc.Bus.encode`; ``None`` when traced: encoded as they are sent);
+    every other one through the general publish."""
+
+    instances: Sequence[Instance]
+    marked: list[Instance]
+    entries: list[tuple[str, bytes]] | None
+
 
 #: Retries created per store statement by :meth:`Dispatcher.retry_many`.
 RETRY_BATCH = 500
@@ -309,12 +322,31 @@ class Dispatcher:
         for) that came back Enqueued and marked are sent as they are, their marks cleared if
         the send fails; any other (recorded before, unmarked) goes through :meth:`publish`.
         Returns ``instances``; those whose marks a failed send cleared, without them."""
+        return await self.publish_prepared(self.prepare_created(instances, created, False))
+
+    def prepare_created(
+        self, instances: Sequence[Instance], created: set[UUID], encode: bool = True
+    ) -> CreatedPublication:
+        """What :meth:`publish_created` sends, with ``encode`` its messages encoded: made
+        before a cron tick written ahead of it is committed, so that only their append is
+        left at the tick."""
         marked = [
             i
             for i in instances
             if i.id in created and i.state is InstanceState.ENQUEUED and i.published_at
         ]
-        unsent = bool(marked) and not await self._send(marked)
+        # Traced, each entry carries its publish span, which exists only once it is sent.
+        entries = (
+            self.bus.encode([(i.queue, envelope_for(i)) for i in marked])
+            if encode and not telemetry.tracer()
+            else None
+        )
+        return CreatedPublication(instances, marked, entries)
+
+    async def publish_prepared(self, prepared: CreatedPublication) -> list[Instance]:
+        """:meth:`publish_created` of what :meth:`prepare_created` made."""
+        instances, marked = prepared.instances, prepared.marked
+        unsent = bool(marked) and not await self._send(marked, prepared.entries)
         cleared = unsent and await self._unmark([i.id for i in marked])
         tried = {i.id for i in marked}
         await self.publish([i for i in instances if i.id not in tried])
@@ -481,12 +513,18 @@ class Dispatcher:
             return False
         return True
 
-    async def _send(self, due: Sequence[Instance]) -> bool:
-        """Hand ``due`` to the bus; False (logged) when it is out of reach."""
+    async def _send(
+        self, due: Sequence[Instance], entries: Sequence[tuple[str, bytes]] | None = None
+    ) -> bool:
+        """Hand ``due`` to the bus (``entries``: their messages, encoded already); False
+        (logged) when it is out of reach."""
         try:
             with telemetry.span("jobplane.publish", instances=len(due)):
-                trace = telemetry.traceparent()  # one per batch: its entries share the span
-                await self.bus.publish([(i.queue, envelope_for(i, trace)) for i in due])
+                if entries is not None:
+                    await self.bus.publish_encoded(entries)
+                else:
+                    trace = telemetry.traceparent()  # one per batch: its entries share the span
+                    await self.bus.publish([(i.queue, envelope_for(i, trace)) for i in due])
         except BusUnavailableError:
             self._bus_failed = True
             # Not an error for the caller: the instance is stored; the sweep republishes it.

@@ -110,7 +110,15 @@ class Bus(Protocol):
         """Append ``(queue, envelope)`` pairs: to the queue's band stream, or to the pinned
         worker's stream when ``envelope.pinned_worker`` is set, each stream's in the order
         given. One round trip for the entries of one queue or one worker (Redis: two when they
-        span several)."""
+        span several). The same as :meth:`publish_encoded` of :meth:`encode`."""
+
+    def encode(self, envelopes: Sequence[tuple[str, Envelope]]) -> list[tuple[str, bytes]]:
+        """The entries :meth:`publish` appends for ``envelopes``, made ready beforehand: (the
+        stream each goes to, its encoding). The leader encodes a cron tick's messages before
+        the tick, so that at the tick only their append is left."""
+
+    async def publish_encoded(self, entries: Sequence[tuple[str, bytes]]) -> None:
+        """Append what :meth:`encode` made, as :meth:`publish` would."""
 
     async def queued(
         self, envelopes: Sequence[tuple[str, Envelope]], *, stuck_after_ms: int | None = None

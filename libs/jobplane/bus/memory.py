@@ -86,8 +86,14 @@ class MemoryBus:
             self._changed.notify_all()
 
     async def publish(self, envelopes: Sequence[tuple[str, Envelope]]) -> None:
-        for queue, envelope in envelopes:
-            self._append(self.keys.stream_of(queue, envelope), envelope.encode())
+        await self.publish_encoded(self.encode(envelopes))
+
+    def encode(self, envelopes: Sequence[tuple[str, Envelope]]) -> list[tuple[str, bytes]]:
+        return [(self.keys.stream_of(queue, e), e.encode()) for queue, e in envelopes]
+
+    async def publish_encoded(self, entries: Sequence[tuple[str, bytes]]) -> None:
+        for key, raw in entries:
+            self._append(key, raw)
         await self._notify()
 
     async def queued(

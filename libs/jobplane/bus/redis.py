@@ -105,16 +105,20 @@ class RedisBus:
         return await self.epoch()
 
     async def publish(self, envelopes: Sequence[tuple[str, Envelope]]) -> None:
-        if not envelopes:
+        await self.publish_encoded(self.encode(envelopes))
+
+    def encode(self, envelopes: Sequence[tuple[str, Envelope]]) -> list[tuple[str, bytes]]:
+        return [(self.keys.stream_of(queue, e), e.encode()) for queue, e in envelopes]
+
+    async def publish_encoded(self, entries: Sequence[tuple[str, bytes]]) -> None:
+        if not entries:
             return
         async with translated("publish"):
-            if len(envelopes) == 1:
+            if len(entries) == 1:
                 # A single trigger's message: the command alone, without a pipeline's
                 # bookkeeping (a quarter of the publish's CPU; the same one round trip).
-                [(queue, envelope)] = envelopes
-                await self.client.xadd(
-                    self.keys.stream_of(queue, envelope), {"d": envelope.encode()}
-                )
+                [(key, raw)] = entries
+                await self.client.xadd(key, {"d": raw})
                 return
             # Several: appended by a script, one command for up to PUBLISH_CHUNK entries of
             # one hash slot, rather than a pipeline of one XADD each, whose replies redis-py
@@ -122,11 +126,10 @@ class RedisBus:
             # in the pipeline). The keys of one script call share a hash tag (a queue's
             # streams, or a worker's), as Redis Cluster requires.
             slots: dict[str, tuple[list[str], list[bytes]]] = {}
-            for queue, envelope in envelopes:
-                key = self.keys.stream_of(queue, envelope)
+            for key, raw in entries:
                 keys, data = slots.setdefault(hash_tag(key), ([], []))
                 keys.append(key)
-                data.append(envelope.encode())
+                data.append(raw)
             calls = [
                 (keys[i : i + PUBLISH_CHUNK], data[i : i + PUBLISH_CHUNK])
                 for keys, data in slots.values()
