@@ -34,6 +34,7 @@ from jobplane.store.creation import DUE_PREFIX, ENQUEUED_CHANNEL
 from jobplane.tasks import run_together
 from jobplane.triggering import envelope_for
 from jobplane_scheduler import housekeeping
+from jobplane_scheduler.ahead import FIRE_AHEAD_S
 from jobplane_scheduler.cron_timers import CronTimers
 from jobplane_scheduler.firing import CronFiring
 from jobplane_scheduler.metrics import SchedulerMetrics, SweepStep
@@ -97,6 +98,11 @@ class LeaderDuties(CronFiring):
         self._unplanned: set[str] = set()
         self._prepared = {}
         self._prepared_at = None
+        self._held, self._ahead_tried, self._ahead_supported = None, None, True
+        self._now_taken = time.monotonic()
+        # A held write must commit well within the server's limit on an idle transaction.
+        idle = settings.session_limits().idle_in_transaction_timeout_s
+        self._fire_ahead_s = min(FIRE_AHEAD_S, idle / 4)
         #: Expired leases are released from this (monotonic) time on (see ``reap_grace_s``).
         self._reap_from = 0.0
         #: Where the republish sweep's next page of published instances starts, and when
@@ -114,6 +120,7 @@ class LeaderDuties(CronFiring):
             self._backfill.clear()
             self._unplanned.clear()
             self._prepared, self._prepared_at = {}, None
+            self._ahead_tried = None
             # After an outage every lease may look expired: give the workers a heartbeat (and
             # their outcomes a retry) before reaping, so finished or running work is not re-run.
             self._reap_from = time.monotonic() + self.settings.reap_grace_s

@@ -15,7 +15,8 @@ again and re-planned. No check of pending updates waits in front of the insert.
 from __future__ import annotations
 
 import asyncio
-import logging
+import math
+import time
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -32,6 +33,7 @@ from jobplane.errors import (
     first_line,
 )
 from jobplane.store.abc import LeaderStore
+from jobplane_scheduler.ahead import AheadFiring, finish, logger
 from jobplane_scheduler.cron_timers import (
     CronTimers,
     Span,
@@ -46,11 +48,8 @@ from jobplane_scheduler.settings import SchedulerSettings
 #: The records of a tick are built at most this long before it (while the loop waits).
 PREPARE_AHEAD_S = 1.0
 
-# The role's one logger name, as before the split (operators filter on it).
-logger = logging.getLogger("jobplane_scheduler.scheduler")
 
-
-class CronFiring:
+class CronFiring(AheadFiring):
     """The cron half of :class:`~jobplane_scheduler.duties.LeaderDuties`."""
 
     store: LeaderStore
@@ -78,6 +77,8 @@ class CronFiring:
         resumed or edited during a short outage stayed unplanned until the next term."""
         if not keys:
             return
+        # A tick written ahead was planned under what changes here: made at its time instead.
+        await self._abandon_held()
         self._unplanned |= keys
         cached = self.cache.definitions
         active = []
@@ -174,21 +175,32 @@ class CronFiring:
 
     async def _cron_loop(self) -> None:
         reached: datetime | None = None
-        while True:
-            # A sleep that ran its full course to the next tick has reached it on the clock
-            # (see Clock.sleep), plus the lateness it reported: no need to read the clock.
-            now = reached or await self.clock.now()
-            async with self._planning:
-                due = self.timers.pop_due(now)
-                if due:
-                    await self._fire_due(due, now)
-                    reached = None
-                    continue
-                if self._backfill:
-                    await self._replan(set(self._backfill))
-                    reached = None
-                    continue
-            reached = await self._sleep_until(self.timers.next_time(), now)
+        try:
+            while True:
+                # A sleep that ran its full course to the next tick has reached it on the clock
+                # (see Clock.sleep), plus the lateness it reported: no need to read the clock.
+                now = reached or await self.clock.now()
+                self._now_taken = time.monotonic()
+                async with self._planning:
+                    # A tick written ahead is committed first (see jobplane_scheduler.ahead).
+                    committed = await self._commit_ahead(now)
+                    due = self.timers.pop_due(now)
+                    if due:
+                        await self._fire_due(due, now, committed)
+                        reached = None
+                        continue
+                    if self._backfill:
+                        await self._replan(set(self._backfill))
+                        reached = None
+                        continue
+                    at = self.timers.next_time()
+                    if at is not None and self._ahead_time(at, now) <= 0:
+                        await self._write_ahead(at)
+                        reached = None
+                        continue
+                reached = await self._sleep_until(self.timers.next_time(), now)
+        finally:
+            await self._abandon_held()
 
     def _prepare(self, at: datetime) -> None:
         """Build the records of the tick at ``at`` now, while there is time, rather than after
@@ -197,10 +209,19 @@ class CronFiring:
         self._prepared = {due: occurrence(*due) for due in self.timers.due_at(at)}
         self._prepared_at = at
 
-    async def _fire_due(self, due: list[tuple[str, datetime]], now: datetime) -> None:
+    async def _fire_due(
+        self,
+        due: list[tuple[str, datetime]],
+        now: datetime,
+        committed: frozenset[tuple[str, datetime]] = frozenset(),
+    ) -> None:
         """Fire the due ticks (``now``: the clock's time, read or reached), each only while its
-        job's stored definition is the version it was planned under. Holds ``_planning``."""
+        job's stored definition is the version it was planned under (those of ``committed``
+        were written ahead and are committed: only their timers move on). Holds
+        ``_planning``."""
         popped = due[-1][1] if due else None
+        fired = [t for t in due if t in committed]
+        due = [t for t in due if t not in committed] if committed else due
         # A tick later than its job's misfire grace (the leader fell behind: a pause shorter
         # than the lease, overload) follows the misfire policy, as after a failover: the job
         # is re-planned through the catch-up from its last recorded occurrence.
@@ -213,11 +234,13 @@ class CronFiring:
         records = [prepared.pop(t) if t in prepared else occurrence(*t) for t in due]
         if self._prepared_at is not None and popped is not None and self._prepared_at <= popped:
             self._prepared.clear()  # their tick has come: what is left will not be used
+        if self._held is not None and self._held.at <= now:
+            await self._abandon_held()  # (not committed at its tick: fired as any tick is)
         changed = await self._fire_as_planned(records)
         if changed:
             await self._replan(changed)
             due = [(key, at) for key, at in due if key not in changed]
-        for key, at in due:
+        for key, at in fired + due:
             try:
                 self.timers.advance(key, at)
             except Exception:
@@ -245,6 +268,9 @@ class CronFiring:
         if at is not None and self._prepared_at != at:
             await self.clock.sleep(min(delay - PREPARE_AHEAD_S, 60.0), self._wake)
             return None
+        if at is not None and (ahead := self._ahead_time(at, now)) < math.inf:
+            await self.clock.sleep(min(ahead, 60.0), self._wake)
+            return None  # (the loop writes it ahead, then sleeps on to the tick)
         late = await self.clock.sleep(min(delay, 60.0), self._wake)
         if at is None or delay > 60.0 or self._wake.is_set():
             return None
@@ -284,15 +310,7 @@ class CronFiring:
     async def _fire(self, records: list[Any], planned: dict[str, int]) -> None:
         """Fire ``records`` and publish them, only while every job is stored at the version
         ``planned`` gives it (job key → the definition version its ticks were planned under)."""
-        # A stop (SIGTERM, lost term) cancels the duties, possibly between the insert and the
-        # publish. Finish the fire first, so a stored tick is published now rather than when
-        # the next leader's sweep finds it unpublished.
-        firing = asyncio.ensure_future(self._fire_and_publish(records, planned))
-        try:
-            await asyncio.shield(firing)
-        except asyncio.CancelledError:
-            await asyncio.gather(firing, return_exceptions=True)
-            raise
+        await finish(self._fire_and_publish(records, planned))
 
     async def _fire_and_publish(self, records: list[Any], planned: dict[str, int]) -> None:
         with telemetry.span("jobplane.trigger", source="cron", instances=len(records)):
@@ -307,14 +325,7 @@ class CronFiring:
                 # (Job by job, without the version fence: the fallback for a poison job; an
                 # edit still in flight then waits for the next sweep's version check.)
                 instances = await self._fire_each_job(records, exc, marks)
-            try:
-                # Sent before the ticks are counted: the messages wait for nothing else.
-                await self.dispatcher.publish_created(instances, {r.id for r in records})
-            finally:
-                self.metrics.fired(instances, self.cache.definitions)
-        fired = [i for i in instances if not i.state.is_terminal]
-        if fired:
-            logger.debug("fired %d tick(s)", len(fired), extra={"action": "scheduler.fired"})
+            await self._publish_fired(instances, records)
 
     async def _fire_each_job(
         self, records: list[Any], exc: StoreRefusedError, marks: bool

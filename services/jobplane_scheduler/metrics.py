@@ -90,15 +90,24 @@ class SchedulerMetrics:
             self.swept.labels(step.value)
 
     def fired(
-        self, instances: Sequence[Instance], definitions: Mapping[str, JobDefinition]
+        self,
+        instances: Sequence[Instance],
+        definitions: Mapping[str, JobDefinition],
+        lag_s: float | None = None,
     ) -> None:
         """Count recorded ticks: fired ones, their lag, and misfires by policy. ``instances``
         are what the store returned for the fire (a tick recorded before is returned too and
-        counted again; that happens only when two leaders overlap)."""
+        counted again; that happens only when two leaders overlap). ``lag_s``: the fire's lag,
+        for a tick written ahead and committed at its time (its creation time says the tick);
+        else each instance's creation time after its tick."""
         for instance in instances:
             if instance.scheduled_at is None:
                 continue
-            lag = (instance.created_at - instance.scheduled_at).total_seconds()
+            lag = (
+                (instance.created_at - instance.scheduled_at).total_seconds()
+                if lag_s is None
+                else lag_s
+            )
             skipped = instance.state is InstanceState.SKIPPED
             if not skipped:
                 self.ticks.inc()

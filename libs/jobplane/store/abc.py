@@ -288,6 +288,20 @@ class WorkerStore(DispatchStore, Registration, WorkerReads, Protocol):
         Raises IllegalTransitionError if some state of ``expect`` cannot reach ``to_state``."""
 
 
+class HeldFire(Protocol):
+    """A fire written ahead of its tick, in a transaction still open (see fire_ahead)."""
+
+    #: The instances as written (or as found: a tick recorded before).
+    instances: list[Instance]
+
+    async def commit(self) -> list[Instance]:
+        """Commit: the instances exist from now on. On an error the fire is unknown: a fire
+        of the same records then finds what was recorded."""
+
+    async def abandon(self) -> None:
+        """Roll back (unless committed) and give the connection back; no-op the second time."""
+
+
 class LeaderStore(DispatchStore, Protocol):
     """The scheduler role: its lease, and the leader's duties (each fenced by the leader's
     lease: :class:`~jobplane.errors.NotLeaderError` once deposed)."""
@@ -322,6 +336,19 @@ class LeaderStore(DispatchStore, Protocol):
         key → the definition version its ticks were planned under), nothing is created if a
         job's stored definition has another version: ``DefinitionsChangedError`` names those
         jobs. Decided in the write, so an edit committed before it is never missed."""
+
+    async def fire_ahead(
+        self,
+        lease: LeaderLease,
+        new: Sequence[NewInstance],
+        *,
+        published: bool = False,
+        planned: Mapping[str, int] | None = None,
+    ) -> HeldFire | None:
+        """As :meth:`fire`, written now and committed by :meth:`HeldFire.commit` at the tick
+        (until then nobody sees it, an edit of its jobs waits for it, and so does a takeover);
+        ``None`` where the store cannot hold a write open (its fire is then made at the tick).
+        Raises as :meth:`fire` does."""
 
     async def last_occurrences(self, keys: Collection[str]) -> dict[str, datetime]:
         """The latest recorded cron tick of each job: where the next fire is computed from."""

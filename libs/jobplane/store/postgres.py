@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from contextlib import AsyncExitStack
 from datetime import datetime
 from typing import Any
 from uuid import UUID
@@ -36,7 +37,8 @@ from jobplane.errors import (
 )
 from jobplane.idempotency import fingerprint_of
 from jobplane.store import rows
-from jobplane.store.abc import PublishedKey
+from jobplane.store.abc import HeldFire, PublishedKey
+from jobplane.store.ahead import PostgresHeldFire
 from jobplane.store.base import reachable, retry_conflicts
 from jobplane.store.driver import DriverStatement
 from jobplane.store.engine import AsyncConnection, AsyncEngine
@@ -48,6 +50,7 @@ from jobplane.store.postgres_sql import (
     CREATE,
     CREATE_ONE,
     FIRE,
+    FIRE_AHEAD,
     NOW,
     RENEW,
     UNPUBLISHED,
@@ -85,6 +88,7 @@ class PostgresStore(PostgresStatsStore, SqlStore):
         #: The single trigger's statement, run on the driver (see :class:`DriverStatement`).
         self._create_one = DriverStatement(CREATE_ONE, engine.dialect)
         self._fire = DriverStatement(FIRE, engine.dialect)
+        self._fire_ahead = DriverStatement(FIRE_AHEAD, engine.dialect)
         self._create_batch = DriverStatement(CREATE, engine.dialect)
         self._claim = DriverStatement(CLAIM, engine.dialect)
         self._complete_one = DriverStatement(COMPLETE, engine.dialect)
@@ -213,30 +217,64 @@ class PostgresStore(PostgresStatsStore, SqlStore):
         publication mark), so a tick costs one round trip."""
         if not new:
             return []
-        params = creation_params(new)
-        params.update(shard=lease.shard, holder=lease.holder, term=lease.term)
-        params["published"] = published
-        params["planned_keys"] = list(planned or ())
-        params["planned_versions"] = list((planned or {}).values())
+        params = _fire_params(lease, new, published, planned)
         # On the driver (one statement, a transaction of its own): SQLAlchemy's processing of
         # a 1,000-row result cost the leader more CPU than the rows' own conversion, and the
         # publish waits for it (docs/benchmarks.md, "Cron fire lag").
         async with reachable(), self.engine.connect() as conn:
-            result = await self._fire.fetch(conn, params)
-            if not result[0]["live"]:
-                raise NotLeaderError(f"term {lease.term} of shard {lease.shard} is over")
-            if result[0]["missing_key"] is not None:
-                raise JobNotFoundError(result[0]["missing_key"])
-            if result[0]["changed_keys"] is not None:
-                raise DefinitionsChangedError(result[0]["changed_keys"])
-            records = {n.id: n for n in new}
-            by_id = {
-                row["id"]: rows.inserted_instance(records[row["id"]], row)
-                for row in result
-                if row["id"] is not None
-            }
-            # A tick recorded before (two leaders overlapping) is read, committed, from here.
-            return await self._resolve_created(conn, new, by_id)
+            return await self._fired(conn, lease, new, await self._fire.fetch(conn, params))
+
+    async def fire_ahead(
+        self,
+        lease: LeaderLease,
+        new: Sequence[NewInstance],
+        *,
+        published: bool = False,
+        planned: Mapping[str, int] | None = None,
+    ) -> HeldFire | None:
+        """As :meth:`fire`, written now in a transaction left open for the caller to commit
+        at the tick (``FIRE_AHEAD``): the tick's instances become visible, and their messages
+        can go out, a commit after the tick rather than a 1,000-row insert after it."""
+        if not new:
+            return None
+        params = _fire_params(lease, new, published, planned)
+        stack = AsyncExitStack()  # (its close returns the connection even when cancelled)
+        async with reachable():
+            conn = await stack.enter_async_context(self.engine.connect())
+        try:
+            async with reachable():
+                # Begun through SQLAlchemy (the driver statement runs inside its transaction,
+                # which a close rolls back), with the same fence as the statement's.
+                await self._fence(conn, lease)
+                found = await self._fire_ahead.fetch(conn, params)
+                instances = await self._fired(conn, lease, new, found)
+        except BaseException:
+            await stack.aclose()
+            raise
+        return PostgresHeldFire(stack, conn, instances)
+
+    async def _fired(
+        self,
+        conn: AsyncConnection,
+        lease: LeaderLease,
+        new: Sequence[NewInstance],
+        result: list[dict[str, Any]],
+    ) -> list[Instance]:
+        """The instances of a fire's statement's ``result``, or the error it reports."""
+        if not result[0]["live"]:
+            raise NotLeaderError(f"term {lease.term} of shard {lease.shard} is over")
+        if result[0]["missing_key"] is not None:
+            raise JobNotFoundError(result[0]["missing_key"])
+        if result[0]["changed_keys"] is not None:
+            raise DefinitionsChangedError(result[0]["changed_keys"])
+        records = {n.id: n for n in new}
+        by_id = {
+            row["id"]: rows.inserted_instance(records[row["id"]], row)
+            for row in result
+            if row["id"] is not None
+        }
+        # A tick recorded before (two leaders overlapping) is read, committed, from here.
+        return await self._resolve_created(conn, new, by_id)
 
     @retry_conflicts
     async def create_published(self, new: NewInstance, definition: JobDefinition) -> Instance:
@@ -424,3 +462,18 @@ def creation_params(new: Sequence[NewInstance]) -> dict[str, Any]:
         name: values if any(v is not None for v in values) else []
         for name, values in columns.items()
     }
+
+
+def _fire_params(
+    lease: LeaderLease,
+    new: Sequence[NewInstance],
+    published: bool,
+    planned: Mapping[str, int] | None,
+) -> dict[str, Any]:
+    """The parameters of ``FIRE`` and ``FIRE_AHEAD``."""
+    params = creation_params(new)
+    params.update(shard=lease.shard, holder=lease.holder, term=lease.term)
+    params["published"] = published
+    params["planned_keys"] = list(planned or ())
+    params["planned_versions"] = list((planned or {}).values())
+    return params

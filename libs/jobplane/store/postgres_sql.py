@@ -219,11 +219,17 @@ input AS (
 
 # ``resolved`` (the input joined to its definitions, with its state) comes before these.
 def _create_insert(
-    published: str, conflict: str = "", returning: str = _cols("job_instances")
+    published: str,
+    conflict: str = "",
+    returning: str = _cols("job_instances"),
+    at: str = "clock_timestamp()",
+    created: str = "now()",
 ) -> str:
     """The ``ins`` and ``history`` CTEs; ``published`` is the ``published_at`` written,
-    ``conflict`` the one unique index a duplicate may meet (default: any of them), and
-    ``returning`` the columns ``ins`` returns (default: all; ``history`` needs id and state)."""
+    ``conflict`` the one unique index a duplicate may meet (default: any of them),
+    ``returning`` the columns ``ins`` returns (default: all; ``history`` needs id and state),
+    ``at`` the time of the creation record (default: the clock, as the column's) and
+    ``created`` the instance's ``created_at`` (default: the transaction's time)."""
     return f"""
 ins AS (
     INSERT INTO job_instances (
@@ -233,7 +239,7 @@ ins AS (
     )
     SELECT id, job_key, state, source, COALESCE(queue, options ->> 'queue'),
            COALESCE(priority, CAST(options ->> 'priority' AS integer)), CAST(args AS jsonb),
-           now(), scheduled_at, CASE WHEN held THEN NULL ELSE run_at END, {published},
+           {created}, scheduled_at, CASE WHEN held THEN NULL ELSE run_at END, {published},
            CASE WHEN state = 'skipped' THEN now() END, pinned_worker, retry_of,
            idempotency_key, idempotency_fingerprint, skip_reason
     FROM resolved
@@ -241,8 +247,8 @@ ins AS (
     RETURNING {returning}
 ),
 history AS (
-    INSERT INTO instance_transitions (instance_id, from_state, to_state, actor, reason)
-    SELECT ins.id, NULL, ins.state, r.actor, r.skip_reason
+    INSERT INTO instance_transitions (instance_id, from_state, to_state, actor, reason, at)
+    SELECT ins.id, NULL, ins.state, r.actor, r.skip_reason, {at}
     FROM ins JOIN resolved r ON r.id = ins.id
     RETURNING 1
 )"""
@@ -315,7 +321,35 @@ SELECT * FROM ins
 # was inserted.
 #: The unique index of cron occurrences, as an ``ON CONFLICT`` arbiter.
 _OCCURRENCE = "(job_key, scheduled_at) WHERE source = 'cron'"
-FIRE_SQL = f"""
+
+
+def _fire_sql(ahead: bool) -> str:
+    """The fire's statement; ``ahead``: written before its tick, in a transaction committed at
+    the tick (``FIRE_AHEAD``)."""
+    # Ahead of the tick the statement's snapshot is older than the tick: an edit or a pause
+    # committed between the two would go unseen. So the planned jobs' definition rows are
+    # share-locked (in key order) and their versions compared as locked, which is the latest
+    # committed version (Read Committed re-reads a row updated since the snapshot when it
+    # locks it): an edit committed before the lock is seen and refuses the fire; one that
+    # comes after waits for the tick's commit, and so comes after the tick.
+    definitions = (
+        """locked AS MATERIALIZED (
+    SELECT d.key, d.version FROM job_definitions d
+    WHERE d.key = ANY (CAST(:planned_keys AS text[]))
+    ORDER BY d.key
+    FOR SHARE
+),"""
+        if ahead
+        else ""
+    )
+    compared = "locked" if ahead else "job_definitions"
+    # Its instances come into being at the commit, at the tick: their creation time and
+    # record say the tick (the clock's time when written late, as a fire at its time does).
+    at = "GREATEST(clock_timestamp(), r.scheduled_at)" if ahead else "clock_timestamp()"
+    created = "GREATEST(now(), scheduled_at)" if ahead else "now()"
+    # (and its message is sent then: the republish sweep counts from there)
+    published = _PUBLISHED.replace("now()", created)
+    return f"""
 WITH fence AS MATERIALIZED (
     SELECT term FROM scheduler_leases
     WHERE shard = :shard AND holder = :holder AND term = :term AND expires_at > now()
@@ -330,9 +364,10 @@ planned AS (
     SELECT * FROM unnest(CAST(:planned_keys AS text[]), CAST(:planned_versions AS integer[]))
         AS p(job_key, version)
 ),
+{definitions}
 changed AS MATERIALIZED (
     SELECT array_agg(p.job_key ORDER BY p.job_key) AS job_keys
-    FROM planned p JOIN job_definitions d ON d.key = p.job_key
+    FROM planned p JOIN {compared} d ON d.key = p.job_key
     WHERE d.version <> p.version
 ),
 resolved AS (
@@ -342,11 +377,15 @@ resolved AS (
     WHERE EXISTS (SELECT 1 FROM fence) AND (SELECT job_key FROM missing) IS NULL
       AND (SELECT job_keys FROM changed) IS NULL
 ),
-{_create_insert(_PUBLISHED, _OCCURRENCE, ", ".join(DECIDED_COLUMNS))}
+{_create_insert(published, _OCCURRENCE, ", ".join(DECIDED_COLUMNS), at, created)}
 SELECT ins.*, EXISTS (SELECT 1 FROM fence) AS live, (SELECT job_key FROM missing) AS missing_key,
        (SELECT job_keys FROM changed) AS changed_keys
 FROM (SELECT 1) AS one LEFT JOIN ins ON true
 """
+
+
+FIRE_SQL = _fire_sql(ahead=False)
+FIRE_AHEAD_SQL = _fire_sql(ahead=True)
 
 
 # One statement, one round trip, creates a single triggered instance (the hot path of
@@ -446,11 +485,14 @@ RETURNING i.id, i.cancel_requested
 
 # Built once: SQLAlchemy then compiles each of them once per process, not once per call.
 CREATE = text(CREATE_SQL).columns(*(job_instances.c[name] for name in DECIDED_COLUMNS))
-FIRE = text(FIRE_SQL).columns(
-    *(job_instances.c[name] for name in DECIDED_COLUMNS),
+_FIRE_COLUMNS = dict(
     live=job_instances.c.cancel_requested.type,
     missing_key=job_instances.c.job_key.type,
     changed_keys=ARRAY(job_instances.c.job_key.type),
+)
+FIRE = text(FIRE_SQL).columns(*(job_instances.c[name] for name in DECIDED_COLUMNS), **_FIRE_COLUMNS)
+FIRE_AHEAD = text(FIRE_AHEAD_SQL).columns(
+    *(job_instances.c[name] for name in DECIDED_COLUMNS), **_FIRE_COLUMNS
 )
 CLAIM = text(CLAIM_SQL).columns(*job_instances.c, job_options=job_instances.c.args.type)
 COMPLETE = text(COMPLETE_SQL)

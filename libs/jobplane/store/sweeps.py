@@ -22,6 +22,7 @@ from jobplane.domain.options import JobOptions, PinFallback
 from jobplane.domain.reasons import EndReason
 from jobplane.domain.states import InstanceState
 from jobplane.errors import DefinitionsChangedError, NotLeaderError, StoreRefusedError
+from jobplane.store.abc import HeldFire
 from jobplane.store.base import in_slices, logger, retry_conflicts
 from jobplane.store.engine import AsyncConnection
 from jobplane.store.lifecycle import release_runaway_rows
@@ -73,6 +74,18 @@ class SweepStore(PublicationStore):
             return await self._create(  # type: ignore[attr-defined,no-any-return]
                 conn, new, published=published
             )
+
+    async def fire_ahead(
+        self,
+        lease: LeaderLease,
+        new: Sequence[NewInstance],
+        *,
+        published: bool = False,
+        planned: Mapping[str, int] | None = None,
+    ) -> HeldFire | None:
+        """None: this store writes a tick at its time only (SQLite serialises every write, so
+        a transaction held open until the tick would stall every other one)."""
+        return None
 
     async def last_occurrences(self, keys: Collection[str]) -> dict[str, datetime]:
         """The latest recorded cron tick of each job (fired or recorded as missed)."""

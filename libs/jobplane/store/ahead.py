@@ -1,0 +1,56 @@
+"""A cron tick written ahead of its time, committed at it (Postgres).
+
+The leader writes a tick's instances (a 1,000-row insert with its history: tens of ms) a
+moment before the tick, in a transaction it leaves open, and commits it at the tick: the
+instances become visible, and their messages go out, a commit after the tick. Until then
+nobody sees them, and what the transaction locks keeps its facts true at the commit:
+
+- the live lease row of the leader's term, share-locked: a takeover must update it, so it
+  waits for the commit (or the rollback) and the new leader finds the tick recorded or not;
+- the planned jobs' definition rows, share-locked: an edit or a pause of one of them waits
+  for the commit, so it comes after the tick, as it would have come after a fire at its time;
+- the unique occurrence of each (job, tick): a second leader's fire of it waits, then skips it;
+- the instance-count rows of its jobs' Enqueued instances on the leader session's shard (see
+  migration 0017): a claim of one of those jobs' instances on a session of the same shard (one
+  in 16) waits for the commit too, at most the time written ahead.
+
+The open transaction is bounded by the role's ``idle_in_transaction_session_timeout``: a
+leader that froze before its commit has its session ended by the server, which rolls the
+tick back, and whoever leads then fires it.
+"""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+
+from jobplane.domain.models import Instance
+from jobplane.store.base import reachable
+from jobplane.store.engine import AsyncConnection
+
+
+class PostgresHeldFire:
+    """A fire's transaction left open (see :meth:`~jobplane.store.abc.LeaderStore.fire_ahead`)."""
+
+    def __init__(
+        self, stack: AsyncExitStack, conn: AsyncConnection, instances: list[Instance]
+    ) -> None:
+        self._stack = stack
+        self._conn = conn
+        #: The instances as the statement wrote them (or found them: a tick already recorded).
+        self.instances = instances
+
+    async def commit(self) -> list[Instance]:
+        """Commit the fire: its instances exist from now on. Raises the store's errors; the
+        fire is then unknown (the commit may have happened before the connection broke): a
+        fire of the same records again finds what was recorded."""
+        try:
+            async with reachable():
+                await self._conn.commit()
+        finally:
+            await self.abandon()
+        return self.instances
+
+    async def abandon(self) -> None:
+        """Roll the fire back (unless committed) and give the connection back to the pool;
+        no-op the second time. It runs to its end even if the caller is cancelled."""
+        await self._stack.aclose()

@@ -1,0 +1,230 @@
+"""A cron tick written ahead of its time and committed at it (Postgres: ``fire_ahead``).
+
+The leader writes a tick's instances a moment before the tick in a transaction it leaves open,
+and commits it at the tick. These tests hold such a write open on a real Postgres and check
+what the open transaction promises: nobody sees the instances before the commit; an edit of
+one of its jobs, and a takeover of the lease, wait for it and so come after the tick; a write
+given up, refused or left open past the session's idle limit leaves nothing; the scheduler
+commits its ticks at their time, never before, and counts their lag to the commit."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime, timedelta
+
+import pytest
+from sqlalchemy import text
+
+from jobplane.bus.abc import Bus
+from jobplane.domain.models import InstanceFilter, LeaderLease, NewInstance
+from jobplane.domain.states import InstanceState as S
+from jobplane.errors import DefinitionsChangedError, StoreUnavailableError
+from jobplane.settings import SessionLimits
+from jobplane.store.abc import HeldFire
+from jobplane.store.factory import open_store
+from jobplane.store.sql import SqlStore
+from jobplane_scheduler.cron_timers import occurrence
+from tests.scheduler_helpers import running_scheduler
+from tests.store_helpers import define
+from tests.worker_helpers import wait_for
+
+KEYS = ["a", "b", "c"]
+
+
+async def _jobs(store: SqlStore) -> dict[str, int]:
+    """Three recurring jobs; their keys → stored versions."""
+    for key in KEYS:
+        await define(store, key, cron="* * * * * *")
+    return {key: (await store.get_definition(key)).version for key in KEYS}
+
+
+async def _lease(store: SqlStore, holder: str = "ahead-test", ttl_s: float = 30) -> LeaderLease:
+    lease = await store.acquire_leadership(0, holder, ttl_s)
+    assert lease is not None
+    return lease
+
+
+async def _tick(store: SqlStore, ahead_s: float = 5.0) -> datetime:
+    """A whole second at least ``ahead_s`` after the database's now."""
+    now = await store.now()
+    return now.replace(microsecond=0) + timedelta(seconds=ahead_s + 1)
+
+
+def _checked_out(store: SqlStore) -> int:
+    """Connections of the store's pool in use."""
+    return int(store.engine.pool.checkedout())  # type: ignore[attr-defined]
+
+
+def _records(at: datetime) -> list[NewInstance]:
+    return [occurrence(key, at) for key in KEYS]
+
+
+async def _count(store: SqlStore, at: datetime) -> int:
+    """Committed cron instances of the tick at ``at``, as another session sees them."""
+    async with store.engine.connect() as conn:
+        query = "SELECT count(*) FROM job_instances WHERE source = 'cron' AND scheduled_at = :at"
+        return int((await conn.execute(text(query), {"at": at})).scalar_one())
+
+
+async def _hold(
+    store: SqlStore, lease: LeaderLease, at: datetime, planned: dict[str, int]
+) -> HeldFire:
+    held = await store.fire_ahead(lease, _records(at), published=True, planned=planned)
+    assert held is not None
+    return held
+
+
+async def test_a_tick_written_ahead_is_seen_by_nobody_until_its_commit(
+    pg_store: SqlStore,
+) -> None:
+    planned = await _jobs(pg_store)
+    at = await _tick(pg_store)
+    held = await _hold(pg_store, await _lease(pg_store), at, planned)
+    assert {i.job_key for i in held.instances} == set(KEYS)
+    assert await _count(pg_store, at) == 0
+    committed = await held.commit()
+    assert [i.id for i in committed] == [i.id for i in held.instances]
+    assert await _count(pg_store, at) == 3
+    for instance in committed:
+        stored = await pg_store.get_instance(instance.id)
+        # Written before its tick, it came into being at the commit: its creation time and
+        # record say the tick (never a time before it).
+        assert stored.state is S.ENQUEUED
+        assert stored.created_at == at and stored.published_at == at
+        [created] = await pg_store.transitions(instance.id)
+        assert created.to_state is S.ENQUEUED and created.at == at
+    assert _checked_out(pg_store) == 0
+
+
+async def test_an_abandoned_tick_leaves_nothing_and_gives_its_connection_back(
+    pg_store: SqlStore,
+) -> None:
+    planned = await _jobs(pg_store)
+    at = await _tick(pg_store)
+    held = await _hold(pg_store, await _lease(pg_store), at, planned)
+    assert _checked_out(pg_store) == 1
+    await held.abandon()
+    await held.abandon()  # (a no-op the second time)
+    assert _checked_out(pg_store) == 0
+    assert await _count(pg_store, at) == 0
+
+
+async def test_an_edit_committed_before_the_write_refuses_it(pg_store: SqlStore) -> None:
+    planned = await _jobs(pg_store)
+    await pg_store.set_paused("b", True, "test")
+    at = await _tick(pg_store)
+    with pytest.raises(DefinitionsChangedError) as refused:
+        await pg_store.fire_ahead(await _lease(pg_store), _records(at), planned=planned)
+    assert refused.value.keys == {"b"}
+    assert _checked_out(pg_store) == 0
+    assert await _count(pg_store, at) == 0
+
+
+async def test_an_edit_of_a_held_job_waits_for_the_commit(pg_store: SqlStore) -> None:
+    """A pause made while the tick is held cannot slip in between the write and the commit
+    (the write's snapshot would not see it): it waits for the commit, and so comes after the
+    tick, as it would after a tick fired at its time."""
+    planned = await _jobs(pg_store)
+    at = await _tick(pg_store)
+    held = await _hold(pg_store, await _lease(pg_store), at, planned)
+    pausing = asyncio.ensure_future(pg_store.set_paused("b", True, "test"))
+    done, _ = await asyncio.wait([pausing], timeout=0.5)
+    assert not done, "the pause did not wait for the held tick"
+    await held.commit()
+    paused = await asyncio.wait_for(pausing, timeout=10)
+    assert paused.paused and paused.version == planned["b"] + 1
+    assert await _count(pg_store, at) == 3
+
+
+async def test_a_takeover_waits_for_the_held_tick_which_fires_once(pg_store: SqlStore) -> None:
+    """The lease runs out while its leader holds a tick: a standby's takeover waits for the
+    commit, then finds the tick recorded; its own fire of the tick records nothing more."""
+    planned = await _jobs(pg_store)
+    at = await _tick(pg_store)
+    lease = await _lease(pg_store, "old", ttl_s=0.5)
+    held = await _hold(pg_store, lease, at, planned)
+    await asyncio.sleep(0.7)  # (expired now)
+    taking = asyncio.ensure_future(pg_store.acquire_leadership(0, "new", 30))
+    done, _ = await asyncio.wait([taking], timeout=0.5)
+    assert not done, "the takeover did not wait for the held tick"
+    await held.commit()
+    new = await asyncio.wait_for(taking, timeout=10)
+    assert new is not None and new.term == lease.term + 1
+    again = await pg_store.fire(new, _records(at), planned=planned)
+    assert {i.id for i in again} == {i.id for i in held.instances}
+    assert await _count(pg_store, at) == 3
+
+
+async def test_a_tick_held_past_the_idle_limit_is_rolled_back_by_the_server(
+    pg_database_url: str,
+) -> None:
+    """A leader that froze with a tick held open (SIGSTOP, a stall) does not keep its locks:
+    the server ends the session at its idle-in-transaction limit, and the tick is not
+    recorded (whoever leads then fires it)."""
+    limits = SessionLimits(
+        lock_timeout_s=2, idle_in_transaction_timeout_s=0.3, statement_timeout_s=30, keepalive_s=5
+    )
+    store = open_store(pg_database_url, limits=limits)
+    try:
+        planned = await _jobs(store)
+        at = await _tick(store)
+        held = await _hold(store, await _lease(store), at, planned)
+        await asyncio.sleep(1.0)
+        with pytest.raises(StoreUnavailableError):
+            await held.commit()
+        assert _checked_out(store) == 0
+        assert await _count(store, at) == 0
+    finally:
+        await store.close()
+
+
+async def test_the_embedded_store_fires_at_the_tick_only(sqlite_database_url: str) -> None:
+    store = open_store(sqlite_database_url)
+    try:
+        planned = await _jobs(store)
+        at = await _tick(store)
+        assert await store.fire_ahead(await _lease(store), _records(at), planned=planned) is None
+    finally:
+        await store.close()
+
+
+async def test_the_leader_commits_each_tick_at_its_time_never_before(
+    pg_store: SqlStore, memory_bus: Bus
+) -> None:
+    """On Postgres the scheduler writes each tick ahead (its records say the tick itself) and
+    commits it at the tick: a session reading all along first sees each tick's instance at or
+    after its time, on the database's clock, and the leader counts the lag to the commit."""
+    await define(pg_store, "tick", cron="* * * * * *")
+    first_seen: dict[datetime, datetime] = {}
+    stop = asyncio.Event()
+
+    async def watch() -> None:
+        query = "SELECT scheduled_at, clock_timestamp() FROM job_instances WHERE job_key = 'tick'"
+        async with pg_store.engine.connect() as conn:
+            while not stop.is_set():
+                for tick, now in (await conn.execute(text(query))).all():
+                    first_seen.setdefault(tick, now)
+                await conn.commit()  # (a new snapshot for the next read)
+                await asyncio.sleep(0.005)
+
+    watching = asyncio.ensure_future(watch())
+    try:
+        async with running_scheduler(pg_store, memory_bus) as scheduler:
+
+            async def four() -> bool:
+                return len(first_seen) >= 4
+
+            await wait_for(four, timeout_s=15, what="four ticks")
+            lags = scheduler.metrics.registry.get_sample_value(
+                "jobplane_scheduler_fire_lag_seconds_sum"
+            )
+    finally:
+        stop.set()
+        await watching
+    page = await pg_store.list_instances(InstanceFilter(job_key="tick"), limit=100)
+    written_ahead = [i for i in page.items if i.created_at == i.scheduled_at]
+    # (The first tick after the start may be fired at its time: written ahead are the rest.)
+    assert len(written_ahead) >= 2, [(i.scheduled_at, i.created_at) for i in page.items]
+    for tick, seen in first_seen.items():
+        assert seen >= tick, f"the tick of {tick} was seen at {seen}, before its time"
+    assert lags is not None and lags > 0  # (the commit's lag, not the recorded zero)
