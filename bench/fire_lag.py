@@ -1,25 +1,31 @@
-"""Cron fire lag with many one-second schedules: the time from a tick to its instance being
-recorded Enqueued (the creation record's clock_timestamp() minus the scheduled time).
+"""Cron fire lag with many one-second schedules: the time from a tick to its instances being
+recorded Enqueued, as anyone can first see them.
 
     .venv/bin/python -m bench.fire_lag [--jobs 1000] [--seconds 10]
 
-Also shows where the lag is, per tick (all from the database's and Redis's clocks, one
-machine): "begin" is the fire's transaction start (``created_at``, the database's ``now()``)
-minus the tick: the wake-up and what the leader did before its write; "insert" is the
-creation record minus that start (the write itself); "bus" is the message's Redis stream
-entry time (millisecond precision) minus the tick: the publish, as a worker could first read it.
+"visible" is, per tick, when the commit of its instances reached this benchmark (a statement
+trigger the benchmark adds to its database notifies a channel it listens on; Postgres delivers
+a notification at the commit) minus the tick. "recorded" is each creation record's time minus
+the tick: a tick written ahead of its time and committed at it records the tick itself, so
+only "visible" measures it. "bus" is each message's Redis stream entry time (millisecond
+precision) minus the tick: the publish, as a worker could first read it. For a tick fired at
+its time, "begin" is the fire's transaction start (``created_at``, the database's ``now()``)
+minus the tick (the wake-up and what the leader did before its write) and "insert" the
+creation record minus that start (the write itself). The clocks are the machine's one clock.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
+import asyncpg
 import redis.asyncio as aioredis
-from sqlalchemy import text
+from sqlalchemy import make_url, text
 
 from bench.common import REDIS_URL, environment, percentile, spawn_scheduler
 from jobplane.bus.envelope import Envelope
@@ -53,17 +59,53 @@ def _summary(name: str, values: list[float]) -> str:
     )
 
 
+#: Notifies, at the commit of each statement that inserted cron instances, their earliest
+#: tick (epoch seconds) and how many there were.
+_NOTIFY_FIRES = [
+    """CREATE FUNCTION bench_fired() RETURNS trigger LANGUAGE plpgsql AS $$
+    DECLARE
+        tick double precision;
+        n bigint;
+    BEGIN
+        SELECT extract(epoch FROM min(scheduled_at)), count(*) INTO tick, n
+        FROM new_rows WHERE source = 'cron';
+        IF n > 0 THEN
+            PERFORM pg_notify('bench_fired', tick || ' ' || n);
+        END IF;
+        RETURN NULL;
+    END $$""",
+    """CREATE TRIGGER bench_fired AFTER INSERT ON job_instances
+    REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION bench_fired()""",
+]
+
+
 async def main(jobs: int, seconds: float) -> None:
     async with environment() as (url, prefix, store):
         for i in range(jobs):
             options = JobOptions.parse(key=f"tick-{i:04d}", kind="recurring", cron="* * * * * *")
             await store.register_definition(options, None, "bench")
+        async with store.engine.begin() as conn:
+            for statement in _NOTIFY_FIRES:
+                await conn.execute(text(statement))
+        # tick (epoch seconds) → when its last notification came (epoch seconds), and count
+        seen: dict[float, tuple[float, int]] = {}
+
+        def notified(_conn: object, _pid: int, _channel: str, payload: str) -> None:
+            now = time.time()
+            tick, n = payload.split()
+            before = seen.get(float(tick), (0.0, 0))
+            seen[float(tick)] = (now, before[1] + int(n))
+
+        dsn = make_url(url).set(drivername="postgresql").render_as_string(False)
+        listener = await asyncpg.connect(dsn)
+        await listener.add_listener("bench_fired", notified)
         scheduler = spawn_scheduler(url, prefix)
         try:
             await asyncio.sleep(seconds + 2)
         finally:
             scheduler.terminate()
             scheduler.wait(timeout=30)
+            await listener.close()
         async with store.engine.connect() as conn:
             rows = (
                 await conn.execute(
@@ -93,11 +135,20 @@ async def main(jobs: int, seconds: float) -> None:
             inserts[r[1]] = max(inserts.get(r[1], 0.0), float(r[4]) * 1000)
         begins = [min(v) for v in ticks.values()]
         published = [(bus[r[0]] - r[1].timestamp()) * 1000 for r in steady if r[0] in bus]
-        print(f"fire lag, {jobs} one-second schedules, {len(steady)} fires: {_summary('', lags)}")
-        print(f"  per tick ({len(ticks)}): {_summary('begin', begins)};")
-        print(f"    {_summary('insert', list(inserts.values()))}")
+        visible = [
+            (seen[tick.timestamp()][0] - tick.timestamp()) * 1000
+            for tick in ticks
+            if tick.timestamp() in seen
+        ]
+        notified_n = sum(seen[t.timestamp()][1] for t in ticks if t.timestamp() in seen)
+        print(f"fire lag, {jobs} one-second schedules, {len(steady)} fires, {len(ticks)} ticks:")
+        if visible:
+            print(f"  {_summary('visible', visible)} ({notified_n} instances notified)")
+        print(f"  {_summary('recorded', lags)}")
         if published:
             print(f"  {_summary('bus', published)} ({len(published)} published)")
+        print(f"  per tick: {_summary('begin', begins)};")
+        print(f"    {_summary('insert', list(inserts.values()))}")
 
 
 if __name__ == "__main__":
