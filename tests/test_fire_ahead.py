@@ -18,7 +18,7 @@ from sqlalchemy import text
 from jobplane.bus.abc import Bus
 from jobplane.domain.models import InstanceFilter, LeaderLease, NewInstance
 from jobplane.domain.states import InstanceState as S
-from jobplane.errors import DefinitionsChangedError, StoreUnavailableError
+from jobplane.errors import DefinitionsChangedError, StoreConflictError, StoreUnavailableError
 from jobplane.settings import SessionLimits
 from jobplane.store.abc import HeldFire
 from jobplane.store.factory import open_store
@@ -153,6 +153,92 @@ async def test_a_takeover_waits_for_the_held_tick_which_fires_once(pg_store: Sql
     again = await pg_store.fire(new, _records(at), planned=planned)
     assert {i.id for i in again} == {i.id for i in held.instances}
     assert await _count(pg_store, at) == 3
+
+
+async def test_a_takeover_ends_a_frozen_leader_s_held_tick_which_the_new_leader_fires(
+    pg_database_url: str, pg_store: SqlStore
+) -> None:
+    """As a standby takes over from a leader that froze holding a tick, it ends the expired
+    holder's sessions on the lease row (the held one among them): the tick is rolled back
+    rather than waited for, and the new leader fires it, once."""
+    limits = SessionLimits(
+        lock_timeout_s=2, idle_in_transaction_timeout_s=30, statement_timeout_s=30,
+        keepalive_s=5, application_name="old",
+    )  # fmt: skip
+    old_store = open_store(pg_database_url, limits=limits)
+    try:
+        planned = await _jobs(pg_store)
+        at = await _tick(pg_store)
+        lease = await _lease(old_store, "old", ttl_s=0.5)
+        held = await _hold(old_store, lease, at, planned)
+        await asyncio.sleep(0.7)  # (expired now)
+        new = await asyncio.wait_for(pg_store.acquire_leadership(0, "new", 30), timeout=1.5)
+        assert new is not None and new.term == lease.term + 1
+        with pytest.raises(StoreUnavailableError):
+            await held.commit()
+        await held.abandon()  # (its session is gone: nothing raised)
+        assert _checked_out(old_store) == 0
+        assert await _count(pg_store, at) == 0
+        fired = await pg_store.fire(new, _records(at), planned=planned)
+        assert len(fired) == 3 and await _count(pg_store, at) == 3
+    finally:
+        await old_store.close()
+
+
+async def test_a_held_tick_whose_session_died_is_given_up_without_an_error(
+    pg_store: SqlStore,
+) -> None:
+    """A restart, or the idle limit, ended the session under a held tick: giving it up
+    (a re-plan, a stop) raises nothing, and the connection goes back to the pool."""
+    planned = await _jobs(pg_store)
+    at = await _tick(pg_store)
+    held = await _hold(pg_store, await _lease(pg_store), at, planned)
+    async with pg_store.engine.connect() as conn:
+        query = (
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND state = 'idle in transaction'"
+        )
+        assert (await conn.execute(text(query))).scalar_one()
+    await asyncio.sleep(0.1)
+    await held.abandon()
+    assert _checked_out(pg_store) == 0
+    assert await _count(pg_store, at) == 0
+
+
+async def test_a_write_ahead_waits_for_no_edit_under_way(pg_store: SqlStore) -> None:
+    """An edit of one of the tick's jobs is under way (its row locked): the write ahead gives
+    up within its short lock limit rather than holding the leader's planning up, and the
+    tick is fired at its time."""
+    planned = await _jobs(pg_store)
+    at = await _tick(pg_store)
+    lease = await _lease(pg_store)
+    async with pg_store.engine.connect() as editing:
+        await editing.execute(text("UPDATE job_definitions SET updated_by = 'x' WHERE key = 'b'"))
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(StoreConflictError):
+            writing = pg_store.fire_ahead(lease, _records(at), planned=planned)
+            await asyncio.wait_for(writing, timeout=5)
+        assert asyncio.get_running_loop().time() - started < 1.0
+        await editing.rollback()
+    assert _checked_out(pg_store) == 0
+    assert await _count(pg_store, at) == 0
+
+
+async def test_a_worker_registering_unchanged_jobs_does_not_wait_for_a_held_tick(
+    pg_store: SqlStore,
+) -> None:
+    """Every worker's start registers its jobs; one that changes nothing writes nothing, so
+    it does not wait for the tick's commit."""
+    planned = await _jobs(pg_store)
+    at = await _tick(pg_store)
+    held = await _hold(pg_store, await _lease(pg_store), at, planned)
+    try:
+        definition = await pg_store.get_definition("b")
+        registering = pg_store.register_definition(definition.options, None, "worker")
+        again, created = await asyncio.wait_for(registering, timeout=1.0)
+        assert not created and again.version == planned["b"]
+    finally:
+        await held.abandon()
 
 
 async def test_a_tick_held_past_the_idle_limit_is_rolled_back_by_the_server(

@@ -125,8 +125,14 @@ class AheadFiring:
         if held is None:
             self._ahead_supported = False
             return
-        # Its messages are made ready too: at the tick, the commit and their append are left.
-        publication = self.dispatcher.prepare_created(held.instances, {r.id for r in records})
+        try:
+            # Its messages are made ready too: at the tick, the commit and their append are
+            # left.
+            ids = {r.id for r in records}
+            publication = self.dispatcher.prepare_created(held.instances, ids)
+        except BaseException:
+            await held.abandon()
+            raise
         self._held = Ahead(at, frozenset(due), records, grace_s, held, publication)
 
     async def _commit_ahead(self, now: datetime) -> frozenset[tuple[str, datetime]]:
@@ -161,11 +167,14 @@ class AheadFiring:
             await self._publish_fired(instances, records, ahead.publication, lag_s)
         return True
 
-    async def _abandon_held(self) -> None:
-        """Roll back the tick written ahead, if any (its fire is then made at the tick)."""
-        ahead, self._held = self._held, None
-        if ahead is not None:
-            await ahead.held.abandon()
+    async def _abandon_held(self, keys: set[str] | None = None) -> None:
+        """Roll back the tick written ahead, if any (its fire is then made at the tick); with
+        ``keys``, only if it has a tick of one of those jobs."""
+        ahead = self._held
+        if ahead is None or (keys is not None and not any(k in keys for k, _ in ahead.ticks)):
+            return
+        self._held = None
+        await ahead.held.abandon()
 
     async def _publish_fired(
         self,

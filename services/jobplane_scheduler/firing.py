@@ -77,8 +77,9 @@ class CronFiring(AheadFiring):
         resumed or edited during a short outage stayed unplanned until the next term."""
         if not keys:
             return
-        # A tick written ahead was planned under what changes here: made at its time instead.
-        await self._abandon_held()
+        # A tick written ahead for one of these jobs was planned under what changes here: it
+        # is made at its time instead (the others' ticks stand: their timers do not move).
+        await self._abandon_held(keys)
         self._unplanned |= keys
         cached = self.cache.definitions
         active = []

@@ -12,7 +12,16 @@ nobody sees them, and what the transaction locks keeps its facts true at the com
 - the unique occurrence of each (job, tick): a second leader's fire of it waits, then skips it;
 - the instance-count rows of its jobs' Enqueued instances on the leader session's shard (see
   migration 0017): a claim of one of those jobs' instances on a session of the same shard (one
-  in 16) waits for the commit too, at most the time written ahead.
+  in 16) waits for the commit too, and, holding the job's slot row meanwhile, so do the other
+  claims and outcomes of that job: at most the time written ahead.
+
+A takeover does not wait for a frozen leader's tick: the lease has expired by then, and the
+standby ends the sessions the expired holder still holds its lease row with (the held one
+among them), which rolls the tick back; the new leader fires it. The leader's own renewal of
+its lease waits for the commit.
+
+The write itself waits for no lock longer than ``LOCK_TIMEOUT_MS`` (an edit of one of its jobs
+under way, say): it is given up, and the tick is fired at its time.
 
 The open transaction is bounded by the role's ``idle_in_transaction_session_timeout``: a
 leader that froze before its commit has its session ended by the server, which rolls the
@@ -21,11 +30,19 @@ tick back, and whoever leads then fires it.
 
 from __future__ import annotations
 
+import logging
 from contextlib import AsyncExitStack
 
 from jobplane.domain.models import Instance
+from jobplane.errors import first_line
 from jobplane.store.base import reachable
 from jobplane.store.engine import AsyncConnection
+
+logger = logging.getLogger(__name__)
+
+#: The longest a tick's write ahead waits for a lock (``SET LOCAL lock_timeout``): the leader
+#: writes it while planning, and a writer's transaction left open must not hold that up.
+LOCK_TIMEOUT_MS = 50
 
 
 class PostgresHeldFire:
@@ -52,5 +69,18 @@ class PostgresHeldFire:
 
     async def abandon(self) -> None:
         """Roll the fire back (unless committed) and give the connection back to the pool;
-        no-op the second time. It runs to its end even if the caller is cancelled."""
-        await self._stack.aclose()
+        no-op the second time. It runs to its end even if the caller is cancelled, and never
+        raises otherwise: a session the server already ended (a restart, the idle limit, a
+        takeover ending a frozen leader's) rolled the fire back itself, and its connection
+        goes back invalidated."""
+        await release(self._stack)
+
+
+async def release(stack: AsyncExitStack) -> None:
+    """Close ``stack`` (a held fire's connection), logging rather than raising what the
+    rollback of a dead session raises."""
+    try:
+        async with reachable():
+            await stack.aclose()
+    except Exception as exc:  # (not CancelledError)
+        logger.info("a held fire's session was already gone: %s", first_line(exc))

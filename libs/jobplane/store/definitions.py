@@ -95,15 +95,23 @@ class DefinitionStore(SqlBase):
                 # registering a new job at once cannot both write it (the primary key).
                 await self._record_version(conn, inserted._mapping, DefinitionChange.REGISTER)
             else:
-                # Stored options win; only the argument schema and the app follow the code.
-                from_code: dict[str, Any] = {"args_schema": args_schema}
-                if app is not None:
+                # Stored options win; only the argument schema and the app follow the code,
+                # written only when they differ: every worker's start registers its jobs, and
+                # an update of an unchanged row would still lock it (and wait for a cron tick
+                # written ahead, which share-locks its jobs' rows until the tick).
+                d = job_definitions.c
+                stored = (
+                    await conn.execute(select(d.args_schema, d.app).where(d.key == options.key))
+                ).one()
+                from_code: dict[str, Any] = {}
+                if stored.args_schema != args_schema:
+                    from_code["args_schema"] = args_schema
+                if app is not None and stored.app != app:
                     from_code["app"] = app
-                await conn.execute(
-                    update(job_definitions)
-                    .where(job_definitions.c.key == options.key)
-                    .values(**from_code)
-                )
+                if from_code:
+                    await conn.execute(
+                        update(job_definitions).where(d.key == options.key).values(**from_code)
+                    )
             row = (
                 await conn.execute(
                     select(job_definitions).where(job_definitions.c.key == options.key)

@@ -38,7 +38,7 @@ from jobplane.errors import (
 from jobplane.idempotency import fingerprint_of
 from jobplane.store import rows
 from jobplane.store.abc import HeldFire, PublishedKey
-from jobplane.store.ahead import PostgresHeldFire
+from jobplane.store.ahead import LOCK_TIMEOUT_MS, PostgresHeldFire, release
 from jobplane.store.base import reachable, retry_conflicts
 from jobplane.store.driver import DriverStatement
 from jobplane.store.engine import AsyncConnection, AsyncEngine
@@ -236,7 +236,7 @@ class PostgresStore(PostgresStatsStore, SqlStore):
         at the tick (``FIRE_AHEAD``): the tick's instances become visible, and their messages
         can go out, a commit after the tick rather than a 1,000-row insert after it."""
         if not new:
-            return None
+            raise ValueError("a fire written ahead needs records")
         params = _fire_params(lease, new, published, planned)
         stack = AsyncExitStack()  # (its close returns the connection even when cancelled)
         async with reachable():
@@ -244,12 +244,13 @@ class PostgresStore(PostgresStatsStore, SqlStore):
         try:
             async with reachable():
                 # Begun through SQLAlchemy (the driver statement runs inside its transaction,
-                # which a close rolls back), with the same fence as the statement's.
+                # which a close rolls back), bounded in its waits, with the statement's fence.
+                await conn.exec_driver_sql(f"SET LOCAL lock_timeout = {LOCK_TIMEOUT_MS}")
                 await self._fence(conn, lease)
                 found = await self._fire_ahead.fetch(conn, params)
                 instances = await self._fired(conn, lease, new, found)
         except BaseException:
-            await stack.aclose()
+            await release(stack)
             raise
         return PostgresHeldFire(stack, conn, instances)
 
