@@ -10,6 +10,7 @@ commits its ticks at their time, never before, and counts their lag to the commi
 from __future__ import annotations
 
 import asyncio
+import gc
 from datetime import datetime, timedelta
 
 import pytest
@@ -44,7 +45,7 @@ async def _lease(store: SqlStore, holder: str = "ahead-test", ttl_s: float = 30)
     return lease
 
 
-async def _tick(store: SqlStore, ahead_s: float = 5.0) -> datetime:
+async def _tick(store: SqlStore, ahead_s: float = 1.0) -> datetime:
     """A whole second at least ``ahead_s`` after the database's now."""
     now = await store.now()
     return now.replace(microsecond=0) + timedelta(seconds=ahead_s + 1)
@@ -66,6 +67,16 @@ async def _count(store: SqlStore, at: datetime) -> int:
         return int((await conn.execute(text(query), {"at": at})).scalar_one())
 
 
+async def _idle_in_transaction(store: SqlStore) -> int:
+    """Sessions of the store's database left inside a transaction."""
+    async with store.engine.connect() as conn:
+        query = (
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND state LIKE 'idle in transaction%'"
+        )
+        return int((await conn.execute(text(query))).scalar_one())
+
+
 async def _hold(
     store: SqlStore, lease: LeaderLease, at: datetime, planned: dict[str, int]
 ) -> HeldFire:
@@ -82,7 +93,8 @@ async def test_a_tick_written_ahead_is_seen_by_nobody_until_its_commit(
     held = await _hold(pg_store, await _lease(pg_store), at, planned)
     assert {i.job_key for i in held.instances} == set(KEYS)
     assert await _count(pg_store, at) == 0
-    committed = await held.commit()
+    committed = await held.commit()  # (asked before the tick: it waits for the tick)
+    assert await pg_store.now() >= at
     assert [i.id for i in committed] == [i.id for i in held.instances]
     assert await _count(pg_store, at) == 3
     for instance in committed:
@@ -107,6 +119,22 @@ async def test_an_abandoned_tick_leaves_nothing_and_gives_its_connection_back(
     await held.abandon()  # (a no-op the second time)
     assert _checked_out(pg_store) == 0
     assert await _count(pg_store, at) == 0
+    assert await _idle_in_transaction(pg_store) == 0  # (rolled back, not pooled open)
+
+
+async def test_a_tick_recorded_before_is_not_written_ahead(pg_store: SqlStore) -> None:
+    """Two leaders overlapping: one of the tick's instances is recorded already. The write
+    ahead gives up (the fire at the tick reads what is recorded) and holds nothing."""
+    planned = await _jobs(pg_store)
+    at = await _tick(pg_store)
+    lease = await _lease(pg_store)
+    [recorded] = await pg_store.fire(lease, [occurrence("b", at)], planned=planned)
+    with pytest.raises(StoreConflictError):
+        await pg_store.fire_ahead(lease, _records(at), planned=planned)
+    assert _checked_out(pg_store) == 0 and await _idle_in_transaction(pg_store) == 0
+    assert await _count(pg_store, at) == 1
+    fired = await pg_store.fire(lease, _records(at), planned=planned)
+    assert recorded.id in {i.id for i in fired} and await _count(pg_store, at) == 3
 
 
 async def test_an_edit_committed_before_the_write_refuses_it(pg_store: SqlStore) -> None:
@@ -293,7 +321,15 @@ async def test_the_leader_commits_each_tick_at_its_time_never_before(
                 await conn.commit()  # (a new snapshot for the next read)
                 await asyncio.sleep(0.005)
 
-    watching = asyncio.ensure_future(watch())
+    collector_paused = False
+
+    async def watch_collector() -> None:
+        nonlocal collector_paused
+        while not stop.is_set():
+            collector_paused |= not gc.isenabled()
+            await asyncio.sleep(0.005)
+
+    watching = asyncio.ensure_future(asyncio.gather(watch(), watch_collector()))
     try:
         async with running_scheduler(pg_store, memory_bus) as scheduler:
 
@@ -314,3 +350,5 @@ async def test_the_leader_commits_each_tick_at_its_time_never_before(
     for tick, seen in first_seen.items():
         assert seen >= tick, f"the tick of {tick} was seen at {seen}, before its time"
     assert lags is not None and lags > 0  # (the commit's lag, not the recorded zero)
+    # The collector waits while a tick is held, and runs again after.
+    assert collector_paused and gc.isenabled()

@@ -30,13 +30,16 @@ tick back, and whoever leads then fires it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from contextlib import AsyncExitStack
+from datetime import UTC, datetime
 
 from jobplane.domain.models import Instance
 from jobplane.errors import first_line
 from jobplane.store.base import reachable
-from jobplane.store.engine import AsyncConnection
+from jobplane.store.driver import run_script
+from jobplane.store.engine import AsyncConnection, run_to_completion
 
 logger = logging.getLogger(__name__)
 
@@ -45,24 +48,49 @@ logger = logging.getLogger(__name__)
 LOCK_TIMEOUT_MS = 50
 
 
-class PostgresHeldFire:
-    """A fire's transaction left open (see :meth:`~jobplane.store.abc.LeaderStore.fire_ahead`)."""
+#: Begins the held transaction (on the driver: SQLAlchemy does not see it).
+BEGIN = f"BEGIN; SET LOCAL lock_timeout = {LOCK_TIMEOUT_MS}"
 
-    def __init__(
-        self, stack: AsyncExitStack, conn: AsyncConnection, instances: list[Instance]
-    ) -> None:
+
+def commit_at(at: datetime) -> str:
+    """Waits until the database's clock has reached the tick ``at``, then commits, in one
+    round trip. The leader wakes for the tick on its own clock, set from the database's, but
+    only the database's decides: no tick is committed before its time, by any fraction."""
+    tick = at.astimezone(UTC).isoformat()
+    return (
+        "SELECT pg_sleep(GREATEST(0, extract(epoch FROM"
+        f" TIMESTAMPTZ '{tick}' - clock_timestamp()))); COMMIT"
+    )
+
+
+class PostgresHeldFire:
+    """A fire's transaction left open (see :meth:`~jobplane.store.abc.LeaderStore.fire_ahead`),
+    to be committed once the database's clock reads ``at``. The transaction is run on the
+    driver, begun by :data:`BEGIN` before the fire's statement: its commit then carries the
+    wait for the tick in the same round trip."""
+
+    def __init__(self, stack: AsyncExitStack, conn: AsyncConnection, at: datetime) -> None:
         self._stack = stack
-        self._conn = conn
-        #: The instances as the statement wrote them (or found them: a tick already recorded).
-        self.instances = instances
+        #: The connection it holds (the fire's statement runs on it).
+        self.conn = conn
+        self._at = at
+        self._open = False
+        #: The instances as the statement wrote them.
+        self.instances: list[Instance] = []
+
+    async def begin(self) -> None:
+        await run_script(self.conn, BEGIN)
+        self._open = True
 
     async def commit(self) -> list[Instance]:
-        """Commit the fire: its instances exist from now on. Raises the store's errors; the
-        fire is then unknown (the commit may have happened before the connection broke): a
-        fire of the same records again finds what was recorded."""
+        """Commit the fire, not before its tick on the database's clock: its instances exist
+        from then on. Raises the store's errors; the fire is then unknown (the commit may have
+        happened before the connection broke): a fire of the same records again finds what
+        was recorded."""
         try:
             async with reachable():
-                await self._conn.commit()
+                await run_script(self.conn, commit_at(self._at))
+            self._open = False
         finally:
             await self.abandon()
         return self.instances
@@ -72,7 +100,20 @@ class PostgresHeldFire:
         no-op the second time. It runs to its end even if the caller is cancelled, and never
         raises otherwise: a session the server already ended (a restart, the idle limit, a
         takeover ending a frozen leader's) rolled the fire back itself, and its connection
-        goes back invalidated."""
+        is discarded."""
+        await run_to_completion(self._release())
+
+    async def _release(self) -> None:
+        if self._open:
+            self._open = False
+            try:
+                async with reachable():
+                    await run_script(self.conn, "ROLLBACK")
+            except Exception as exc:  # (not CancelledError)
+                # Never back to the pool with the transaction maybe still open.
+                logger.info("a held fire's session was already gone: %s", first_line(exc))
+                with contextlib.suppress(Exception):
+                    await self.conn.invalidate()
         await release(self._stack)
 
 

@@ -163,3 +163,18 @@ def _raise_as_sqlalchemy(
         raise exc
     except BaseException as translated:
         sync_conn._handle_dbapi_exception(translated, statement, tuple(args), None, None)
+
+
+async def run_script(conn: AsyncConnection, sql: str) -> None:
+    """``sql``, statements without parameters, in one round trip on the driver connection
+    beneath ``conn`` (asyncpg's simple query: several statements in one message), its errors
+    reported as :meth:`DriverStatement.fetch` reports them. SQLAlchemy does not see what it
+    does: a transaction it begins is the caller's to end before the connection goes back."""
+    raw = await conn.get_raw_connection()
+    driver: Any = raw.driver_connection
+    try:
+        await driver.execute(sql)
+    except BaseException as exc:
+        sync_conn, dbapi_conn = conn.sync_connection, raw.dbapi_connection
+        await greenlet_spawn(_raise_as_sqlalchemy, sync_conn, dbapi_conn, exc, sql, [])
+        raise  # (not reached: the handler always raises)

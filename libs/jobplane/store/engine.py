@@ -124,7 +124,7 @@ class AsyncConnection:
         # The connection must go back to the pool even when the task is being cancelled: a
         # close abandoned half-way would leave it checked out (or return it to the pool
         # later, in the background, after the pool may have been disposed of).
-        await _run_to_completion(self.close())
+        await run_to_completion(self.close())
 
     async def close(self) -> None:
         """Return the connection to the pool (rolling back a transaction left open)."""
@@ -253,7 +253,7 @@ async def _buffered(result: CursorResult[Any]) -> CursorResult[Any]:
     return result
 
 
-async def _run_to_completion(coro: Coroutine[Any, Any, T]) -> T:
+async def run_to_completion(coro: Coroutine[Any, Any, T]) -> T:
     """Run ``coro`` to its end even if the calling task is cancelled meanwhile; such a
     cancellation is raised once it has ended (as ``sqlalchemy.ext.asyncio`` closes its
     connections)."""

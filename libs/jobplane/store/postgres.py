@@ -9,7 +9,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from contextlib import AsyncExitStack
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
 
@@ -33,12 +33,13 @@ from jobplane.errors import (
     JobNotFoundError,
     NotLeaderError,
     StaleDefinitionError,
+    StoreConflictError,
     StoreUnavailableError,
 )
 from jobplane.idempotency import fingerprint_of
 from jobplane.store import rows
 from jobplane.store.abc import HeldFire, PublishedKey
-from jobplane.store.ahead import LOCK_TIMEOUT_MS, PostgresHeldFire, release
+from jobplane.store.ahead import PostgresHeldFire
 from jobplane.store.base import reachable, retry_conflicts
 from jobplane.store.driver import DriverStatement
 from jobplane.store.engine import AsyncConnection, AsyncEngine
@@ -222,7 +223,9 @@ class PostgresStore(PostgresStatsStore, SqlStore):
         # a 1,000-row result cost the leader more CPU than the rows' own conversion, and the
         # publish waits for it (docs/benchmarks.md, "Cron fire lag").
         async with reachable(), self.engine.connect() as conn:
-            return await self._fired(conn, lease, new, await self._fire.fetch(conn, params))
+            by_id = self._fire_result(lease, new, await self._fire.fetch(conn, params))
+            # A tick recorded before (two leaders overlapping) is read, committed, from here.
+            return await self._resolve_created(conn, new, by_id)
 
     async def fire_ahead(
         self,
@@ -238,30 +241,32 @@ class PostgresStore(PostgresStatsStore, SqlStore):
         if not new:
             raise ValueError("a fire written ahead needs records")
         params = _fire_params(lease, new, published, planned)
+        at = max(n.scheduled_at or datetime.min.replace(tzinfo=UTC) for n in new)
         stack = AsyncExitStack()  # (its close returns the connection even when cancelled)
         async with reachable():
-            conn = await stack.enter_async_context(self.engine.connect())
+            held = PostgresHeldFire(
+                stack, await stack.enter_async_context(self.engine.connect()), at
+            )
         try:
             async with reachable():
-                # Begun through SQLAlchemy (the driver statement runs inside its transaction,
-                # which a close rolls back), bounded in its waits, with the statement's fence.
-                await conn.exec_driver_sql(f"SET LOCAL lock_timeout = {LOCK_TIMEOUT_MS}")
-                await self._fence(conn, lease)
-                found = await self._fire_ahead.fetch(conn, params)
-                instances = await self._fired(conn, lease, new, found)
+                # Bounded in its lock waits; the statement fences itself by the lease.
+                await held.begin()
+                found = await self._fire_ahead.fetch(held.conn, params)
+            by_id = self._fire_result(lease, new, found)
+            if len(by_id) < len(new):
+                # Some tick recorded before (two leaders overlapping): not held, the fire at
+                # its time reads it.
+                raise StoreConflictError("a tick to write ahead is recorded already")
         except BaseException:
-            await release(stack)
+            await held.abandon()
             raise
-        return PostgresHeldFire(stack, conn, instances)
+        held.instances = [by_id[n.id] for n in new]
+        return held
 
-    async def _fired(
-        self,
-        conn: AsyncConnection,
-        lease: LeaderLease,
-        new: Sequence[NewInstance],
-        result: list[dict[str, Any]],
-    ) -> list[Instance]:
-        """The instances of a fire's statement's ``result``, or the error it reports."""
+    def _fire_result(
+        self, lease: LeaderLease, new: Sequence[NewInstance], result: list[dict[str, Any]]
+    ) -> dict[UUID, Instance]:
+        """The instances a fire's statement inserted, by id, or the error it reports."""
         if not result[0]["live"]:
             raise NotLeaderError(f"term {lease.term} of shard {lease.shard} is over")
         if result[0]["missing_key"] is not None:
@@ -269,13 +274,11 @@ class PostgresStore(PostgresStatsStore, SqlStore):
         if result[0]["changed_keys"] is not None:
             raise DefinitionsChangedError(result[0]["changed_keys"])
         records = {n.id: n for n in new}
-        by_id = {
+        return {
             row["id"]: rows.inserted_instance(records[row["id"]], row)
             for row in result
             if row["id"] is not None
         }
-        # A tick recorded before (two leaders overlapping) is read, committed, from here.
-        return await self._resolve_created(conn, new, by_id)
 
     @retry_conflicts
     async def create_published(self, new: NewInstance, definition: JobDefinition) -> Instance:
