@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 from datetime import datetime, timedelta
 
 import pytest
@@ -24,6 +25,7 @@ from jobplane.settings import SessionLimits
 from jobplane.store.abc import HeldFire
 from jobplane.store.factory import open_store
 from jobplane.store.sql import SqlStore
+from jobplane_scheduler.ahead import COMMIT_WITHIN_S
 from jobplane_scheduler.cron_timers import occurrence
 from tests.scheduler_helpers import running_scheduler
 from tests.store_helpers import define
@@ -352,3 +354,34 @@ async def test_the_leader_commits_each_tick_at_its_time_never_before(
     assert lags is not None and lags > 0  # (the commit's lag, not the recorded zero)
     # The collector waits while a tick is held, and runs again after.
     assert collector_paused and gc.isenabled()
+
+
+async def test_a_leader_that_reaches_a_held_tick_late_records_when_it_fired(
+    pg_store: SqlStore, memory_bus: Bus
+) -> None:
+    """The leader's event loop stalls across a tick it holds: woken more than
+    ``COMMIT_WITHIN_S`` late, it does not commit the tick as if on time (its records would
+    say the tick); it gives the write up and fires the tick as any tick is, recording when
+    that was. The tick is fired once."""
+    await define(pg_store, "tick", cron="* * * * * *")
+    async with running_scheduler(pg_store, memory_bus) as scheduler:
+
+        async def holding() -> bool:
+            duties = scheduler._leader
+            return duties is not None and duties._held is not None
+
+        await wait_for(holding, timeout_s=15, what="a tick written ahead")
+        assert scheduler._leader is not None and scheduler._leader._held is not None
+        stalled = scheduler._leader._held.at
+        wait = (stalled - await pg_store.now()).total_seconds()
+        time.sleep(max(0.0, wait) + 0.2)  # noqa: ASYNC251 (the stall: blocks the event loop)
+
+        async def fired() -> bool:
+            return await _count(pg_store, stalled) == 1
+
+        await wait_for(fired, timeout_s=10, what="the stalled tick")
+    page = await pg_store.list_instances(InstanceFilter(job_key="tick"), limit=100)
+    [late] = [i for i in page.items if i.scheduled_at == stalled]
+    assert (late.created_at - stalled).total_seconds() >= COMMIT_WITHIN_S
+    [created] = await pg_store.transitions(late.id)
+    assert (created.at - stalled).total_seconds() >= COMMIT_WITHIN_S

@@ -10,9 +10,10 @@ the write true until then (``jobplane/store/ahead.py``): a takeover of the lease
 of one of its jobs wait for it, and so come after the tick.
 
 At the tick the commit comes first, before the timers' own bookkeeping, when the leader woke
-within every one of the tick's jobs' misfire grace; otherwise (woken late, or the timers
-changed since: an edit, a catch-up) the write is rolled back and the tick is fired as any
-tick is, late ticks by their misfire policy. A commit that fails leaves the fire to that same
+within ``COMMIT_WITHIN_S`` of it (and of every one of its jobs' misfire grace): the records
+say the tick, true to within that. Otherwise (woken late, or the timers changed since: an
+edit, a catch-up) the write is rolled back and the tick is fired as any tick is, recording
+when it was, late ticks by their misfire policy. A commit that fails leaves the fire to that same
 path, which finds what the commit may have recorded.
 """
 
@@ -42,6 +43,11 @@ from jobplane_scheduler.metrics import SchedulerMetrics
 #: busy machine, short, as its jobs' definitions stay locked (their edits wait) meanwhile.
 #: (At most a quarter of the session's idle-transaction limit: see LeaderDuties.)
 FIRE_AHEAD_S = 0.25
+
+#: A tick written ahead is committed only if the leader reaches it within this long: its
+#: records say the tick, so they are true to within it. Later (a stalled leader), it is
+#: rolled back and fired as any tick is, recording when it was.
+COMMIT_WITHIN_S = 0.05
 
 T = TypeVar("T")
 
@@ -149,11 +155,13 @@ class AheadFiring:
             self._gc_paused = True
 
     async def _commit_ahead(self, now: datetime) -> frozenset[tuple[str, datetime]]:
-        """At ``now``, commit and publish the tick written ahead if it has come and is within
-        every one of its jobs' misfire grace. Returns its (job key, tick) pairs if committed
-        (the caller fires the rest of what is due). Holds ``_planning``."""
+        """At ``now``, commit and publish the tick written ahead if it has come, within
+        ``COMMIT_WITHIN_S`` and every one of its jobs' misfire grace. Returns its (job key,
+        tick) pairs if committed (the caller fires the rest of what is due). Holds
+        ``_planning``."""
         ahead = self._held
-        if ahead is None or now < ahead.at or (now - ahead.at).total_seconds() > ahead.grace_s:
+        within = min(ahead.grace_s, COMMIT_WITHIN_S) if ahead is not None else 0.0
+        if ahead is None or now < ahead.at or (now - ahead.at).total_seconds() > within:
             return frozenset()
         self._held = None
         try:
