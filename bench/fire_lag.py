@@ -152,8 +152,9 @@ async def main(jobs: int, seconds: float) -> None:
         print(f"  {_summary('recorded', lags)}")
         if published:
             print(f"  {_summary('bus', published)} ({len(published)} published)")
-        print(f"  per tick: {_summary('begin', begins)};")
-        print(f"    {_summary('insert', list(inserts.values()))}")
+        if max(inserts.values(), default=0.0) > 0:  # (a tick written ahead has neither)
+            print(f"  per tick: {_summary('begin', begins)};")
+            print(f"    {_summary('insert', list(inserts.values()))}")
 
 
 if __name__ == "__main__":

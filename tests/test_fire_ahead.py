@@ -20,13 +20,19 @@ from sqlalchemy import text
 from jobplane.bus.abc import Bus
 from jobplane.domain.models import InstanceFilter, LeaderLease, NewInstance
 from jobplane.domain.states import InstanceState as S
-from jobplane.errors import DefinitionsChangedError, StoreConflictError, StoreUnavailableError
+from jobplane.errors import (
+    DefinitionsChangedError,
+    StoreConflictError,
+    StoreRefusedError,
+    StoreUnavailableError,
+)
 from jobplane.settings import SessionLimits
 from jobplane.store.abc import HeldFire
 from jobplane.store.factory import open_store
 from jobplane.store.sql import SqlStore
 from jobplane_scheduler.ahead import COMMIT_WITHIN_S
 from jobplane_scheduler.cron_timers import occurrence
+from jobplane_scheduler.metrics import SchedulerMetrics
 from tests.scheduler_helpers import running_scheduler
 from tests.store_helpers import define
 from tests.worker_helpers import wait_for
@@ -91,11 +97,11 @@ async def test_a_tick_written_ahead_is_seen_by_nobody_until_its_commit(
     pg_store: SqlStore,
 ) -> None:
     planned = await _jobs(pg_store)
-    at = await _tick(pg_store)
+    at = await _tick(pg_store, ahead_s=2.0)  # (written well before it, on a busy machine too)
     held = await _hold(pg_store, await _lease(pg_store), at, planned)
     assert {i.job_key for i in held.instances} == set(KEYS)
     assert await _count(pg_store, at) == 0
-    committed = await held.commit()  # (asked before the tick: it waits for the tick)
+    committed = await held.commit(60.0)  # (asked before the tick: it waits for the tick)
     assert await pg_store.now() >= at
     assert [i.id for i in committed] == [i.id for i in held.instances]
     assert await _count(pg_store, at) == 3
@@ -108,6 +114,28 @@ async def test_a_tick_written_ahead_is_seen_by_nobody_until_its_commit(
         [created] = await pg_store.transitions(instance.id)
         assert created.to_state is S.ENQUEUED and created.at == at
     assert _checked_out(pg_store) == 0
+    # Their recorded lag is none: the leader counts the commit's lag, measured by itself.
+    metrics = SchedulerMetrics(lambda: None)
+    metrics.fired(committed, {})
+    assert metrics.registry.get_sample_value("jobplane_scheduler_fire_lag_seconds_sum") == 0
+    metrics.fired(committed, {}, 0.004)
+    lags = metrics.registry.get_sample_value("jobplane_scheduler_fire_lag_seconds_sum")
+    assert lags == pytest.approx(3 * 0.004)
+
+
+async def test_a_held_tick_committed_too_late_is_refused_by_the_database(
+    pg_store: SqlStore,
+) -> None:
+    """Its records would say the tick: past ``within_s`` on the database's clock (a leader
+    that stalled, or whose reading of the clock was held up and so believed itself on time),
+    the commit is refused, nothing is recorded, and the fire at its time records when it was."""
+    planned = await _jobs(pg_store)
+    at = await _tick(pg_store, ahead_s=-3.0)  # (1 to 2 s ago)
+    held = await _hold(pg_store, await _lease(pg_store), at, planned)
+    with pytest.raises(StoreRefusedError, match="reached late"):
+        await held.commit(0.05)
+    assert _checked_out(pg_store) == 0 and await _idle_in_transaction(pg_store) == 0
+    assert await _count(pg_store, at) == 0
 
 
 async def test_an_abandoned_tick_leaves_nothing_and_gives_its_connection_back(
@@ -160,7 +188,7 @@ async def test_an_edit_of_a_held_job_waits_for_the_commit(pg_store: SqlStore) ->
     pausing = asyncio.ensure_future(pg_store.set_paused("b", True, "test"))
     done, _ = await asyncio.wait([pausing], timeout=0.5)
     assert not done, "the pause did not wait for the held tick"
-    await held.commit()
+    await held.commit(60.0)
     paused = await asyncio.wait_for(pausing, timeout=10)
     assert paused.paused and paused.version == planned["b"] + 1
     assert await _count(pg_store, at) == 3
@@ -177,7 +205,7 @@ async def test_a_takeover_waits_for_the_held_tick_which_fires_once(pg_store: Sql
     taking = asyncio.ensure_future(pg_store.acquire_leadership(0, "new", 30))
     done, _ = await asyncio.wait([taking], timeout=0.5)
     assert not done, "the takeover did not wait for the held tick"
-    await held.commit()
+    await held.commit(60.0)
     new = await asyncio.wait_for(taking, timeout=10)
     assert new is not None and new.term == lease.term + 1
     again = await pg_store.fire(new, _records(at), planned=planned)
@@ -205,7 +233,7 @@ async def test_a_takeover_ends_a_frozen_leader_s_held_tick_which_the_new_leader_
         new = await asyncio.wait_for(pg_store.acquire_leadership(0, "new", 30), timeout=1.5)
         assert new is not None and new.term == lease.term + 1
         with pytest.raises(StoreUnavailableError):
-            await held.commit()
+            await held.commit(60.0)
         await held.abandon()  # (its session is gone: nothing raised)
         assert _checked_out(old_store) == 0
         assert await _count(pg_store, at) == 0
@@ -287,7 +315,7 @@ async def test_a_tick_held_past_the_idle_limit_is_rolled_back_by_the_server(
         held = await _hold(store, await _lease(store), at, planned)
         await asyncio.sleep(1.0)
         with pytest.raises(StoreUnavailableError):
-            await held.commit()
+            await held.commit(60.0)
         assert _checked_out(store) == 0
         assert await _count(store, at) == 0
     finally:
@@ -347,11 +375,12 @@ async def test_the_leader_commits_each_tick_at_its_time_never_before(
         await watching
     page = await pg_store.list_instances(InstanceFilter(job_key="tick"), limit=100)
     written_ahead = [i for i in page.items if i.created_at == i.scheduled_at]
-    # (The first tick after the start may be fired at its time: written ahead are the rest.)
-    assert len(written_ahead) >= 2, [(i.scheduled_at, i.created_at) for i in page.items]
+    # (The first ticks after the start, and any the leader reached late on a busy machine,
+    # are fired at their time: the others were written ahead.)
+    assert written_ahead, [(i.scheduled_at, i.created_at) for i in page.items]
     for tick, seen in first_seen.items():
         assert seen >= tick, f"the tick of {tick} was seen at {seen}, before its time"
-    assert lags is not None and lags > 0  # (the commit's lag, not the recorded zero)
+    assert lags is not None and lags > 0
     # The collector waits while a tick is held, and runs again after.
     assert collector_paused and gc.isenabled()
 
@@ -371,9 +400,11 @@ async def test_a_leader_that_reaches_a_held_tick_late_records_when_it_fired(
             return duties is not None and duties._held is not None
 
         await wait_for(holding, timeout_s=15, what="a tick written ahead")
+        # Held, so not committed yet; from here on the event loop is blocked (no await) past
+        # the tick (the database's clock is this machine's).
         assert scheduler._leader is not None and scheduler._leader._held is not None
         stalled = scheduler._leader._held.at
-        wait = (stalled - await pg_store.now()).total_seconds()
+        wait = stalled.timestamp() - time.time()
         time.sleep(max(0.0, wait) + 0.2)  # noqa: ASYNC251 (the stall: blocks the event loop)
 
         async def fired() -> bool:

@@ -160,8 +160,12 @@ class AheadFiring:
         tick) pairs if committed (the caller fires the rest of what is due). Holds
         ``_planning``."""
         ahead = self._held
-        within = min(ahead.grace_s, COMMIT_WITHIN_S) if ahead is not None else 0.0
-        if ahead is None or now < ahead.at or (now - ahead.at).total_seconds() > within:
+        if ahead is None or now < ahead.at:
+            return frozenset()
+        # (``now`` was taken before this task got ``_planning``: count the wait for it too)
+        late_s = (now - ahead.at).total_seconds() + time.monotonic() - self._now_taken
+        if late_s > min(ahead.grace_s, COMMIT_WITHIN_S):
+            await self._abandon_held()  # (its locks go now; the tick is fired as any tick is)
             return frozenset()
         self._held = None
         try:
@@ -176,7 +180,7 @@ class AheadFiring:
         records = ahead.records
         with telemetry.span("jobplane.trigger", source="cron", instances=len(records)):
             try:
-                instances = await ahead.held.commit()
+                instances = await ahead.held.commit(min(ahead.grace_s, COMMIT_WITHIN_S))
             except Exception as exc:  # (not CancelledError)
                 logger.warning(
                     "a tick written ahead was not committed (%s); firing it now",

@@ -189,6 +189,7 @@ class LeaderDuties(CronFiring):
     async def _sweep_once(self) -> None:
         """Find what no event announced: definitions edited, due instances, expired leases,
         lost messages, a bus that restarted empty, dead workers."""
+        await self._tick_settled()
         with self._refused("definitions"):
             await self._load_definitions()
         await self._tick_settled()

@@ -294,9 +294,11 @@ class HeldFire(Protocol):
     #: The instances as written (or as found: a tick recorded before).
     instances: list[Instance]
 
-    async def commit(self) -> list[Instance]:
-        """Commit: the instances exist from now on. On an error the fire is unknown: a fire
-        of the same records then finds what was recorded."""
+    async def commit(self, within_s: float) -> list[Instance]:
+        """Commit once the database's clock reaches the tick, unless it is then more than
+        ``within_s`` past it (raises, nothing recorded): the instances exist from then on.
+        On another error the fire is unknown: a fire of the same records then finds what was
+        recorded."""
 
     async def abandon(self) -> None:
         """Roll back (unless committed) and give the connection back; no-op the second time."""

@@ -52,15 +52,21 @@ LOCK_TIMEOUT_MS = 50
 BEGIN = f"BEGIN; SET LOCAL lock_timeout = {LOCK_TIMEOUT_MS}"
 
 
-def commit_at(at: datetime) -> str:
-    """Waits until the database's clock has reached the tick ``at``, then commits, in one
-    round trip. The leader wakes for the tick on its own clock, set from the database's, but
-    only the database's decides: no tick is committed before its time, by any fraction."""
-    tick = at.astimezone(UTC).isoformat()
-    return (
-        "SELECT pg_sleep(GREATEST(0, extract(epoch FROM"
-        f" TIMESTAMPTZ '{tick}' - clock_timestamp()))); COMMIT"
-    )
+def commit_at(at: datetime, within_s: float) -> str:
+    """Waits until the database's clock has reached the tick ``at``, then commits unless that
+    clock is more than ``within_s`` past it (the leader stalled, or its reading of the clock
+    was held up: it believed itself on time), in one round trip. The leader wakes for the
+    tick on its own clock, set from the database's, but only the database's decides: no tick
+    is committed before its time, by any fraction, nor recorded as on time when it was not
+    (a tick written ahead records the tick itself). Late, it raises (SQLSTATE ``P0001``) and
+    the transaction is rolled back."""
+    tick = f"TIMESTAMPTZ '{at.astimezone(UTC).isoformat()}'"
+    return f"""DO $$ BEGIN
+    PERFORM pg_sleep(GREATEST(0, extract(epoch FROM {tick} - clock_timestamp())));
+    IF clock_timestamp() > {tick} + make_interval(secs => {float(within_s)!r}) THEN
+        RAISE EXCEPTION 'the tick of % was reached late, at %', {tick}, clock_timestamp();
+    END IF;
+END $$; COMMIT"""
 
 
 class PostgresHeldFire:
@@ -79,17 +85,20 @@ class PostgresHeldFire:
         self.instances: list[Instance] = []
 
     async def begin(self) -> None:
-        await run_script(self.conn, BEGIN)
+        # (Open from before it is sent: whatever it raises, the release rolls back, and a
+        # ROLLBACK with no transaction only warns.)
         self._open = True
+        await run_script(self.conn, BEGIN)
 
-    async def commit(self) -> list[Instance]:
-        """Commit the fire, not before its tick on the database's clock: its instances exist
-        from then on. Raises the store's errors; the fire is then unknown (the commit may have
-        happened before the connection broke): a fire of the same records again finds what
-        was recorded."""
+    async def commit(self, within_s: float) -> list[Instance]:
+        """Commit the fire, not before its tick on the database's clock, nor more than
+        ``within_s`` after it (:func:`commit_at`): its instances exist from then on. Raises
+        the store's errors (late: ``StoreRefusedError``, nothing recorded); the fire is then
+        unknown (the commit may have happened before the connection broke): a fire of the
+        same records again finds what was recorded."""
         try:
             async with reachable():
-                await run_script(self.conn, commit_at(self._at))
+                await run_script(self.conn, commit_at(self._at, within_s))
             self._open = False
         finally:
             await self.abandon()
@@ -104,6 +113,10 @@ class PostgresHeldFire:
         await run_to_completion(self._release())
 
     async def _release(self) -> None:
+        if self._open and self.conn.sync_connection.invalidated:
+            # Broken and discarded already (its transaction ended with it): a ROLLBACK would
+            # only check a new connection out, waiting for an unreachable server.
+            self._open = False
         if self._open:
             self._open = False
             try:
