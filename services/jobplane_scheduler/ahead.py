@@ -6,15 +6,16 @@ of its rows and their history is what took the time. So the leader writes the ti
 before it (``FIRE_AHEAD_S``), in a transaction it leaves open, encodes its messages, and at
 the tick commits and appends them: what is left after the tick is a commit and one script
 call. Nobody sees the instances before the commit, and what the open transaction locks keeps
-the write true until then (``jobplane/store/ahead.py``): a takeover of the lease and an edit
-of one of its jobs wait for it, and so come after the tick.
+the write true until then (``jobplane/store/ahead.py``): an edit of one of its jobs waits for
+it, and so comes after the tick; a takeover (of a lease expired: this leader froze) ends it.
 
 At the tick the commit comes first, before the timers' own bookkeeping, when the leader woke
 within ``COMMIT_WITHIN_S`` of it (and of every one of its jobs' misfire grace): the records
 say the tick, true to within that. Otherwise (woken late, or the timers changed since: an
 edit, a catch-up) the write is rolled back and the tick is fired as any tick is, recording
-when it was, late ticks by their misfire policy. A commit that fails leaves the fire to that same
-path, which finds what the commit may have recorded.
+when it was, late ticks by their misfire policy. The database checks the same at the commit,
+on its own clock. A commit that fails leaves the fire to that same path, which finds what
+the commit may have recorded.
 """
 
 from __future__ import annotations

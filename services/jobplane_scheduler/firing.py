@@ -9,7 +9,10 @@ statement (:meth:`~jobplane.store.abc.LeaderStore.fire`), fenced by the lease's 
 the definition version each job's tick was planned under. That last fence is what keeps a tick
 from firing on options edited, or a pause committed, before it, whether or not the edit's
 event has reached this leader yet: the fire itself refuses, and the jobs it names are read
-again and re-planned. No check of pending updates waits in front of the insert.
+again and re-planned. No check of pending updates waits in front of the insert. Where the
+store can hold a write open (Postgres), the tick is even written before its time and only
+committed at it (:mod:`jobplane_scheduler.ahead`); the fire at its time above remains the
+way of every tick that could not be, and of SQLite's.
 """
 
 from __future__ import annotations
@@ -192,6 +195,12 @@ class CronFiring(AheadFiring):
                         continue
                     if self._backfill:
                         await self._replan(set(self._backfill))
+                        reached = None
+                        continue
+                    if reached is not None:
+                        # Woken at a tick that a re-plan took away while this loop waited for
+                        # ``_planning``: read the clock before sleeping on (the next sleep
+                        # counts from a reading of it, not from the tick's time).
                         reached = None
                         continue
                     at = self.timers.next_time()

@@ -5,8 +5,8 @@ moment before the tick, in a transaction it leaves open, and commits it at the t
 instances become visible, and their messages go out, a commit after the tick. Until then
 nobody sees them, and what the transaction locks keeps its facts true at the commit:
 
-- the live lease row of the leader's term, share-locked: a takeover must update it, so it
-  waits for the commit (or the rollback) and the new leader finds the tick recorded or not;
+- the live lease row of the leader's term, share-locked: nothing can take the term over
+  while the tick is held but by ending the held session first (below), which rolls it back;
 - the planned jobs' definition rows, share-locked: an edit or a pause of one of them waits
   for the commit, so it comes after the tick, as it would have come after a fire at its time;
 - the unique occurrence of each (job, tick): a second leader's fire of it waits, then skips it;
