@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
@@ -36,17 +36,16 @@ from jobplane.errors import (
     JobNotFoundError,
     StaleDefinitionError,
     StoreConflictError,
-    StoreRefusedError,
-    UnavailableError,
 )
 from jobplane.errors import (
     InvalidArgumentsError as InvalidArgumentsError,  # re-exported
 )
 from jobplane.errors import JobDisabledError as JobDisabledError  # re-exported
+from jobplane.publishing import CreatedPublication as CreatedPublication  # re-exported
+from jobplane.publishing import Publisher
 from jobplane.store.abc import DispatchStore
 from jobplane.triggering import (
     check_request,
-    envelope_for,
     held_in_debug,
     retriable,
     retry_request,
@@ -56,19 +55,6 @@ from jobplane.triggering import (
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class CreatedPublication:
-    """What :meth:`Dispatcher.publish_created` sends for a write's ``instances``: ``marked``
-    (created, Enqueued, marked published by the write) as ``entries``, their messages encoded
-    (:meth:`~jobplane.bus.abc.Bus.encode`; ``None`` when traced: encoded as they are sent);
-    every other one through the general publish."""
-
-    instances: Sequence[Instance]
-    marked: list[Instance]
-    entries: list[tuple[str, bytes]] | None
-
-
-#: Retries created per store statement by :meth:`Dispatcher.retry_many`.
 RETRY_BATCH = 500
 #: Tries of a single trigger whose job's definition is edited while it is being triggered.
 STALE_TRIES = 5
@@ -76,7 +62,7 @@ STALE_TRIES = 5
 SEND_TASK = "jobplane.dispatch.send"
 
 
-class Dispatcher:
+class Dispatcher(Publisher):
     """Creates and publishes instances. Does not own the store or the bus.
 
     Used as ``async with Dispatcher(...) as dispatcher``, a single trigger returns once its
@@ -308,51 +294,6 @@ class Dispatcher:
             sent = False
         return not sent and await self._unmark([i.id for i in instances])
 
-    @property
-    def marks_first(self) -> bool:
-        """Whether a publication is recorded before its send: not while the bus is out of
-        reach (see :meth:`publish`). A creator that marks in its own write asks this."""
-        return not self._bus_failed
-
-    async def publish_created(
-        self, instances: Sequence[Instance], created: set[UUID]
-    ) -> list[Instance]:
-        """Publish what a write that may mark its instances published created (a cron fire,
-        :meth:`~jobplane.store.abc.LeaderStore.fire`): those of ``created`` (the ids asked
-        for) that came back Enqueued and marked are sent as they are, their marks cleared if
-        the send fails; any other (recorded before, unmarked) goes through :meth:`publish`.
-        Returns ``instances``; those whose marks a failed send cleared, without them."""
-        return await self.publish_prepared(self.prepare_created(instances, created, False))
-
-    def prepare_created(
-        self, instances: Sequence[Instance], created: set[UUID], encode: bool = True
-    ) -> CreatedPublication:
-        """What :meth:`publish_created` sends, with ``encode`` its messages encoded: made
-        before a cron tick written ahead of it is committed, so that only their append is
-        left at the tick."""
-        marked = [
-            i
-            for i in instances
-            if i.id in created and i.state is InstanceState.ENQUEUED and i.published_at
-        ]
-        # Traced, each entry carries its publish span, which exists only once it is sent.
-        entries = (
-            self.bus.encode([(i.queue, envelope_for(i)) for i in marked])
-            if encode and not telemetry.tracer()
-            else None
-        )
-        return CreatedPublication(instances, marked, entries)
-
-    async def publish_prepared(self, prepared: CreatedPublication) -> list[Instance]:
-        """:meth:`publish_created` of what :meth:`prepare_created` made."""
-        instances, marked = prepared.instances, prepared.marked
-        unsent = bool(marked) and not await self._send(marked, prepared.entries)
-        cleared = unsent and await self._unmark([i.id for i in marked])
-        tried = {i.id for i in marked}
-        await self.publish([i for i in instances if i.id not in tried])
-        cut = tried if cleared else set()
-        return [replace(i, published_at=None) if i.id in cut else i for i in instances]
-
     async def run_now(self, instance_id: UUID, actor: str = "client") -> Instance:
         """Run a Scheduled instance (held or delayed) now: Enqueued and published. Raises
         IllegalTransitionError when it is not Scheduled, InstanceNotFoundError if unknown."""
@@ -443,96 +384,3 @@ class Dispatcher:
                 instance.id,
                 extra={"action": "dispatch.cancel_deferred", "instance_id": str(instance.id)},
             )
-
-    async def publish(self, instances: Sequence[Instance], *, force: bool = False) -> None:
-        """Publish the Enqueued ones among ``instances`` that were not published yet (all of
-        them with ``force``: republishing, as the earlier message may be gone); record it.
-
-        The mark is written before the messages are sent, as a single trigger writes it with
-        the instance. The other order loses a race: a worker can read the message and claim
-        at once, and a claim that finds the job at its limit (``on_limit="wait"``) parks the
-        instance by clearing its mark, so that whoever frees a slot republishes it; a mark
-        written after that park hid the parked instance until the sweep's republish
-        threshold. Marked first, a park always comes after the mark. If the send then fails,
-        the mark is cleared again; if this process dies in between, the sweep republishes
-        the marked instance once its mark is older than the republish threshold.
-
-        While the bus is out of reach (the last send failed), marking first would write and
-        clear the mark of every batch the sweep retries, each pass, for nothing: then the
-        send goes first and the mark follows a send that worked (the race above may then
-        delay one batch until the sweep's threshold, never lose it)."""
-        due = [
-            i
-            for i in instances
-            if i.state is InstanceState.ENQUEUED and (force or not i.published_at)
-        ]
-        if not due:
-            return
-        ids = [i.id for i in due]
-        if self._bus_failed:
-            if await self._send(due):
-                await self._mark(ids)
-            return
-        marked = await self._mark(ids)
-        if not await self._send(due) and marked:
-            await self._unmark(ids)
-
-    async def _mark(self, ids: list[UUID]) -> bool:
-        """Record ``ids`` as published; False (logged) when the store cannot say so now."""
-        try:
-            await self.store.mark_published(ids, fence=self.fence)
-        except (UnavailableError, StoreRefusedError) as exc:
-            # Bookkeeping: the instances are committed, so they are still sent (an API client
-            # must not see an error and retry a committed trigger). Unmarked, the sweep may
-            # publish them again (a second message for an instance is harmless: the claim
-            # takes it once).
-            logger.warning(
-                "could not record %d instance(s) as published: %s; the sweep may republish them",
-                len(ids),
-                exc,
-                exc_info=not isinstance(exc, UnavailableError),
-                extra={"action": "dispatch.mark_published_failed"},
-            )
-            return False
-        return True
-
-    async def _unmark(self, ids: list[UUID]) -> bool:
-        """Clear the marks of instances whose messages were not sent, so the sweep publishes
-        them at its next pass (True); if even that fails, it does once the marks are old."""
-        try:
-            await self.store.unmark_published(ids)
-        except (UnavailableError, StoreRefusedError) as exc:
-            logger.warning(
-                "could not clear the publish mark of %d instance(s): %s; the sweep "
-                "republishes them after its threshold",
-                len(ids),
-                exc,
-                exc_info=not isinstance(exc, UnavailableError),
-                extra={"action": "dispatch.unmark_failed"},
-            )
-            return False
-        return True
-
-    async def _send(
-        self, due: Sequence[Instance], entries: Sequence[tuple[str, bytes]] | None = None
-    ) -> bool:
-        """Hand ``due`` to the bus (``entries``: their messages, encoded already); False
-        (logged) when it is out of reach."""
-        try:
-            with telemetry.span("jobplane.publish", instances=len(due)):
-                if entries is not None:
-                    await self.bus.publish_encoded(entries)
-                else:
-                    trace = telemetry.traceparent()  # one per batch: its entries share the span
-                    await self.bus.publish([(i.queue, envelope_for(i, trace)) for i in due])
-        except BusUnavailableError:
-            self._bus_failed = True
-            # Not an error for the caller: the instance is stored; the sweep republishes it.
-            logger.warning(
-                "bus unavailable; %d instance(s) left for the sweep to publish",
-                len(due),
-                extra={"action": "dispatch.publish_deferred"},
-            )
-            return False
-        self._bus_failed = False
-        return True

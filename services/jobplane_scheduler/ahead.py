@@ -33,9 +33,10 @@ from typing import Any, TypeVar
 
 from jobplane import telemetry
 from jobplane.definitions import DefinitionCache
-from jobplane.dispatch import CreatedPublication, Dispatcher
+from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import Instance, LeaderLease, NewInstance
 from jobplane.errors import first_line
+from jobplane.publishing import CreatedPublication
 from jobplane.store.abc import HeldFire, LeaderStore
 from jobplane_scheduler.cron_timers import CronTimers
 from jobplane_scheduler.metrics import SchedulerMetrics

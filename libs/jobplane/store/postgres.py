@@ -44,14 +44,13 @@ from jobplane.store.base import reachable, retry_conflicts
 from jobplane.store.driver import DriverStatement
 from jobplane.store.engine import AsyncConnection, AsyncEngine
 from jobplane.store.lifecycle import log_fenced
+from jobplane.store.postgres_fire_sql import FIRE, FIRE_AHEAD
 from jobplane.store.postgres_sessions import END_EXPIRED_HOLDER, END_SILENT_WORKERS
 from jobplane.store.postgres_sql import (
     CLAIM,
     COMPLETE,
     CREATE,
     CREATE_ONE,
-    FIRE,
-    FIRE_AHEAD,
     NOW,
     RENEW,
     UNPUBLISHED,
