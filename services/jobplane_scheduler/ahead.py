@@ -211,6 +211,8 @@ class AheadFiring:
     async def _tick_settled(self) -> None:
         """Wait while a tick is held (at most a second): the sweep's steps, each a burst of
         the leader's CPU, then keep off the moments its commit and publish need."""
+        if self._unheld.is_set():
+            return  # (most of the time: no task made for the wait)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._unheld.wait(), timeout=1.0)
 
