@@ -21,7 +21,6 @@ the commit may have recorded.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import math
@@ -104,8 +103,6 @@ class AheadFiring:
     _now_taken: float
     #: Whether the garbage collector is paused while a tick is held (see _write_ahead).
     _gc_paused: bool
-    #: Set while no tick is held: the sweep waits for it between its steps.
-    _unheld: asyncio.Event
 
     def _ahead_time(self, at: datetime, now: datetime) -> float:
         """Seconds from ``now`` until the tick at ``at`` is to be written ahead: infinite if
@@ -148,7 +145,6 @@ class AheadFiring:
             await held.abandon()
             raise
         self._held = Ahead(at, frozenset(due), records, grace_s, held, publication)
-        self._unheld.clear()
         # A full collection of the leader's heap took 12 to 27 ms here, at any moment: one
         # landing between the tick and its commit would be the tick's lag. The collector waits
         # from here until the tick is committed and sent (a quarter of a second), then runs.
@@ -208,18 +204,9 @@ class AheadFiring:
         finally:
             self._settled()
 
-    async def _tick_settled(self) -> None:
-        """Wait while a tick is held (at most a second): the sweep's steps, each a burst of
-        the leader's CPU, then keep off the moments its commit and publish need."""
-        if self._unheld.is_set():
-            return  # (most of the time: no task made for the wait)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._unheld.wait(), timeout=1.0)
-
     def _settled(self) -> None:
-        """Once a held tick is committed or given up: let the sweep go on, and the collector
-        run again if the tick paused it (see _write_ahead)."""
-        self._unheld.set()
+        """Once a held tick is committed or given up: let the collector run again if the tick
+        paused it (see _write_ahead)."""
         if self._gc_paused:
             self._gc_paused = False
             gc.enable()

@@ -103,8 +103,6 @@ class LeaderDuties(CronFiring):
         self._held, self._ahead_tried = None, None
         self._ahead_supported = isinstance(self.clock, StoreClock)
         self._now_taken, self._gc_paused = time.monotonic(), False
-        self._unheld = asyncio.Event()
-        self._unheld.set()
         # A held write must commit well within the server's limit on an idle transaction.
         idle = settings.session_limits().idle_in_transaction_timeout_s
         self._fire_ahead_s = min(FIRE_AHEAD_S, idle / 4)
@@ -189,20 +187,16 @@ class LeaderDuties(CronFiring):
     async def _sweep_once(self) -> None:
         """Find what no event announced: definitions edited, due instances, expired leases,
         lost messages, a bus that restarted empty, dead workers."""
-        await self._tick_settled()
         with self._refused("definitions"):
             await self._load_definitions()
-        await self._tick_settled()
         with self._refused("promote"):
             await self._promote()
         await self._release_expired()
-        await self._tick_settled()
         with self._refused("bus epoch"):
             # Its marker is written only after the republish: a refused one is tried again.
             await self._check_bus_epoch()
         with self._refused("republish"):
             await self._republish(await self._lost(await self._stale()))
-        await self._tick_settled()
         with self._refused("unknown jobs"):
             terminated = await self.store.terminate_unknown_jobs(
                 self.lease, self.settings.unknown_job_timeout_s
@@ -218,7 +212,6 @@ class LeaderDuties(CronFiring):
             self.metrics.count(SweepStep.ORPHANED_PINS, [i for i, _ in unpinned])
             await self._publish([i for i, _ in unpinned])
             await self._drop_old_pins(unpinned)
-        await self._tick_settled()
         self._delayed = await self.store.scheduled_due_within(self.settings.sweep_interval_s)
         self._lease_ends = await self.store.leases_ending_within(self.settings.sweep_interval_s)
 
