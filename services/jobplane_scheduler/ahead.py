@@ -9,8 +9,10 @@ call. Nobody sees the instances before the commit, and what the open transaction
 the write true until then (``jobplane/store/ahead.py``): an edit of one of its jobs waits for
 it, and so comes after the tick; a takeover (of a lease expired: this leader froze) ends it.
 
-At the tick the commit comes first, before the timers' own bookkeeping, when the leader woke
-within ``COMMIT_WITHIN_S`` of it (and of every one of its jobs' misfire grace): the records
+Just before the tick (``COMMIT_EARLY_S``) the commit is sent, and the database waits for the
+tick itself to commit it: the leader's wake-up need not be on time. The commit comes first,
+before the timers' own bookkeeping, when the leader woke no later than ``COMMIT_WITHIN_S``
+after the tick (and of every one of its jobs' misfire grace): the records
 say the tick, true to within that. Otherwise (woken late, or the timers changed since: an
 edit, a catch-up) the write is rolled back and the tick is fired as any tick is, recording
 when it was, late ticks by their misfire policy. The database checks the same at the commit,
@@ -27,7 +29,7 @@ import math
 import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from jobplane import telemetry
@@ -49,6 +51,13 @@ FIRE_AHEAD_S = 0.25
 #: records say the tick, so they are true to within it. Later (a stalled leader), it is
 #: rolled back and fired as any tick is, recording when it was.
 COMMIT_WITHIN_S = 0.05
+
+#: A tick written ahead is committed this long before the leader's clock reaches it: the
+#: database waits for the tick itself before it commits (``commit_at``), so a wake-up late by
+#: up to this much (the event loop's timer, a busy machine: 5 to 18 ms, one tick in ten,
+#: measured here) no longer delays the commit. The leader's own wait for the commit holds its
+#: planning (an edit's re-plan) that much longer.
+COMMIT_EARLY_S = 0.025
 
 T = TypeVar("T")
 
@@ -152,25 +161,38 @@ class AheadFiring:
             gc.disable()
             self._gc_paused = True
 
-    async def _commit_ahead(self, now: datetime) -> frozenset[tuple[str, datetime]]:
-        """At ``now``, commit and publish the tick written ahead if it has come, within
-        ``COMMIT_WITHIN_S`` and every one of its jobs' misfire grace. Returns its (job key,
-        tick) pairs if committed (the caller fires the rest of what is due). Holds
-        ``_planning``."""
+    def _commit_early(self, at: datetime | None) -> float:
+        """How long before the tick at ``at`` the loop wakes to commit it: ``COMMIT_EARLY_S``
+        if that tick is held, else 0 (a tick fired at its time is woken for at its time)."""
         ahead = self._held
-        if ahead is None or now < ahead.at:
-            return frozenset()
+        return COMMIT_EARLY_S if ahead is not None and ahead.at == at else 0.0
+
+    async def _commit_ahead(
+        self, now: datetime
+    ) -> tuple[frozenset[tuple[str, datetime]], datetime]:
+        """At ``now``, commit and publish the tick written ahead if it is about to come
+        (within ``COMMIT_EARLY_S``) or has come within ``COMMIT_WITHIN_S`` and every one of its
+        jobs' misfire grace. Returns its (job key, tick) pairs if committed (the caller fires
+        the rest of what is due) and the time from then on: at least the tick once committed
+        (the database committed it once its clock read the tick). Holds ``_planning``."""
+        ahead = self._held
+        if ahead is None or now < ahead.at - timedelta(seconds=COMMIT_EARLY_S):
+            return frozenset(), now
         # (``now`` was taken before this task got ``_planning``: count the wait for it too)
         late_s = (now - ahead.at).total_seconds() + time.monotonic() - self._now_taken
         if late_s > min(ahead.grace_s, COMMIT_WITHIN_S):
             await self._abandon_held()  # (its locks go now; the tick is fired as any tick is)
-            return frozenset()
+            return frozenset(), now
         self._held = None
         try:
             committed = await finish(self._commit_and_publish(ahead, now))
         finally:
             self._settled()
-        return ahead.ticks if committed else frozenset()
+        if not committed:
+            return frozenset(), now
+        if now < ahead.at:
+            now, self._now_taken = ahead.at, time.monotonic()
+        return ahead.ticks, now
 
     async def _commit_and_publish(self, ahead: Ahead, now: datetime) -> bool:
         """Commit the tick written ahead and publish it; False if the commit failed (the

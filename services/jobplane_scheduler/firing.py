@@ -187,7 +187,7 @@ class CronFiring(AheadFiring):
                 self._now_taken = time.monotonic()
                 async with self._planning:
                     # A tick written ahead is committed first (see jobplane_scheduler.ahead).
-                    committed = await self._commit_ahead(now)
+                    committed, now = await self._commit_ahead(now)
                     due = self.timers.pop_due(now)
                     if due:
                         await self._fire_due(due, now, committed)
@@ -281,10 +281,15 @@ class CronFiring(AheadFiring):
         if at is not None and (ahead := self._ahead_time(at, now)) < math.inf:
             await self.clock.sleep(min(ahead, 60.0), self._wake)
             return None  # (the loop writes it ahead, then sleeps on to the tick)
-        late = await self.clock.sleep(min(delay, 60.0), self._wake)
+        # (A tick held is woken for a little before it: its commit waits for it in the
+        # database; see COMMIT_EARLY_S.)
+        early = self._commit_early(at)
+        if delay < early:
+            return None  # (reached already: the loop reads the clock and commits)
+        late = await self.clock.sleep(min(delay - early, 60.0), self._wake)
         if at is None or delay > 60.0 or self._wake.is_set():
             return None
-        return at + timedelta(seconds=late)
+        return at + timedelta(seconds=late - early)
 
     async def _fire_as_planned(self, records: list[NewInstance]) -> set[str]:
         """Fire ``records``, each job's only while it is stored at the version cached here
