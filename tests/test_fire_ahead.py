@@ -14,8 +14,10 @@ import gc
 import time
 from datetime import datetime, timedelta
 
+import asyncpg
 import pytest
 from sqlalchemy import text
+from sqlalchemy.engine import make_url
 
 from jobplane.bus.abc import Bus
 from jobplane.domain.models import Instance, InstanceFilter, LeaderLease, NewInstance
@@ -35,7 +37,7 @@ from jobplane_scheduler.ahead import COMMIT_EARLY_S, COMMIT_WITHIN_S
 from jobplane_scheduler.cron_timers import occurrence
 from jobplane_scheduler.metrics import SchedulerMetrics
 from tests.scheduler_helpers import running_scheduler
-from tests.store_helpers import define
+from tests.store_helpers import define, enqueue
 from tests.worker_helpers import wait_for
 
 KEYS = ["a", "b", "c"]
@@ -193,6 +195,43 @@ async def test_an_edit_of_a_held_job_waits_for_the_commit(pg_store: SqlStore) ->
     paused = await asyncio.wait_for(pausing, timeout=10)
     assert paused.paused and paused.version == planned["b"] + 1
     assert await _count(pg_store, at) == 3
+
+
+async def test_a_claim_on_the_held_session_s_count_shard_does_not_wait_for_the_tick(
+    pg_store: SqlStore, pg_database_url: str
+) -> None:
+    """A held tick keeps the instance-count rows it wrote locked until its commit. It writes
+    them on a shard of its own, so a claim of one of its jobs' earlier instances, made on a
+    session whose own shard (its pid modulo 16) is the held session's, does not wait for the
+    tick (before migration 0024 it did, holding the job's slot meanwhile)."""
+    planned = await _jobs(pg_store)
+    [earlier] = await enqueue(pg_store, "a")
+    held = await _hold(pg_store, await _lease(pg_store), await _tick(pg_store), planned)
+    dsn = make_url(pg_database_url).set(drivername="postgresql").render_as_string(False)
+    sessions: list[asyncpg.Connection] = []
+    try:
+        async with pg_store.engine.connect() as conn:
+            query = (
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+                " AND state LIKE 'idle in transaction%'"
+            )
+            held_pid = int((await conn.execute(text(query))).scalar_one())
+        while True:  # (pids are handed out in turn: one of 16 new sessions shares its shard)
+            session = await asyncpg.connect(dsn)
+            sessions.append(session)
+            if session.get_server_pid() % 16 == held_pid % 16:
+                break
+        await session.execute("SET lock_timeout = '1s'")
+        # What a claim does to the counts: the instance leaves Enqueued for Processing.
+        moved = await session.execute(
+            "UPDATE job_instances SET state = 'processing' WHERE id = $1", earlier.id
+        )
+        assert moved == "UPDATE 1"
+    finally:
+        await asyncio.gather(*(s.close() for s in sessions))
+        await held.abandon()
+    counts = await pg_store.count_by_state("a")
+    assert counts == {S.PROCESSING: 1}, counts
 
 
 async def test_a_takeover_waits_for_the_held_tick_which_fires_once(pg_store: SqlStore) -> None:

@@ -10,10 +10,9 @@ nobody sees them, and what the transaction locks keeps its facts true at the com
 - the planned jobs' definition rows, share-locked: an edit or a pause of one of them waits
   for the commit, so it comes after the tick, as it would have come after a fire at its time;
 - the unique occurrence of each (job, tick): a second leader's fire of it waits, then skips it;
-- the instance-count rows of its jobs' Enqueued instances on the leader session's shard (see
-  migration 0017): a claim of one of those jobs' instances on a session of the same shard (one
-  in 16) waits for the commit too, and, holding the job's slot row meanwhile, so do the other
-  claims and outcomes of that job: at most the time written ahead.
+- the instance-count rows of its jobs' Enqueued instances, on a shard of the counts no other
+  session writes (:data:`COUNT_SHARD`, migration 0024): a claim of one of those jobs' earlier
+  instances, which moves the counts on its own session's shard, does not wait for the tick.
 
 A takeover does not wait for a frozen leader's tick: the lease has expired by then, and the
 standby ends the sessions the expired holder still holds its lease row with (the held one
@@ -48,8 +47,16 @@ logger = logging.getLogger(__name__)
 LOCK_TIMEOUT_MS = 50
 
 
+#: The shard of the instance counts a held tick writes (migration 0024): the sessions' own are
+#: their pids modulo 16, so the counter rows the tick keeps locked until its commit are rows no
+#: claim or outcome writes.
+COUNT_SHARD = 16
+
 #: Begins the held transaction (on the driver: SQLAlchemy does not see it).
-BEGIN = f"BEGIN; SET LOCAL lock_timeout = {LOCK_TIMEOUT_MS}"
+BEGIN = (
+    f"BEGIN; SET LOCAL lock_timeout = {LOCK_TIMEOUT_MS};"
+    f" SET LOCAL jobplane.count_shard = {COUNT_SHARD}"
+)
 
 
 def commit_at(at: datetime, within_s: float) -> str:
