@@ -19,7 +19,8 @@ from redis.exceptions import ResponseError
 from jobplane.bus.abc import BusEpoch, DeadLetter, StreamStats
 from jobplane.bus.envelope import Envelope, Event
 from jobplane.bus.keys import BANDS, GROUP, Keys
-from jobplane.bus.redis_calls import as_text, hash_tag, translated
+from jobplane.bus.redis_append import Appender
+from jobplane.bus.redis_calls import as_text, translated
 from jobplane.bus.redis_consumer import RedisConsumer
 from jobplane.errors import BusUnavailableError, EnvelopeError
 
@@ -58,8 +59,6 @@ if #pending > 0 then return 0 end
 redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
 return 1
 """
-#: Entries appended by one call of the script (Redis runs a script alone: ~1 ms per 1,000).
-PUBLISH_CHUNK = 1000
 
 
 class RedisBus:
@@ -71,7 +70,7 @@ class RedisBus:
         self._owns_client = owns_client
         self._closed = False
         self._clear_pending = client.register_script(CLEAR_PENDING_LUA)
-        self._append = client.register_script(APPEND_LUA)
+        self._appender = Appender(client, client.register_script(APPEND_LUA))
         self._forget_consumer = client.register_script(FORGET_CONSUMER_LUA)
         #: The pending-update marks as last read whole, and the hash's (edit count, length)
         #: then (see :meth:`get_pending_updates`).
@@ -108,7 +107,9 @@ class RedisBus:
         await self.publish_encoded(self.encode(envelopes))
 
     def encode(self, envelopes: Sequence[tuple[str, Envelope]]) -> list[tuple[str, bytes]]:
-        return [(self.keys.stream_of(queue, e), e.encode()) for queue, e in envelopes]
+        entries = [(self.keys.stream_of(queue, e), e.encode()) for queue, e in envelopes]
+        # Several are appended by script calls: packed now too (see redis_append).
+        return entries if len(entries) < 2 else self._appender.pack(entries)
 
     async def publish_encoded(self, entries: Sequence[tuple[str, bytes]]) -> None:
         if not entries:
@@ -123,26 +124,8 @@ class RedisBus:
             # Several: appended by a script, one command for up to PUBLISH_CHUNK entries of
             # one hash slot, rather than a pipeline of one XADD each, whose replies redis-py
             # parses one by one (a cron tick of 1,000 instances spent 44 ms of the leader's CPU
-            # in the pipeline). The keys of one script call share a hash tag (a queue's
-            # streams, or a worker's), as Redis Cluster requires.
-            slots: dict[str, tuple[list[str], list[bytes]]] = {}
-            for key, raw in entries:
-                keys, data = slots.setdefault(hash_tag(key), ([], []))
-                keys.append(key)
-                data.append(raw)
-            calls = [
-                (keys[i : i + PUBLISH_CHUNK], data[i : i + PUBLISH_CHUNK])
-                for keys, data in slots.values()
-                for i in range(0, len(keys), PUBLISH_CHUNK)
-            ]
-            if len(calls) == 1:
-                [(keys, data)] = calls
-                await self._append(keys=keys, args=data)
-                return
-            pipe = self.client.pipeline(transaction=False)
-            for keys, data in calls:
-                await self._append(keys=keys, args=data, client=pipe)
-            await pipe.execute()
+            # in the pipeline).
+            await self._appender.append(entries)
 
     async def queued(
         self, envelopes: Sequence[tuple[str, Envelope]], *, stuck_after_ms: int | None = None
