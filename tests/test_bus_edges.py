@@ -229,33 +229,42 @@ async def test_packed_appends_load_the_script_a_server_does_not_know() -> None:
             await bus.close()
 
 
+def _lose_a_reply(monkeypatch: pytest.MonkeyPatch, reply: int) -> list[aioredis.Connection]:
+    """Make the connection that sends packed appends fail at their ``reply``-th reply (from
+    0), once; returns the connections it failed (the packed calls' only)."""
+    send, read_response = aioredis.Connection.send_packed_command, aioredis.Connection.read_response
+    appending: dict[aioredis.Connection, int] = {}
+    dropped: list[aioredis.Connection] = []
+
+    async def sending(conn: aioredis.Connection, command: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(command, list) and b"EVALSHA" in command[0]:
+            appending[conn] = 0  # (the packed calls, not a connection's own handshake)
+        return await send(conn, command, *args, **kwargs)
+
+    async def lost_once(conn: aioredis.Connection, *args: Any, **kwargs: Any) -> Any:
+        if conn in appending and not dropped:
+            if appending[conn] == reply:
+                dropped.append(conn)
+                raise RedisConnectionError("connection lost (injected)")
+            appending[conn] += 1
+        return await read_response(conn, *args, **kwargs)
+
+    monkeypatch.setattr(aioredis.Connection, "send_packed_command", sending)
+    monkeypatch.setattr(aioredis.Connection, "read_response", lost_once)
+    return dropped
+
+
 async def test_packed_appends_whose_reply_is_lost_are_made_again(
     redis_bus: Bus, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The connection fails before the packed calls' replies are read (they may have run or
     not): the connection is closed rather than given back with replies unread, and the calls
-    are made again through the script (redis-py retries those). An entry may then be there twice,
-    which the claim makes harmless; none is missing."""
+    are made again through the script (redis-py retries those). An entry may then be there
+    twice, which the claim makes harmless; none is missing."""
     assert isinstance(redis_bus, RedisBus)
     sent = [("q", envelope()) for _ in range(10)]
     encoded = redis_bus.encode(sent)
-    send, read_response = aioredis.Connection.send_packed_command, aioredis.Connection.read_response
-    appending: set[aioredis.Connection] = set()
-    dropped: list[aioredis.Connection] = []
-
-    async def sending(conn: aioredis.Connection, command: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(command, list) and b"EVALSHA" in command[0]:
-            appending.add(conn)  # (the packed calls, not a connection's own handshake)
-        return await send(conn, command, *args, **kwargs)
-
-    async def lost_once(conn: aioredis.Connection, *args: Any, **kwargs: Any) -> Any:
-        if conn in appending and not dropped:
-            dropped.append(conn)
-            raise RedisConnectionError("connection lost (injected)")
-        return await read_response(conn, *args, **kwargs)
-
-    monkeypatch.setattr(aioredis.Connection, "send_packed_command", sending)
-    monkeypatch.setattr(aioredis.Connection, "read_response", lost_once)
+    dropped = _lose_a_reply(monkeypatch, 0)
     await redis_bus.publish_encoded(encoded)
     monkeypatch.undo()
     assert dropped
@@ -267,6 +276,24 @@ async def test_packed_appends_whose_reply_is_lost_are_made_again(
     more = [("q", envelope()) for _ in range(3)]
     await redis_bus.publish_encoded(redis_bus.encode(more))
     assert (await _entries_of(redis_bus, "q"))[20:] == [e.instance_id for _, e in more]
+
+
+async def test_packed_appends_whose_reply_came_are_not_made_again(
+    redis_bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three calls (three queues); the connection fails at the second reply: the first call is
+    known to have run and is not made again; the second and third are."""
+    assert isinstance(redis_bus, RedisBus)
+    sent = [(f"q{n}", envelope()) for n in range(3) for _ in range(4)]
+    encoded = redis_bus.encode(sent)
+    assert isinstance(encoded, PackedEntries) and len(encoded.calls) == 3
+    dropped = _lose_a_reply(monkeypatch, 1)
+    await redis_bus.publish_encoded(encoded)
+    monkeypatch.undo()
+    assert dropped
+    for n, copies in ((0, 1), (1, 2), (2, 2)):
+        mine = [e.instance_id for q, e in sent if q == f"q{n}"]
+        assert await _entries_of(redis_bus, f"q{n}") == mine * copies
 
 
 async def _until_answers(bus: Bus) -> None:

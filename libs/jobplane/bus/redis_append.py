@@ -102,28 +102,31 @@ class Appender:
     async def _send_packed(self, calls: list[AppendCall]) -> None:
         """Send the packed ``calls`` at once on one connection and read their replies. A call
         the server does not know the script of yet (``NOSCRIPT``: a new or flushed server) is
-        made again through the script object, which loads it; so are all of them when the
-        connection fails (redis-py's own calls retry that), as a lost reply leaves it unknown
-        whether they ran (a second entry for an instance is harmless: the claim takes it once).
-        """
+        made again through the script object, which loads it; so is each call whose reply a
+        failed connection lost (redis-py's own calls retry that), as it may or may not have
+        run, and every call after the first made again, to keep each stream's order (a second
+        entry for an instance is harmless: the claim takes it once)."""
         pool = self.client.connection_pool
         conn = await pool.get_connection()  # type: ignore[no-untyped-call]
-        again: list[AppendCall] = []
+        # The calls from the first one not known to have run: made again, in order (a
+        # stream's later chunk must not land before its earlier one), those that did run
+        # after it included.
+        again, i = len(calls), 0
         try:
             await conn.send_packed_command([part for call in calls for part in call.packed])
-            for call in calls:
+            for i in range(len(calls)):
                 try:
                     await conn.read_response()
                 except NoScriptError:
-                    again.append(call)
+                    again = min(again, i)
         except (RedisConnectionError, RedisTimeoutError, OSError):
             await conn.disconnect()
-            again = calls
+            again = min(again, i)
         except BaseException:
             # (A reply not read, a cancel mid-way: the connection's state is unknown.)
             await conn.disconnect()
             raise
         finally:
             await pool.release(conn)
-        for call in again:
+        for call in calls[again:]:
             await self.script(keys=call.keys, args=call.data)
