@@ -163,7 +163,9 @@ class AheadFiring:
 
     def _commit_early(self, at: datetime | None) -> float:
         """How long before the tick at ``at`` the loop wakes to commit it: ``COMMIT_EARLY_S``
-        if that tick is held, else 0 (a tick fired at its time is woken for at its time)."""
+        if that tick is held, else 0 (a tick fired at its time is woken for at its time).
+        (Cron ticks fall on whole seconds, so no other tick comes between the wake-up and the
+        held one, to be fired only after its commit.)"""
         ahead = self._held
         return COMMIT_EARLY_S if ahead is not None and ahead.at == at else 0.0
 

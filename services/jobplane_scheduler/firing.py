@@ -282,10 +282,9 @@ class CronFiring(AheadFiring):
             await self.clock.sleep(min(ahead, 60.0), self._wake)
             return None  # (the loop writes it ahead, then sleeps on to the tick)
         # (A tick held is woken for a little before it: its commit waits for it in the
-        # database; see COMMIT_EARLY_S.)
+        # database; see COMMIT_EARLY_S. The loop commits once that close, so the sleep left is
+        # never shorter.)
         early = self._commit_early(at)
-        if delay < early:
-            return None  # (reached already: the loop reads the clock and commits)
         late = await self.clock.sleep(min(delay - early, 60.0), self._wake)
         if at is None or delay > 60.0 or self._wake.is_set():
             return None

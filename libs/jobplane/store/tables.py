@@ -326,8 +326,9 @@ api_tokens = Table(
 
 # How many instances each job has in each state, kept by database triggers on job_instances
 # (migration 0017) in the same transaction as every insert, state change and delete. Postgres
-# spreads each (job, state) over shards (one per backend, modulo 16) so that concurrent
-# writers do not queue on one row; a count is the sum of its shards.
+# spreads each (job, state) over shards (one per backend, modulo 16; a cron tick written ahead
+# writes shard 16, migration 0024) so that concurrent writers do not queue on one row; a count
+# is the sum of its shards.
 instance_counts = Table(
     "instance_counts",
     metadata,
