@@ -12,8 +12,8 @@ it, and so comes after the tick; a takeover (of a lease expired: this leader fro
 Just before the tick (``COMMIT_EARLY_S``) the commit is sent, and the database waits for the
 tick itself to commit it: the leader's wake-up need not be on time. The commit comes first,
 before the timers' own bookkeeping, when the leader woke no later than ``COMMIT_WITHIN_S``
-after the tick (and of every one of its jobs' misfire grace): the records
-say the tick, true to within that. Otherwise (woken late, or the timers changed since: an
+after the tick (nor than any of its jobs' misfire grace): the records say the tick, true to
+within that. Otherwise (woken late, or the timers changed since: an
 edit, a catch-up) the write is rolled back and the tick is fired as any tick is, recording
 when it was, late ticks by their misfire policy. The database checks the same at the commit,
 on its own clock. A commit that fails leaves the fire to that same path, which finds what
