@@ -365,6 +365,37 @@ async def test_a_batch_the_bus_cannot_take_is_left_unmarked_for_the_sweep(
         assert stored.state is S.ENQUEUED and stored.published_at is None
 
 
+async def test_a_run_now_answers_its_publication_and_sends_once(store: SqlStore, bus: Bus) -> None:
+    """Run now records the publication in its move, as a trigger's insert does: the answer
+    says it (it said nothing before, published as it was), and the message goes out once."""
+    await define(store, "job")
+    dispatcher = Dispatcher(store, bus, hold_triggered=True)
+    held = await dispatcher.trigger("job")
+    ran = await dispatcher.run_now(held.id, "ops")
+    assert ran.state is S.ENQUEUED and ran.published_at is not None
+    assert (await store.get_instance(held.id)).published_at == ran.published_at
+    delivered = await bus.consumer("w1", ["default"]).read(10, 500)
+    assert [d.envelope.instance_id for d in delivered] == [held.id]
+
+
+async def test_a_run_now_the_bus_cannot_take_is_left_unmarked_for_the_sweep(
+    store: SqlStore, bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The send fails: the instance is Enqueued, its mark cleared (the sweep publishes it
+    after its short grace), and the answer says so."""
+    await define(store, "job")
+    held = await Dispatcher(store, bus, hold_triggered=True).trigger("job")
+
+    async def away(envelopes: Sequence[tuple[str, Envelope]]) -> None:
+        raise BusUnavailableError("redis is away")
+
+    monkeypatch.setattr(bus, "publish", away)
+    ran = await Dispatcher(store, bus).run_now(held.id, "ops")
+    assert ran.state is S.ENQUEUED and ran.published_at is None
+    stored = await store.get_instance(held.id)
+    assert stored.state is S.ENQUEUED and stored.published_at is None
+
+
 async def _fired(store: SqlStore, *, published: bool) -> tuple[list[NewInstance], list[Instance]]:
     """A leader's fire of one on-time tick and one missed tick (recorded Skipped)."""
     await define(store, "tick", cron="* * * * * *")

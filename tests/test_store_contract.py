@@ -277,6 +277,11 @@ async def test_run_now_moves_a_waiting_instance_once(store: SqlStore) -> None:
     assert len(await store.transitions(held.id)) == 2
     with pytest.raises(InstanceNotFoundError):
         await store.run_now(new_id(), "ops")
+    # Asked to, the move records the publication too (one write, as a trigger's insert).
+    [later] = await store.create_instances([NewInstance(job_key="job", held=True)])
+    marked = await store.run_now(later.id, "ops", published=True)
+    assert marked.state is S.ENQUEUED and marked.published_at is not None
+    assert (await store.get_instance(later.id)).published_at == marked.published_at
 
 
 async def test_unknown_job_inserts_nothing(store: SqlStore) -> None:

@@ -296,9 +296,12 @@ class Dispatcher(Publisher):
 
     async def run_now(self, instance_id: UUID, actor: str = "client") -> Instance:
         """Run a Scheduled instance (held or delayed) now: Enqueued and published. Raises
-        IllegalTransitionError when it is not Scheduled, InstanceNotFoundError if unknown."""
-        instance = await self.store.run_now(instance_id, actor)
-        await self.publish([instance])
+        IllegalTransitionError when it is not Scheduled, InstanceNotFoundError if unknown.
+        The move records the publication itself where it may (as a trigger's insert does), so
+        the instance answered says it was published, unless its send failed."""
+        published = self.marks_first and self.fence is None
+        instance = await self.store.run_now(instance_id, actor, published=published)
+        [instance] = await self.publish_created([instance], {instance.id})
         return instance
 
     async def cancel(self, instance_id: UUID, actor: str = "client") -> Instance:

@@ -108,10 +108,12 @@ class DispatchStore(StoreConnection, DefinitionReads, Protocol):
         gets ``cancel_requested`` for its worker. Raises IllegalTransitionError when terminal
         and InstanceNotFoundError when unknown."""
 
-    async def run_now(self, instance_id: UUID, actor: str) -> Instance:
+    async def run_now(self, instance_id: UUID, actor: str, *, published: bool = False) -> Instance:
         """Run a Scheduled instance now (held by the debug mode, or delayed): → Enqueued, due
-        now, to be published by the caller. Raises IllegalTransitionError when it is not
-        Scheduled and InstanceNotFoundError when unknown."""
+        now, to be published by the caller; with ``published``, recorded as published in the
+        same write (the caller clears the mark if its send fails). Raises
+        IllegalTransitionError when it is not Scheduled and InstanceNotFoundError when
+        unknown."""
 
     async def cancel_many(self, filter: InstanceFilter, *, limit: int, actor: str) -> BulkCancel:
         """Cancel, in one transaction, up to ``limit`` instances that ``filter`` selects, oldest

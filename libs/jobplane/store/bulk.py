@@ -8,6 +8,7 @@ read, with its history record written in the same transaction.
 
 from __future__ import annotations
 
+from typing import Any
 from uuid import UUID
 
 from sqlalchemy import select, update
@@ -72,7 +73,12 @@ class OperatorStore(SqlBase):
             raise IllegalTransitionError(state, InstanceState.CANCELLED)
 
     @retry_conflicts
-    async def run_now(self, instance_id: UUID, actor: str) -> Instance:
+    async def run_now(self, instance_id: UUID, actor: str, *, published: bool = False) -> Instance:
+        # (With ``published``, the publication is recorded by the move itself, as a trigger's
+        # insert records it: one write, and the instance answered says it.)
+        values: dict[str, Any] = {"run_at": self._clock()}
+        if published:
+            values["published_at"] = self._clock()
         async with self._write() as conn:
             # Compare-and-set on Scheduled: a run racing the due-time sweep (or a cancel, or a
             # second run) moves the instance once; the loser sees the state it found.
@@ -84,7 +90,7 @@ class OperatorStore(SqlBase):
                 InstanceState.ENQUEUED,
                 actor=actor,
                 reason=EndReason.RUN_BY_HAND,
-                values={"run_at": self._clock()},
+                values=values,
             )
             if moved:
                 return moved[0]
