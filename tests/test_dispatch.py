@@ -378,6 +378,20 @@ async def test_a_run_now_answers_its_publication_and_sends_once(store: SqlStore,
     assert [d.envelope.instance_id for d in delivered] == [held.id]
 
 
+async def test_a_run_now_inside_async_with_answers_at_its_commit_and_sends_behind(
+    store: SqlStore, bus: Bus
+) -> None:
+    """Inside ``async with`` (as the API uses it) the message goes out behind the answer, as
+    a single trigger's does: a caller cancelled after the answer cannot stop the send."""
+    await define(store, "job")
+    async with Dispatcher(store, bus, hold_triggered=True) as dispatcher:
+        held = await dispatcher.trigger("job")
+        ran = await dispatcher.run_now(held.id, "ops")
+        assert ran.state is S.ENQUEUED and ran.published_at is not None
+    delivered = await bus.consumer("w1", ["default"]).read(10, 500)
+    assert [d.envelope.instance_id for d in delivered] == [held.id]
+
+
 async def test_a_run_now_the_bus_cannot_take_is_left_unmarked_for_the_sweep(
     store: SqlStore, bus: Bus, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -192,6 +192,41 @@ async def test_move_instances_writes_what_the_table_says(
     assert after.last is not None and after.last["actor"] == "t"
 
 
+async def test_only_a_run_now_may_record_its_publication_in_its_move(store: SqlStore) -> None:
+    """A move to Enqueued clears the publication (the message is to be sent again). Run now
+    (Scheduled → Enqueued) may record it instead, as its caller sends the message at once; a
+    release or a retry may not: their columns are the table's."""
+    await define(store, "job", max_concurrency=5)
+    held = await reach(store, S.SCHEDULED)
+    running = await reach(store, S.PROCESSING)
+    failed = await reach(store, S.FAILED)
+    marked = {"published_at": store._clock()}
+    async with store.engine.begin() as conn:
+        [ran] = await move_instances(
+            conn,
+            store._clock(),
+            [held],
+            S.SCHEDULED,
+            S.ENQUEUED,
+            actor="t",
+            reason=None,
+            values=marked,
+        )
+        assert ran.published_at is not None
+        for instance_id, from_state in ((running, S.PROCESSING), (failed, S.FAILED)):
+            with pytest.raises(ValueError, match="published_at"):
+                await move_instances(
+                    conn,
+                    store._clock(),
+                    [instance_id],
+                    from_state,
+                    S.ENQUEUED,
+                    actor="t",
+                    reason=None,
+                    values=marked,
+                )
+
+
 async def test_move_instances_is_a_compare_and_set(store: SqlStore) -> None:
     await define(store, "job")
     instance_id = await reach(store, S.ENQUEUED)

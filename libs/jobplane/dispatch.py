@@ -297,11 +297,19 @@ class Dispatcher(Publisher):
     async def run_now(self, instance_id: UUID, actor: str = "client") -> Instance:
         """Run a Scheduled instance (held or delayed) now: Enqueued and published. Raises
         IllegalTransitionError when it is not Scheduled, InstanceNotFoundError if unknown.
-        The move records the publication itself where it may (as a trigger's insert does), so
-        the instance answered says it was published, unless its send failed."""
+
+        The move records the publication itself where it may, and the message is then sent
+        as a single trigger's is (:meth:`_trigger_one`): in the background inside ``async
+        with`` (a cancelled caller cannot stop it), else awaited, its mark cleared if the send
+        fails in any way. The instance answered says whether it was marked."""
         published = self.marks_first and self.fence is None
         instance = await self.store.run_now(instance_id, actor, published=published)
-        [instance] = await self.publish_created([instance], {instance.id})
+        if not instance.published_at:
+            await self.publish([instance])  # (the bus failing, or a leader's fenced marks)
+        elif self._background:
+            self._post(instance)
+        elif await self._publish_created([instance]):  # not sent, and unmarked
+            instance = replace(instance, published_at=None)
         return instance
 
     async def cancel(self, instance_id: UUID, actor: str = "client") -> Instance:

@@ -74,12 +74,13 @@ class OperatorStore(SqlBase):
 
     @retry_conflicts
     async def run_now(self, instance_id: UUID, actor: str, *, published: bool = False) -> Instance:
-        # (With ``published``, the publication is recorded by the move itself, as a trigger's
-        # insert records it: one write, and the instance answered says it.)
-        values: dict[str, Any] = {"run_at": self._clock()}
-        if published:
-            values["published_at"] = self._clock()
         async with self._write() as conn:
+            # (With ``published``, the publication is recorded by the move itself, as a
+            # trigger's insert records it: one write, and the instance answered says it. The
+            # clock is read once the write has its turn: SQLite's is the process's.)
+            values: dict[str, Any] = {"run_at": self._clock()}
+            if published:
+                values["published_at"] = self._clock()
             # Compare-and-set on Scheduled: a run racing the due-time sweep (or a cancel, or a
             # second run) moves the instance once; the loser sees the state it found.
             moved = await move_instances(

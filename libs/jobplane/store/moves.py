@@ -64,8 +64,8 @@ async def move_instances(
     ``now`` is the database's clock as an SQL expression (the store's ``_clock()``).
 
     ``actor`` is recorded in the history (``None``: the attempt's worker). ``values`` are
-    further columns of this move (a result, a retry's ``run_at``, the publication of a move to
-    Enqueued that its caller sends); ``attempt`` is required when
+    further columns of this move (a result, a retry's ``run_at``, the publication of a run now);
+    ``attempt`` is required when
     entering Processing. ``cancel_reason``: a row with ``cancel_requested`` ends Cancelled
     instead, with that reason. ``holds_slot``: leaving Processing, the slot is not given back
     but recorded in ``runaway_slots`` as held by the attempt's still-running code.
@@ -94,9 +94,10 @@ async def move_instances(
             changes,
         )
     extra = dict(values or {})
-    # A move that leaves the instance to be published may record its publication itself
-    # (run now: its caller sends it, and clears the mark if the send fails).
-    mine = changes.keys() - ({"published_at"} if effects.clears_published_at else set())
+    # Run now (Scheduled → Enqueued) may record the publication in its move: its caller sends
+    # the message at once, and clears the mark if the send fails. No other move may.
+    run_now = (from_state, to_state) == (InstanceState.SCHEDULED, InstanceState.ENQUEUED)
+    mine = changes.keys() - ({"published_at"} if run_now else set())
     if clash := extra.keys() & mine:
         raise ValueError(f"columns {sorted(clash)} are the transition's own")
     changes = {k: v for k, v in changes.items() if k not in extra}
