@@ -5,7 +5,7 @@ half of :class:`~jobplane.dispatch.Dispatcher` that the scheduler's fires and sw
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, replace
 from uuid import UUID
 
@@ -127,39 +127,25 @@ class Publisher:
 
     async def _mark(self, ids: list[UUID]) -> bool:
         """Record ``ids`` as published; False (logged) when the store cannot say so now."""
-        try:
-            await self.store.mark_published(ids, fence=self.fence)
-        except (UnavailableError, StoreRefusedError) as exc:
-            # Bookkeeping: the instances are committed, so they are still sent (an API client
-            # must not see an error and retry a committed trigger). Unmarked, the sweep may
-            # publish them again (a second message for an instance is harmless: the claim
-            # takes it once).
-            logger.warning(
-                "could not record %d instance(s) as published: %s; the sweep may republish them",
-                len(ids),
-                exc,
-                exc_info=not isinstance(exc, UnavailableError),
-                extra={"action": "dispatch.mark_published_failed"},
-            )
-            return False
-        return True
+        # Bookkeeping: the instances are committed, so they are still sent (an API client must
+        # not see an error and retry a committed trigger). Unmarked, the sweep may publish them
+        # again (a second message for an instance is harmless: the claim takes it once).
+        return await _bookkept(
+            self.store.mark_published(ids, fence=self.fence),
+            f"could not record {len(ids)} instance(s) as published",
+            "the sweep may republish them",
+            "dispatch.mark_published_failed",
+        )
 
     async def _unmark(self, ids: list[UUID]) -> bool:
         """Clear the marks of instances whose messages were not sent, so the sweep publishes
         them at its next pass (True); if even that fails, it does once the marks are old."""
-        try:
-            await self.store.unmark_published(ids)
-        except (UnavailableError, StoreRefusedError) as exc:
-            logger.warning(
-                "could not clear the publish mark of %d instance(s): %s; the sweep "
-                "republishes them after its threshold",
-                len(ids),
-                exc,
-                exc_info=not isinstance(exc, UnavailableError),
-                extra={"action": "dispatch.unmark_failed"},
-            )
-            return False
-        return True
+        return await _bookkept(
+            self.store.unmark_published(ids),
+            f"could not clear the publish mark of {len(ids)} instance(s)",
+            "the sweep republishes them after its threshold",
+            "dispatch.unmark_failed",
+        )
 
     async def _send(
         self, due: Sequence[Instance], entries: Sequence[tuple[str, bytes]] | None = None
@@ -184,3 +170,21 @@ class Publisher:
             return False
         self._bus_failed = False
         return True
+
+
+async def _bookkept(write: Awaitable[object], failed: str, then: str, action: str) -> bool:
+    """Await a ``published_at`` write; False, logged as ``failed`` and what follows (``then``),
+    when the store cannot take it now (it is bookkeeping: the caller goes on)."""
+    try:
+        await write
+    except (UnavailableError, StoreRefusedError) as exc:
+        logger.warning(
+            "%s: %s; %s",
+            failed,
+            exc,
+            then,
+            exc_info=not isinstance(exc, UnavailableError),
+            extra={"action": action},
+        )
+        return False
+    return True
