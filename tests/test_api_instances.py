@@ -76,13 +76,23 @@ async def test_bulk_cancel_by_filter(api: httpx.AsyncClient, store: SqlStore, bu
     assert (await store.get_instance(ids[0])).cancel_requested
     assert (await api.get(f"/api/v1/instances/{other}")).json()["state"] == "enqueued"
 
+    # A state a cancel does not apply to selects nothing (it is not selected to be skipped).
     terminal = await api.post(
         "/api/v1/instances/cancel", json={"job": "echo", "states": ["cancelled"]}
     )
-    assert terminal.json()["skipped"] == 2 and terminal.json()["cancelled"] == 0
-    # Oldest first: the running one (flagged again), and the tick instance is left for later.
+    assert terminal.json() | {"cancelled_ids": [], "skipped_ids": []} == {
+        "cancelled": 0,
+        "cancel_requested": 0,
+        "skipped": 0,
+        "more": False,
+        "cancelled_ids": [],
+        "cancel_requested_ids": [],
+        "skipped_ids": [],
+    }
+    # Oldest first: the running one is told to stop already, so the tick instance is next.
     bounded = (await api.post("/api/v1/instances/cancel", json={"limit": 1})).json()
-    assert (bounded["cancel_requested"], bounded["cancelled"], bounded["more"]) == (1, 0, True)
+    assert bounded["cancelled_ids"] == [other] and bounded["cancel_requested"] == 0
+    assert not bounded["more"]
     problem_of(await api.post("/api/v1/instances/cancel", json={"limit": 10_001}), 422)
     problem_of(await api.post("/api/v1/instances/cancel", json={"state": "enqueued"}), 422)
     # A time without an offset is UTC; one that leaves years 1-9999 in UTC is refused.
@@ -156,18 +166,66 @@ async def test_bulk_retry_by_filter_links_and_is_safe_to_replay(
 
     picked = {"job": "echo", "states": ["terminated", "succeeded", "processing"]}
     mixed = (await api.post("/api/v1/instances/retry", json=picked)).json()
-    # ids[1] is retried; ids[0] was already (by the first call); ids[2] is still running.
+    # ids[1] is retried; ids[0] was already (by the first call) and ids[2] is still running:
+    # neither is selected.
     assert [p["instance_id"] for p in mixed["retries"]] == [str(ids[1])]
-    assert sorted(mixed["skipped_ids"]) == sorted([str(ids[0]), str(ids[2])])
+    assert (mixed["skipped"], mixed["more"], mixed["next_cursor"]) == (0, False, None)
     replay = (await api.post("/api/v1/instances/retry", json=picked)).json()
-    assert (replay["retried"], replay["skipped"]) == (0, 3)
+    assert (replay["retried"], replay["skipped"], replay["more"]) == (0, 0, False)
     assert len((await api.get("/api/v1/instances", params={"job": "echo"})).json()["items"]) == 5
+    running = {"job": "echo", "states": ["processing"]}
+    assert (await api.post("/api/v1/instances/retry", json=running)).json()["retried"] == 0
 
     await api.patch("/api/v1/jobs/echo", json={"version": 1, "options": {"disabled": True}})
     more = await api.post("/api/v1/jobs/echo/instances", json={"args": {"value": 9}})
     assert more.status_code == 409  # disabled
-    disabled = (await api.post("/api/v1/instances/retry", json={"states": ["succeeded"]})).json()
-    assert (disabled["retried"], disabled["skipped"]) == (0, 1)
+    cancelled = await api.post("/api/v1/instances/cancel", json={"job": "echo"})
+    assert cancelled.json()["cancel_requested"] == 1  # ids[2]; the retries are cancelled
+    disabled = (await api.post("/api/v1/instances/retry", json={"states": ["cancelled"]})).json()
+    assert (disabled["retried"], disabled["skipped"]) == (0, 2)
+
+
+async def test_bulk_retry_called_again_goes_on_to_the_rest(api: httpx.AsyncClient) -> None:
+    """A bulk retry selected the newest ``limit`` instances at every call, each skipped as
+    already retried from the second call on, while ``more`` said to call again: the ones after
+    them were never retried."""
+    ids = await _echoes(api, 5)
+    assert (await api.post("/api/v1/instances/cancel", json={"job": "echo"})).json()[
+        "cancelled"
+    ] == 5
+    retried: list[str] = []
+    for _ in range(5):
+        body = {"job": "echo", "states": ["cancelled"], "limit": 2}
+        call = (await api.post("/api/v1/instances/retry", json=body)).json()
+        retried += [p["instance_id"] for p in call["retries"]]
+        assert call["skipped"] == 0
+        if not call["more"]:
+            break
+    # Newest first, every one of them once, in three calls.
+    assert retried == [str(i) for i in sorted(ids, reverse=True)]
+    assert call["more"] is False and call["next_cursor"] is None
+
+
+async def test_bulk_retry_goes_on_past_instances_skipped_for_good_with_the_cursor(
+    api: httpx.AsyncClient, store: SqlStore
+) -> None:
+    """Instances a retry skips for good (their arguments no longer valid for the job) are
+    selected again by a call from the newest; ``next_cursor`` passed as ``before`` goes on."""
+    ids = await _echoes(api, 3)
+    assert (await api.post("/api/v1/instances/cancel", json={"job": "echo"})).json()[
+        "cancelled"
+    ] == 3
+    async with store.engine.begin() as conn:  # the two newest carry arguments now refused
+        await conn.execute(
+            update(job_instances).where(job_instances.c.id.in_(ids[1:])).values(args={"value": "x"})
+        )
+    body = {"job": "echo", "states": ["cancelled"], "limit": 2}
+    first = (await api.post("/api/v1/instances/retry", json=body)).json()
+    assert (first["retried"], first["skipped"], first["more"]) == (0, 2, True)
+    on = body | {"before": first["next_cursor"]}
+    after = (await api.post("/api/v1/instances/retry", json=on)).json()
+    assert [p["instance_id"] for p in after["retries"]] == [str(ids[0])] and not after["more"]
+    problem_of(await api.post("/api/v1/instances/retry", json=body | {"before": "x"}), 422)
 
 
 async def test_batch_trigger_is_all_or_nothing(api: httpx.AsyncClient) -> None:

@@ -19,9 +19,10 @@ from uuid import UUID
 from jobplane import telemetry
 from jobplane.bus.abc import Bus
 from jobplane.bus.envelope import Event, EventKind
-from jobplane.domain.limits import check_json
+from jobplane.domain.limits import bulk_retry_key, check_json
 from jobplane.domain.models import (
     BulkCancel,
+    BulkRetry,
     Instance,
     InstanceFilter,
     JobDefinition,
@@ -354,6 +355,25 @@ class Dispatcher(Publisher):
         [new] = await self.trigger_many([retry_request(old, actor, idempotency_key)])
         return new
 
+    async def retry_selected(
+        self,
+        filter: InstanceFilter,
+        *,
+        limit: int,
+        actor: str,
+        before: UUID | None = None,
+    ) -> BulkRetry:
+        """A bulk retry: :meth:`retry_many` of up to ``limit`` of the terminal instances
+        ``filter`` selects (Terminated ones if it names no state) that no bulk retry has
+        retried yet, newest first, older than ``before`` if given. A state that is not terminal
+        selects nothing: a retry applies to ended instances only."""
+        selected = filter.for_retry()
+        if selected is None:
+            return BulkRetry()
+        page = await self.store.list_instances(selected, limit=limit, before=before)
+        retried, skipped = await self.retry_many(page.items, actor)
+        return BulkRetry(retried, skipped, page.next_cursor)
+
     async def retry_many(
         self, instances: Sequence[Instance], actor: str
     ) -> tuple[list[tuple[UUID, Instance]], list[UUID]]:
@@ -368,7 +388,7 @@ class Dispatcher(Publisher):
         requests: list[tuple[UUID, NewInstance]] = []
         for old in instances:
             if retriable(old, definitions.get(old.job_key)):
-                requests.append((old.id, retry_request(old, actor, f"retry-of:{old.id}")))
+                requests.append((old.id, retry_request(old, actor, bulk_retry_key(old.id))))
             else:
                 skipped.append(old.id)
         retried: list[tuple[UUID, Instance]] = []

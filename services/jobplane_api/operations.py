@@ -8,7 +8,7 @@ from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jobplane.domain.models import Bucket, BulkCancel, InstanceFilter, WorkerInfo
+from jobplane.domain.models import Bucket, BulkCancel, BulkRetry, InstanceFilter, WorkerInfo
 from jobplane.domain.states import InstanceState
 from jobplane_api.inputs import FilterTime, ShortText
 
@@ -114,8 +114,14 @@ class BulkFilterIn(BaseModel):
 class BulkCancelOut(BaseModel):
     cancelled: int = Field(description="Scheduled or Enqueued instances now Cancelled.")
     cancel_requested: int = Field(description="Running instances told to stop.")
-    skipped: int = Field(description="Selected, but in a state a cancel cannot change.")
-    more: bool = Field(description="More instances match than `limit`: call again.")
+    skipped: int = Field(
+        description="Selected, but moved on before the cancel reached them. A cancel selects "
+        "only what it can change: queued instances and running ones not yet told to stop."
+    )
+    more: bool = Field(
+        description="More instances match than `limit`: call again (the ones changed now are "
+        "no longer selected)."
+    )
     cancelled_ids: list[UUID]
     cancel_requested_ids: list[UUID]
     skipped_ids: list[UUID]
@@ -138,12 +144,39 @@ class RetryPairOut(BaseModel):
     retry_id: UUID = Field(description="The new instance (its `retry_of` is `instance_id`).")
 
 
+class BulkRetryIn(BulkFilterIn):
+    """A bulk retry's selection: the filters, the bound, and where the last call ended."""
+
+    before: UUID | None = Field(
+        default=None,
+        description="`next_cursor` of the previous call: go on with the instances older than "
+        "the ones it examined.",
+    )
+
+
 class BulkRetryOut(BaseModel):
     retried: int = Field(description="New instances created.")
     skipped: int = Field(
-        description="Selected, but not terminal, of a disabled job, with arguments the job "
-        "no longer accepts, or already retried by an earlier bulk retry."
+        description="Selected, but of a disabled or unknown job, with arguments the job no "
+        "longer accepts, or retried meanwhile by another bulk retry."
     )
-    more: bool = Field(description="More instances match than `limit`: call again.")
+    more: bool = Field(
+        description="More instances match than `limit`: call again. The ones retried now are "
+        "no longer selected; pass `next_cursor` as `before` to go on past those skipped."
+    )
+    next_cursor: UUID | None = Field(
+        description="Where this call ended (with `more`); `null` when nothing more matched."
+    )
     retries: list[RetryPairOut]
     skipped_ids: list[UUID]
+
+    @classmethod
+    def of(cls, done: BulkRetry) -> BulkRetryOut:
+        return cls(
+            retried=len(done.retried),
+            skipped=len(done.skipped),
+            more=done.more,
+            next_cursor=done.next_cursor,
+            retries=[RetryPairOut(instance_id=old, retry_id=new.id) for old, new in done.retried],
+            skipped_ids=done.skipped,
+        )

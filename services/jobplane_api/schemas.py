@@ -29,6 +29,7 @@ from jobplane_api.operations import TIME_FILTER as TIME_FILTER
 from jobplane_api.operations import BucketOut as BucketOut
 from jobplane_api.operations import BulkCancelOut as BulkCancelOut
 from jobplane_api.operations import BulkFilterIn as BulkFilterIn
+from jobplane_api.operations import BulkRetryIn as BulkRetryIn
 from jobplane_api.operations import BulkRetryOut as BulkRetryOut
 from jobplane_api.operations import RetryPairOut as RetryPairOut
 from jobplane_api.operations import SchedulerOut as SchedulerOut

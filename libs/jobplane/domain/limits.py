@@ -15,6 +15,7 @@ import math
 import sys
 from datetime import UTC, datetime
 from typing import Any
+from uuid import UUID
 
 from jobplane.errors import InvalidOptionsError
 
@@ -30,7 +31,8 @@ MAX_RESULT_BYTES = 16 * 1_048_576
 INT32_MAX = 2**31 - 1
 #: Idempotency keys starting with these are Jobplane's own (a bulk retry uses
 #: ``retry-of:<instance id>``); a client may not take them.
-RESERVED_KEY_PREFIXES = ("retry-of:",)
+BULK_RETRY_KEY_PREFIX = "retry-of:"
+RESERVED_KEY_PREFIXES = (BULK_RETRY_KEY_PREFIX,)
 IDEMPOTENCY_KEY_MAX = 200
 #: Integers with more digits are refused: Python's ``json`` (and ``int()``) refuse to convert
 #: longer ones by default, in the store's encoder as in every reader, so such a value could be
@@ -168,3 +170,9 @@ def to_utc(value: datetime, field: str, *, naive_is_utc: bool = True) -> datetim
         return value.astimezone(UTC)
     except OverflowError:
         raise InvalidOptionsError(field, "out of range (years 1 to 9999 in UTC)") from None
+
+
+def bulk_retry_key(instance_id: UUID) -> str:
+    """The idempotency key of a bulk retry's new instance for ``instance_id``: a replayed bulk
+    retry creates nothing, and a bulk retry selects only instances without one."""
+    return f"{BULK_RETRY_KEY_PREFIX}{instance_id}"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from enum import StrEnum
 from typing import Any
@@ -10,7 +10,7 @@ from uuid import UUID
 
 from jobplane.domain.frozen import quick_init
 from jobplane.domain.options import JobOptions
-from jobplane.domain.states import InstanceState
+from jobplane.domain.states import CANCEL_STATES, InstanceState
 from jobplane.ids import new_id
 
 JSON = Any  # a value json.dumps accepts
@@ -324,6 +324,28 @@ class InstanceFilter:
     scheduled_after: datetime | None = None
     scheduled_before: datetime | None = None
     worker_id: str | None = None
+    #: Only instances no bulk retry has retried yet (none holds the key
+    #: :func:`~jobplane.domain.limits.bulk_retry_key` of it).
+    unretried: bool = False
+    #: Only instances a cancel changes: queued ones, and running ones not yet told to stop.
+    cancellable: bool = False
+
+    # What the bulk actions select. Each selects only what it changes: an instance it cannot
+    # change, selected again at every call, kept the ones after it out of reach while the
+    # answer's ``more`` said to call again.
+
+    def for_cancel(self) -> InstanceFilter | None:
+        """What a bulk cancel selects of this filter (``None``: nothing): queued instances,
+        and running ones not yet told to stop (they stay running until their worker stops),
+        in this filter's states (all of those if it names none)."""
+        states = tuple(s for s in self.states or CANCEL_STATES if s in CANCEL_STATES)
+        return replace(self, states=states, cancellable=True) if states else None
+
+    def for_retry(self) -> InstanceFilter | None:
+        """What a bulk retry selects of this filter (``None``: nothing): ended instances no
+        bulk retry has retried yet, in this filter's states (Terminated if it names none)."""
+        states = tuple(s for s in self.states or (InstanceState.TERMINATED,) if s.is_terminal)
+        return replace(self, states=states, unretried=True) if states else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,3 +371,25 @@ class BulkCancel:
     requested: list[Instance] = field(default_factory=list)
     skipped: list[UUID] = field(default_factory=list)
     more: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class BulkRetry:
+    """What one bulk retry did (newest first, up to its limit).
+
+    - ``retried``: (instance id, its new instance) pairs.
+    - ``skipped``: selected but not retried: its job disabled or gone, its arguments no longer
+      valid for the job, or retried meanwhile by another bulk retry.
+    - ``next_cursor``: more instances match than were examined; passed back as ``before``, the
+      next call goes on past those skipped for good. (Without it the next call starts from the
+      newest again, which is already past those retried: a bulk retry selects only instances
+      no bulk retry has retried.)
+    """
+
+    retried: list[tuple[UUID, Instance]] = field(default_factory=list)
+    skipped: list[UUID] = field(default_factory=list)
+    next_cursor: UUID | None = None
+
+    @property
+    def more(self) -> bool:
+        return self.next_cursor is not None

@@ -31,6 +31,13 @@ TERMINAL_STATES: frozenset[InstanceState] = frozenset(
     }
 )
 
+#: A cancel ends these at once ...
+QUEUED_STATES = (InstanceState.SCHEDULED, InstanceState.ENQUEUED)
+#: ... and asks the worker to stop these (a Failed instance waits for its retry).
+RUNNING_STATES = (InstanceState.PROCESSING, InstanceState.FAILED)
+#: The states a cancel applies to.
+CANCEL_STATES = (*QUEUED_STATES, *RUNNING_STATES)
+
 #: States an instance may be created in (the ``[*] →`` edges).
 INITIAL_STATES: frozenset[InstanceState] = frozenset(
     {InstanceState.SCHEDULED, InstanceState.ENQUEUED, InstanceState.SKIPPED}

@@ -116,10 +116,16 @@ class DispatchStore(StoreConnection, DefinitionReads, Protocol):
         unknown."""
 
     async def cancel_many(self, filter: InstanceFilter, *, limit: int, actor: str) -> BulkCancel:
-        """Cancel, in one transaction, up to ``limit`` instances that ``filter`` selects, oldest
-        first: Scheduled and Enqueued ones end Cancelled (with history), Processing and Failed
-        ones get ``cancel_requested``, as :meth:`request_cancel` does one at a time. Instances
-        a cancel cannot change (terminal, or moved on meanwhile) are skipped, never an error."""
+        """Cancel, in one transaction, up to ``limit`` of the instances that
+        ``filter.for_cancel()`` selects, oldest first: Scheduled and Enqueued ones end
+        Cancelled (with history), Processing and Failed ones get ``cancel_requested``, as
+        :meth:`request_cancel` does one at a time. An instance that moved on meanwhile is
+        skipped, never an error."""
+
+    async def list_instances(
+        self, filter: InstanceFilter, *, limit: int = 50, before: UUID | None = None
+    ) -> Page:
+        """Newest first, keyset-paginated on the (time-ordered) id."""
 
 
 class WorkerStore(DispatchStore, Registration, WorkerReads, Protocol):
@@ -349,11 +355,6 @@ class LeaderStore(DispatchStore, Protocol):
 
 class ApiStore(DispatchStore, DefinitionEdits, WorkerReads, Protocol):
     """The API role (REST and the dashboard): reads, figures, the cluster's state, tokens."""
-
-    async def list_instances(
-        self, filter: InstanceFilter, *, limit: int = 50, before: UUID | None = None
-    ) -> Page:
-        """Newest first, keyset-paginated on the (time-ordered) id."""
 
     async def recent_ends(self, job_key: str, limit: int) -> list[Instance]:
         """The ``limit`` instances of ``job_key`` that ended last, latest first (their

@@ -15,7 +15,7 @@ from sqlalchemy import select, update
 
 from jobplane.domain.models import BulkCancel, Instance, InstanceFilter
 from jobplane.domain.reasons import EndReason
-from jobplane.domain.states import InstanceState
+from jobplane.domain.states import QUEUED_STATES, RUNNING_STATES, InstanceState
 from jobplane.errors import IllegalTransitionError, InstanceNotFoundError
 from jobplane.store import rows
 from jobplane.store.base import SqlBase, retry_conflicts, unindexed_state
@@ -23,11 +23,6 @@ from jobplane.store.engine import AsyncConnection
 from jobplane.store.instances import filtered
 from jobplane.store.moves import move_instances
 from jobplane.store.tables import job_instances
-
-#: A cancel ends these at once ...
-QUEUED = (InstanceState.SCHEDULED, InstanceState.ENQUEUED)
-#: ... and asks the worker to stop these (as :meth:`request_cancel` does).
-RUNNING = (InstanceState.PROCESSING, InstanceState.FAILED)
 
 
 class OperatorStore(SqlBase):
@@ -46,7 +41,7 @@ class OperatorStore(SqlBase):
             if row is None:
                 raise InstanceNotFoundError(instance_id)
             state = InstanceState(row.state)
-            if state in QUEUED:
+            if state in QUEUED_STATES:
                 [moved] = await move_instances(  # the row is locked in this transaction
                     conn,
                     self._clock(),
@@ -57,7 +52,7 @@ class OperatorStore(SqlBase):
                     reason=EndReason.CANCELLED_BEFORE_RUN,
                 )
                 return moved
-            if state in RUNNING:
+            if state in RUNNING_STATES:
                 # The worker sees it on its next heartbeat (the bus only makes it faster).
                 updated = (
                     await conn.execute(
@@ -106,16 +101,17 @@ class OperatorStore(SqlBase):
 
     @retry_conflicts
     async def cancel_many(self, filter: InstanceFilter, *, limit: int, actor: str) -> BulkCancel:
+        selection = filter.for_cancel()
+        if selection is None:
+            return BulkCancel()
+        selected = filtered(select(job_instances.c.id, job_instances.c.state), selection)
         async with self._write() as conn:
             # Lock what the filter selects, oldest first. A row that changed while we waited
             # for its lock is re-checked against the filter by Postgres (and SQLite writes are
             # serialised), so the states read here are the states the rows are in.
             found = (
                 await conn.execute(
-                    filtered(select(job_instances.c.id, job_instances.c.state), filter)
-                    .order_by(job_instances.c.id)
-                    .limit(limit + 1)
-                    .with_for_update()
+                    selected.order_by(job_instances.c.id).limit(limit + 1).with_for_update()
                 )
             ).all()
             more = len(found) > limit
@@ -123,9 +119,9 @@ class OperatorStore(SqlBase):
             for instance_id, state in found[:limit]:
                 by_state.setdefault(InstanceState(state), []).append(instance_id)
             cancelled: list[Instance] = []
-            for state in QUEUED:
+            for state in QUEUED_STATES:
                 cancelled += await self._cancel_queued(conn, by_state.get(state, []), state, actor)
-            running = [i for state in RUNNING for i in by_state.get(state, [])]
+            running = [i for state in RUNNING_STATES for i in by_state.get(state, [])]
             requested = await self._request_cancel(conn, running)
         done = {i.id for i in cancelled} | {i.id for i in requested}
         skipped = [i for i, _ in found[:limit] if i not in done]
@@ -158,7 +154,7 @@ class OperatorStore(SqlBase):
             return []
         result = await conn.execute(
             update(job_instances)
-            .where(job_instances.c.id.in_(ids), unindexed_state(job_instances.c, *RUNNING))
+            .where(job_instances.c.id.in_(ids), unindexed_state(job_instances.c, *RUNNING_STATES))
             .values(cancel_requested=True)
             .returning(*job_instances.c)
         )

@@ -11,12 +11,18 @@ from uuid import UUID
 from sqlalchemy import (
     ColumnElement,
     Select,
+    String,
     and_,
     func,
+    or_,
     select,
     update,
 )
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.functions import FunctionElement
 
+from jobplane.domain.limits import BULK_RETRY_KEY_PREFIX
 from jobplane.domain.models import (
     Instance,
     InstanceFilter,
@@ -28,7 +34,7 @@ from jobplane.domain.models import (
     Transition,
 )
 from jobplane.domain.options import JobOptions
-from jobplane.domain.states import InstanceState
+from jobplane.domain.states import QUEUED_STATES, InstanceState
 from jobplane.errors import (
     InstanceNotFoundError,
     JobNotFoundError,
@@ -303,7 +309,58 @@ def filtered(query: Select[Any], filter: InstanceFilter) -> Select[Any]:
         query = query.where(job_instances.c.scheduled_at < filter.scheduled_before)
     if filter.worker_id is not None:
         query = query.where(job_instances.c.worker_id == filter.worker_id)
+    return _bulk_selection(query, filter)
+
+
+def _bulk_selection(query: Select[Any], filter: InstanceFilter) -> Select[Any]:
+    """The conditions of a bulk action's selection (``InstanceFilter.for_cancel``, and
+    ``for_retry``)."""
+    if filter.cancellable:
+        # Running and told to stop already: a cancel has nothing left to change.
+        query = query.where(
+            or_(
+                job_instances.c.cancel_requested.is_(False),
+                job_instances.c.state.in_([s.value for s in QUEUED_STATES]),
+            )
+        )
+    if filter.unretried:
+        # No bulk retry of it yet. One probe of the (job, idempotency key) index per row: a
+        # retry keeps its instance's job.
+        retry = job_instances.alias("retry")
+        query = query.where(
+            ~select(retry.c.id)
+            .where(
+                retry.c.job_key == job_instances.c.job_key,
+                retry.c.idempotency_key == BulkRetryKey(job_instances.c.id),
+            )
+            .exists()
+        )
     return query
+
+
+class BulkRetryKey(FunctionElement[str]):
+    """:func:`~jobplane.domain.limits.bulk_retry_key` of an instance id column, in SQL."""
+
+    type = String()
+    name = "bulk_retry_key"
+    inherit_cache = True
+
+
+@compiles(BulkRetryKey)
+def _bulk_retry_key(element: BulkRetryKey, compiler: SQLCompiler, **kw: Any) -> str:
+    # Postgres writes a uuid as text in the form Python's str() gives.
+    return f"'{BULK_RETRY_KEY_PREFIX}' || CAST({compiler.process(element.clauses, **kw)} AS TEXT)"
+
+
+@compiles(BulkRetryKey, "sqlite")
+def _bulk_retry_key_sqlite(element: BulkRetryKey, compiler: SQLCompiler, **kw: Any) -> str:
+    # SQLite holds a uuid as its 32 hex digits: the dashes go back in where str() puts them.
+    hex_id = compiler.process(element.clauses, **kw)
+    parts = " || '-' || ".join(
+        f"substr({hex_id}, {start}, {length})"
+        for start, length in ((1, 8), (9, 4), (13, 4), (17, 4), (21, 12))
+    )
+    return f"'{BULK_RETRY_KEY_PREFIX}' || lower({parts})"
 
 
 async def _replay_candidates(conn: AsyncConnection, n: NewInstance) -> list[Instance]:

@@ -2,7 +2,7 @@
 that counts it. The same form fields select the same instances as the list
 (:mod:`jobplane_api.dashboard.listing`); the actions are the bulk API's (``POST
 /api/v1/instances/cancel`` and ``/retry``: the dispatcher's ``cancel_many`` and
-``retry_many``), bounded the same way."""
+``retry_selected``), bounded the same way."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from starlette.responses import Response
 
+from jobplane.domain.models import Page
 from jobplane.domain.states import InstanceState
 from jobplane_api.dashboard.listing import Listing, listing_of
 from jobplane_api.dashboard.render import render, set_flash
@@ -53,7 +54,7 @@ async def bulk_filter(
         return response
     if form.get("confirmed") != "1":
         return await _confirmation(request, session, store, listing, action, back)
-    message = await _apply(store, dispatcher, listing, action, actor_of(session.token))
+    message = await _apply(dispatcher, listing, action, actor_of(session.token))
     response = RedirectResponse(back, status_code=303)
     set_flash(response, "ok", message)
     return response
@@ -69,7 +70,9 @@ async def _confirmation(
 ) -> HTMLResponse:
     """The page that says how many instances the action would take, and asks."""
     selected = listing.with_default_states(DEFAULT_STATES[action])
-    page = await store.list_instances(selected, limit=FILTER_MAX)
+    # Counted as the action selects: only what it changes.
+    taken = selected.for_cancel() if action == "cancel" else selected.for_retry()
+    page = Page([], None) if taken is None else await store.list_instances(taken, limit=FILTER_MAX)
     context: dict[str, Any] = {
         "nav": "instances",
         "app": next((v for k, v in listing.query if k == "app"), ""),
@@ -77,32 +80,29 @@ async def _confirmation(
         "count": len(page.items),
         "more": page.next_cursor is not None,
         "limit": FILTER_MAX,
-        "states": [s.value for s in selected.states],
+        "states": [s.value for s in (selected if taken is None else taken).states],
         "fields": listing.query,
         "back": back,
     }
     return await render(request, session, "bulk_confirm.html", context)
 
 
-async def _apply(
-    store: StoreDep, dispatcher: DispatcherDep, listing: Listing, action: str, actor: str
-) -> str:
+async def _apply(dispatcher: DispatcherDep, listing: Listing, action: str, actor: str) -> str:
     selected = listing.with_default_states(DEFAULT_STATES[action])
     if action == "cancel":
         done = await dispatcher.cancel_many(selected, limit=FILTER_MAX, actor=actor)
         message = (
             f"Cancelled {len(done.cancelled)}; told {len(done.requested)} running to stop; "
-            f"skipped {len(done.skipped)} (already ended)."
+            f"skipped {len(done.skipped)} (ended meanwhile)."
         )
         more = done.more
     else:
-        page = await store.list_instances(selected, limit=FILTER_MAX)
-        retried, skipped = await dispatcher.retry_many(page.items, actor)
+        retried = await dispatcher.retry_selected(selected, limit=FILTER_MAX, actor=actor)
         message = (
-            f"Retried {len(retried)} as new instances; skipped {len(skipped)} "
-            "(not ended, or retried before)."
+            f"Retried {len(retried.retried)} as new instances; skipped "
+            f"{len(retried.skipped)} (job disabled, or arguments no longer valid)."
         )
-        more = page.next_cursor is not None
+        more = retried.more
     if more:
         message += f" More than {FILTER_MAX} matched: run it again for the rest."
     return message

@@ -9,7 +9,7 @@ from uuid import UUID
 from fastapi import APIRouter, Header, Query, status
 
 from jobplane.domain.models import InstanceFilter
-from jobplane.domain.states import InstanceState
+from jobplane.domain.states import CANCEL_STATES, InstanceState
 from jobplane.errors import InvalidOptionsError
 from jobplane.triggering import trigger_request
 from jobplane_api.deps import DispatcherDep, StoreDep
@@ -20,22 +20,17 @@ from jobplane_api.schemas import (
     BatchTriggerIn,
     BulkCancelOut,
     BulkFilterIn,
+    BulkRetryIn,
     BulkRetryOut,
     InstanceOut,
     InstancePage,
-    RetryPairOut,
 )
 from jobplane_api.security import Operator, Principal, Viewer, actor_of
 
 router = APIRouter(prefix="/api/v1/instances", tags=["instances"], responses=PROBLEM_RESPONSES)
 
 #: What a bulk cancel selects when no states are given: every state it can change.
-CANCELLABLE = (
-    InstanceState.SCHEDULED,
-    InstanceState.ENQUEUED,
-    InstanceState.PROCESSING,
-    InstanceState.FAILED,
-)
+CANCELLABLE = CANCEL_STATES
 
 
 @router.get("", summary="List instances", response_model=InstancePage, dependencies=[Viewer])
@@ -139,9 +134,11 @@ async def bulk_cancel(
     dispatcher: DispatcherDep, body: BulkFilterIn, principal: Annotated[Principal, Operator]
 ) -> BulkCancelOut:
     """Up to ``limit`` instances that the filter selects, oldest first, in one transaction:
-    Scheduled and Enqueued ones end Cancelled, running ones are told to stop. Without
-    ``states``, every state a cancel applies to is selected; instances in a state a cancel
-    cannot change are skipped and counted. ``more`` says to call again."""
+    Scheduled and Enqueued ones end Cancelled, running ones (Processing, or Failed and
+    waiting for a retry) are told to stop. Only what a cancel changes is selected: a state
+    it does not apply to selects nothing, and a running instance already told to stop is
+    left out. Without ``states``, every state a cancel applies to. ``more`` says to call
+    again."""
     done = await dispatcher.cancel_many(
         body.to_filter(CANCELLABLE), limit=body.limit, actor=actor_of(principal)
     )
@@ -161,24 +158,21 @@ async def bulk_cancel(
     },
 )
 async def bulk_retry(
-    dispatcher: DispatcherDep,
-    store: StoreDep,
-    body: BulkFilterIn,
-    principal: Annotated[Principal, Operator],
+    dispatcher: DispatcherDep, body: BulkRetryIn, principal: Annotated[Principal, Operator]
 ) -> BulkRetryOut:
-    """A new instance linked by ``retry_of`` for each of up to ``limit`` instances that the
-    filter selects, newest first. Without ``states``, Terminated instances are selected.
-    Skipped and counted: instances not terminal, of a disabled job, whose arguments the job
-    no longer accepts, or already retried by an earlier bulk retry (so a replay is safe)."""
-    page = await store.list_instances(body.to_filter((InstanceState.TERMINATED,)), limit=body.limit)
-    retried, skipped = await dispatcher.retry_many(page.items, actor_of(principal))
-    return BulkRetryOut(
-        retried=len(retried),
-        skipped=len(skipped),
-        more=page.next_cursor is not None,
-        retries=[RetryPairOut(instance_id=old, retry_id=new.id) for old, new in retried],
-        skipped_ids=skipped,
+    """A new instance linked by ``retry_of`` for each of up to ``limit`` ended instances that
+    the filter selects and no bulk retry has retried yet, newest first. Without ``states``,
+    Terminated instances are selected; a state that is not terminal selects nothing. Skipped
+    and counted: instances of a disabled job, or whose arguments the job no longer accepts.
+    A replay is safe: what an earlier bulk retry retried is neither selected nor retried again.
+    """
+    done = await dispatcher.retry_selected(
+        body.to_filter((InstanceState.TERMINATED,)),
+        limit=body.limit,
+        actor=actor_of(principal),
+        before=body.before,
     )
+    return BulkRetryOut.of(done)
 
 
 @router.get(
