@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote_plus
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -95,13 +96,58 @@ class CommonSettings(BaseSettings):
         return normalise_database_url(value)
 
 
+#: ``sslmode`` values (libpq's), which asyncpg's ``ssl`` takes as they are.
+SSL_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+
+#: Query parameters a ``postgresql://`` URL may carry: SQLAlchemy hands each to
+#: ``asyncpg.connect()`` as a keyword, so anything else (libpq's ``connect_timeout``,
+#: ``application_name``, ``sslrootcert``…) would fail every connection. Timeouts and the
+#: session's name come from ``JOBPLANE_DB_*`` settings instead.
+POSTGRES_URL_PARAMETERS = frozenset(
+    {"ssl", "sslmode", "target_session_attrs", "krbsrvname", "gsslib", "passfile"}
+)
+
+
 def normalise_database_url(url: str) -> str:
-    """Accept plain ``postgresql://`` and ``sqlite:///`` URLs and pick the async drivers."""
+    """Accept plain ``postgresql://`` and ``sqlite:///`` URLs and pick the async drivers. On
+    Postgres, libpq's ``sslmode=`` (what managed providers hand out) becomes asyncpg's
+    ``ssl=``; a parameter asyncpg does not take is refused (``ValueError``, naming it, never
+    the URL: it may hold a password)."""
     for plain, driver in (
         ("postgresql://", "postgresql+asyncpg://"),
         ("postgres://", "postgresql+asyncpg://"),
         ("sqlite:///", "sqlite+aiosqlite:///"),
     ):
         if url.startswith(plain):
-            return driver + url.removeprefix(plain)
+            url = driver + url.removeprefix(plain)
+            break
+    if url.startswith("postgresql+asyncpg://"):
+        return _asyncpg_query(url)
     return url
+
+
+def _asyncpg_query(url: str) -> str:
+    """``url`` with ``sslmode`` renamed ``ssl``; other parameters are left byte for byte."""
+    base, sep, query = url.partition("?")
+    if not sep:
+        return url
+    parts = [part for part in query.split("&") if part]
+    names = [unquote_plus(part.partition("=")[0]) for part in parts]
+    unknown = sorted({name for name in names if name not in POSTGRES_URL_PARAMETERS})
+    if unknown:
+        raise ValueError(
+            f"unsupported parameter(s) in the URL: {', '.join(unknown)} (accepted: "
+            f"{', '.join(sorted(POSTGRES_URL_PARAMETERS))}; timeouts and the session name "
+            "are JOBPLANE_DB_* settings)"
+        )
+    if names.count("ssl") + names.count("sslmode") > 1:
+        raise ValueError("give sslmode (or ssl) once in the URL")
+    rewritten = []
+    for part, name in zip(parts, names, strict=True):
+        if name in ("ssl", "sslmode"):
+            mode = unquote_plus(part.partition("=")[2])
+            if mode not in SSL_MODES:
+                raise ValueError(f"{name} in the URL must be one of: {', '.join(SSL_MODES)}")
+            part = f"ssl={mode}"
+        rewritten.append(part)
+    return f"{base}?{'&'.join(rewritten)}"

@@ -1,0 +1,56 @@
+"""Settings a user gets wrong, or spells another program's way: each is read as meant or
+refused in one line (exit status 2), never with a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobplane.settings import normalise_database_url
+from tests.cli_helpers import run_cli
+
+
+def one_error_line(stderr: str) -> str:
+    assert "Traceback" not in stderr
+    [line] = [ln for ln in stderr.splitlines() if ln.startswith("error:")]
+    return line
+
+
+def test_libpq_sslmode_works_against_the_server(pg_database_url: str) -> None:
+    """``?sslmode=…`` as managed Postgres providers hand it out: the local server has no TLS,
+    so ``disable`` connects (asyncpg's own spelling, ``ssl``, too)."""
+    for query in ("?sslmode=disable", "?ssl=disable"):
+        result = run_cli("migrate", JOBPLANE_DATABASE_URL=pg_database_url + query)
+        assert result.returncode == 0, result.stderr
+        assert "database schema at revision" in result.stderr
+
+
+def test_sslmode_becomes_asyncpgs_ssl_and_the_rest_of_the_url_stays() -> None:
+    url = "postgresql://u:p%40ss@db.example:5433/jp?target_session_attrs=read-write&sslmode=verify-full"
+    assert normalise_database_url(url) == (
+        "postgresql+asyncpg://u:p%40ss@db.example:5433/jp"
+        "?target_session_attrs=read-write&ssl=verify-full"
+    )
+    assert normalise_database_url("postgres://db/jp") == "postgresql+asyncpg://db/jp"
+
+
+@pytest.mark.parametrize(
+    ("query", "named"),
+    [
+        (
+            "?sslmode=require&connect_timeout=5&application_name=x",
+            "application_name, connect_timeout",
+        ),
+        ("?sslmode=sometimes", "sslmode in the URL must be one of: disable, allow"),
+        ("?sslmode=require&ssl=require", "give sslmode (or ssl) once"),
+    ],
+)
+def test_a_parameter_asyncpg_does_not_take_is_one_line(query: str, named: str) -> None:
+    result = run_cli(
+        "migrate",
+        JOBPLANE_DATABASE_URL="postgresql://jp:hunter2@127.0.0.1:1/jp" + query,
+        JOBPLANE_STARTUP_TIMEOUT_S="0",
+    )
+    assert result.returncode == 2, result.stderr
+    line = one_error_line(result.stderr)
+    assert line.startswith("error: JOBPLANE_DATABASE_URL:") and named in line
+    assert "hunter2" not in result.stderr
