@@ -31,7 +31,8 @@ from tests.deploy_helpers import (
 #: The Compose Specification's JSON schema (see tests/schemas/compose-spec/README.md).
 SCHEMA = ROOT / "tests" / "schemas" / "compose-spec" / "compose-spec.json"
 ROLES = ("migrate", "api", "scheduler", "worker")
-OVERRIDES = [ROOT / "examples" / "own_jobs" / "compose.acme.yaml"]
+OWN_JOBS = ROOT / "examples" / "own_jobs"
+OVERRIDES = [OWN_JOBS / "compose.acme.yaml", OWN_JOBS / "compose.image.yaml"]
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -63,6 +64,37 @@ def test_every_role_runs_a_real_jobplane_command(compose: dict[str, Any]) -> Non
         for service in load(path)["services"].values():
             if "command" in service:
                 parse_command(service["command"])
+
+
+def test_an_override_with_its_own_worker_image_sets_the_command_too() -> None:
+    """Compose merges an override key by key: a worker image of one's own without a
+    ``command:`` would still run compose.yaml's worker command, not the image's CMD. The
+    example's override runs what its Dockerfile's CMD runs, and builds from its own context."""
+    for path in OVERRIDES:
+        worker = load(path)["services"]["worker"]
+        if "image" in worker:
+            assert "command" in worker, path.name
+            assert worker["build"]["context"] != ".", path.name
+    worker = load(OWN_JOBS / "compose.image.yaml")["services"]["worker"]
+    cmd = [ln for ln in (OWN_JOBS / "Dockerfile").read_text().splitlines() if ln.startswith("CMD")]
+    assert worker["command"] == json.loads(cmd[-1].removeprefix("CMD").strip())
+    assert (ROOT / worker["build"]["context"]).resolve() == OWN_JOBS
+
+
+def test_the_own_jobs_kustomize_patch_changes_the_worker_alone() -> None:
+    """The README's patch names the worker Deployment and its container as k8s/base has
+    them, and an image other than ``jobplane`` (which an ``images:`` entry would retag)."""
+    readme = (OWN_JOBS / "README.md").read_text()
+    [block] = re.findall(r"```yaml\n(.*?)```", readme, re.DOTALL)
+    patch = yaml.safe_load(block)
+    base = yaml.safe_load((ROOT / "k8s" / "base" / "worker.yaml").read_text())
+    assert (patch["kind"], patch["metadata"]["name"]) == (base["kind"], base["metadata"]["name"])
+    [container] = patch["spec"]["template"]["spec"]["containers"]
+    [base_container] = base["spec"]["template"]["spec"]["containers"]
+    assert container["name"] == base_container["name"]
+    assert container["image"].rsplit("/", 1)[-1].split(":")[0] != base_container["image"]
+    name, params = parse_command(container["args"])
+    assert name == "worker" and params["app"] == "acme_jobs.jobs:app"
 
 
 def test_migrate_runs_once_before_every_role(compose: dict[str, Any]) -> None:
