@@ -4,8 +4,11 @@ refused in one line (exit status 2), never with a traceback."""
 from __future__ import annotations
 
 import pytest
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
+import jobplane_cli.main as cli_main
 from jobplane.settings import normalise_database_url
+from jobplane_worker.settings import WorkerSettings
 from tests.cli_helpers import run_cli
 
 
@@ -54,3 +57,61 @@ def test_a_parameter_asyncpg_does_not_take_is_one_line(query: str, named: str) -
     line = one_error_line(result.stderr)
     assert line.startswith("error: JOBPLANE_DATABASE_URL:") and named in line
     assert "hunter2" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("env", "queues"),
+    [
+        ("default", ["default"]),
+        ("default,mail", ["default", "mail"]),
+        (" default , mail ,", ["default", "mail"]),
+        ('["default", "mail"]', ["default", "mail"]),
+    ],
+)
+def test_queues_are_comma_separated_as_the_flag_takes_them_or_a_json_list(
+    monkeypatch: pytest.MonkeyPatch, env: str, queues: list[str]
+) -> None:
+    monkeypatch.setenv("JOBPLANE_QUEUES", env)
+    assert WorkerSettings().queues == queues
+
+
+@pytest.mark.parametrize(
+    ("env", "why"),
+    [
+        ('["default",', "not valid JSON"),
+        (" , ", "name at least one queue"),
+        ('{"a": 1}', "not a queue name"),
+        ("default;mail", "not a queue name: 'default;mail'"),
+    ],
+)
+def test_bad_queues_are_one_line(sqlite_database_url: str, env: str, why: str) -> None:
+    result = run_cli(
+        "worker",
+        "--app",
+        "tests.apps.basic:app",
+        JOBPLANE_DATABASE_URL=sqlite_database_url,
+        JOBPLANE_QUEUES=env,
+    )
+    assert result.returncode == 2, result.stderr
+    line = one_error_line(result.stderr)
+    assert line.startswith("error: JOBPLANE_QUEUES:") and why in line
+
+
+class _Tagged(BaseSettings):
+    """A setting pydantic-settings decodes as JSON itself (no validator sees the text)."""
+
+    model_config = SettingsConfigDict(env_prefix="JOBPLANE_")
+    tags: dict[str, int] = {}
+
+
+def test_a_value_pydantic_settings_cannot_decode_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("JOBPLANE_TAGS", "{secret-value")
+    monkeypatch.setattr(cli_main, "cli", _Tagged)
+    with pytest.raises(SystemExit) as exit_:
+        cli_main.main()
+    assert exit_.value.code == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith("error: JOBPLANE_TAGS: the value cannot be read")
+    assert "secret-value" not in line

@@ -6,6 +6,7 @@ from __future__ import annotations
 import fnmatch
 import http.server
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -131,8 +132,11 @@ def test_the_own_jobs_example_builds_from_the_image_and_runs(tmp_path: Path) -> 
         'build_report={"customer": "ada", "months": 2}',
         "--exit-when-done",
         JOBPLANE_DATABASE_URL=f"sqlite:///{tmp_path}/acme.db",
-        JOBPLANE_QUEUES='["default", "reports"]',
-        PYTHONPATH=str(ROOT / "examples" / "own_jobs" / "src"),
+        JOBPLANE_QUEUES="default,reports",
+        # The package first, then whatever path the tests run with (a checkout's own code).
+        PYTHONPATH=os.pathsep.join(
+            [str(ROOT / "examples" / "own_jobs" / "src"), os.environ.get("PYTHONPATH", "")]
+        ),
         timeout=120,
     )
     assert result.returncode == 0, result.stderr

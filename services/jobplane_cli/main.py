@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import click
 import typer
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from jobplane.errors import JobplaneError, WorkerEvictedError, WorkerFailedError
 from jobplane.logs import configure_logging
@@ -80,6 +82,19 @@ def main() -> None:
             name = "JOBPLANE_" + "_".join(str(part) for part in error["loc"]).upper()
             typer.secho(f"error: {name}: {error['msg']}", err=True, fg=typer.colors.RED)
         sys.exit(2)
+    except SettingsError as exc:
+        # A JOBPLANE_* value pydantic-settings could not even decode (JSON of a complex
+        # field): one line naming the variable, never the value.
+        typer.secho(f"error: {settings_error_line(exc)}", err=True, fg=typer.colors.RED)
+        sys.exit(2)
+
+
+def settings_error_line(exc: SettingsError) -> str:
+    """``JOBPLANE_NAME: why`` for a value pydantic-settings could not decode."""
+    field = re.search(r'field "(\w+)"', str(exc))
+    name = f"JOBPLANE_{field.group(1).upper()}" if field else "a JOBPLANE_* variable"
+    cause = f" ({exc.__cause__})" if exc.__cause__ else ""
+    return f"{name}: the value cannot be read{cause}"
 
 
 def run(

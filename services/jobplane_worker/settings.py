@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
 import socket
+from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
+from pydantic_settings import NoDecode
 
+from jobplane.domain.options import QUEUE_PATTERN
 from jobplane.settings import CommonSettings
 
 
@@ -26,7 +30,9 @@ class WorkerSettings(CommonSettings):
     #: Stable id (consumer name and lease holder). Set ``JOBPLANE_WORKER_ID`` (e.g. to a pod's
     #: name) to keep one across restarts; by default each process gets its own.
     worker_id: str = Field(default_factory=process_worker_id, pattern=r"^[A-Za-z0-9_.:\-]+$")
-    queues: list[str] = ["default"]
+    #: ``JOBPLANE_QUEUES``: comma-separated (``default,mail``, as ``--queues`` takes them) or a
+    #: JSON list (``["default", "mail"]``).
+    queues: Annotated[list[str], NoDecode] = ["default"]
     #: Jobs running at once in this worker (async and sync together).
     concurrency: int = Field(default=16, ge=1)
     #: Bus entries read per round trip.
@@ -55,3 +61,30 @@ class WorkerSettings(CommonSettings):
 
     def session_name(self) -> str:
         return self.worker_id
+
+    @field_validator("queues", mode="before")
+    @classmethod
+    def _queues(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    value = json.loads(text)
+                except json.JSONDecodeError:
+                    raise ValueError("a JSON list of queue names is not valid JSON") from None
+            else:
+                value = [name.strip() for name in text.split(",") if name.strip()]
+        if isinstance(value, list) and not value:
+            raise ValueError("name at least one queue")
+        return value
+
+    @field_validator("queues")
+    @classmethod
+    def _queue_names(cls, value: list[str]) -> list[str]:
+        bad = [name for name in value if not QUEUE_PATTERN.fullmatch(name)]
+        if bad:
+            raise ValueError(
+                f"not a queue name: {', '.join(map(repr, bad))} (lower-case letters, digits, "
+                "_ . -; comma-separated or a JSON list)"
+            )
+        return value
