@@ -249,6 +249,34 @@ def test_network_policies_let_the_roles_reach_what_they_need(overlay: str) -> No
         assert {"postgres-ingress", "redis-ingress"} <= set(policies)
 
 
+def test_the_commented_collector_rule_opens_the_endpoint_the_config_suggests() -> None:
+    """Uncommented as configmap.yaml and network-policies.yaml say, the egress rule is valid
+    and lets the roles reach the suggested collector (its namespace and port): the egress is
+    closed otherwise, and spans would be dropped without a word."""
+    base = ROOT / "k8s" / "base"
+    [endpoint] = [
+        ln.split(":", 1)[1].strip()
+        for ln in (base / "configmap.yaml").read_text().splitlines()
+        if ln.strip().startswith("# OTEL_EXPORTER_OTLP_ENDPOINT:")
+    ]
+    host_port = endpoint.split("://", 1)[1]
+    host, port = host_port.rsplit(":", 1)
+    text = (base / "network-policies.yaml").read_text()
+    start = text.index("    # - to:")
+    uncommented = text[:start] + "".join(
+        ln.replace("    # ", "    ", 1) + "\n" for ln in text[start:].splitlines()
+    )
+    [policy] = [
+        d for d in yaml.safe_load_all(uncommented) if d["metadata"]["name"] == "jobplane-egress"
+    ]
+    kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+    rule = policy["spec"]["egress"][-1]
+    [peer] = rule["to"]
+    namespace = peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+    assert host.split(".")[1] == namespace
+    assert [p["port"] for p in rule["ports"]] == [int(port)]
+
+
 def test_keda_scales_workers_on_the_streams_jobplane_really_uses() -> None:
     scaled = one("prod", "ScaledObject", "jobplane-worker")
     worker = one("prod", "Deployment", "jobplane-worker")
