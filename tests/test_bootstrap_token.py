@@ -10,10 +10,11 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import yaml
 
 from jobplane.auth import Role
 from jobplane.store.sql import SqlStore
-from tests.cli_helpers import free_port, run_cli, spawn_cli, stop_all, wait_http_ok
+from tests.cli_helpers import ROOT, free_port, run_cli, spawn_cli, stop_all, wait_http_ok
 
 
 def new_token() -> str:
@@ -94,4 +95,32 @@ def test_a_weak_or_malformed_token_is_refused_in_one_line(value: str) -> None:
     assert result.stderr.strip().splitlines() == [
         "error: JOBPLANE_BOOTSTRAP_ADMIN_TOKEN: Value error, must be jp_ followed by at "
         "least 32 URL-safe characters"
+    ]
+
+
+def placeholder_of_the_secret_template() -> str:
+    template = yaml.safe_load((ROOT / "k8s" / "base" / "secret.example.yaml").read_text())
+    value: str = template["stringData"]["JOBPLANE_BOOTSTRAP_ADMIN_TOKEN"]
+    return value
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        placeholder_of_the_secret_template(),
+        "jp_" + secrets.token_urlsafe(16) + "-change-me-" + secrets.token_urlsafe(16),
+    ],
+)
+def test_the_templates_placeholder_is_refused_in_one_line(value: str) -> None:
+    """Well-formed, the placeholder would otherwise become an admin token whose secret is in
+    the repository."""
+    result = run_cli(
+        "migrate",
+        JOBPLANE_DATABASE_URL="sqlite:///unused.db",
+        JOBPLANE_BOOTSTRAP_ADMIN_TOKEN=value,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: JOBPLANE_BOOTSTRAP_ADMIN_TOKEN: Value error, is still the template's CHANGE-ME "
+        "placeholder: set a random token"
     ]

@@ -26,6 +26,10 @@ class MigrateSettings(CommonSettings):
     def _bootstrap_admin_token(cls, value: SecretStr | None) -> SecretStr | None:
         if value is None or not value.get_secret_value():
             return None
+        if "change-me" in value.get_secret_value().lower():
+            # The templates' placeholder (k8s/base/secret.example.yaml) is well-formed: left
+            # as it is, it would become an admin token anyone who read the template knows.
+            raise ValueError("is still the template's CHANGE-ME placeholder: set a random token")
         if not re.fullmatch(r"jp_[A-Za-z0-9_\-]{32,200}", value.get_secret_value()):
             raise ValueError("must be jp_ followed by at least 32 URL-safe characters")
         return value
