@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
@@ -16,6 +18,8 @@ from jobplane.store.factory import make_engine
 from jobplane.store.migrate import alembic_revisions, downgrade, upgrade
 from jobplane.store.schema import current_revision, head_revision, is_ancestor, known_revisions
 from jobplane.store.tables import metadata
+from tests.cli_helpers import JOBPLANE, ROOT, jobplane_env
+from tests.fixtures.store import admin, database_url_for
 
 
 @pytest.fixture(params=["postgres", "sqlite"])
@@ -115,3 +119,30 @@ async def test_definition_history_starts_at_the_version_a_definition_had(
     await downgrade(empty_engine, "0002")
     assert "job_definition_versions" not in await _tables(empty_engine)
     assert "job_definitions" in await _tables(empty_engine)
+
+
+def test_two_migrates_at_once_on_a_fresh_database_both_succeed(postgres_url: str) -> None:
+    """Two ``jobplane migrate`` at once (a retried Kubernetes Job, two pipelines): the second
+    waits for the first's advisory lock, then finds the schema at head and has nothing to do."""
+    name = f"jpmig_{uuid.uuid4().hex[:12]}"
+    admin(postgres_url, f'CREATE DATABASE "{name}"')
+    try:
+        url = database_url_for(postgres_url, name)
+        procs = [
+            subprocess.Popen(
+                [JOBPLANE, "migrate"],
+                cwd=ROOT,
+                env=jobplane_env(JOBPLANE_DATABASE_URL=url),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(2)
+        ]
+        results = [(proc.wait(timeout=120), proc.communicate()[1]) for proc in procs]
+        for code, stderr in results:
+            assert code == 0, stderr
+            assert f"database schema at revision {head_revision()}" in stderr
+            assert "Traceback" not in stderr
+    finally:
+        admin(postgres_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
