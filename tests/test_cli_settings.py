@@ -3,11 +3,13 @@ refused in one line (exit status 2), never with a traceback."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 import jobplane_cli.main as cli_main
-from jobplane.settings import normalise_database_url
+from jobplane.settings import CommonSettings, normalise_database_url
 from jobplane_worker.settings import WorkerSettings
 from tests.cli_helpers import run_cli
 
@@ -115,3 +117,43 @@ def test_a_value_pydantic_settings_cannot_decode_is_one_line(
     line = one_error_line(capsys.readouterr().err)
     assert line.startswith("error: JOBPLANE_TAGS: the value cannot be read")
     assert "secret-value" not in line
+
+
+def test_an_unknown_log_level_is_one_line_and_any_case_of_a_known_one_works(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    result = run_cli("token", "ls", JOBPLANE_LOG_LEVEL="LOUD")
+    assert result.returncode == 2, result.stderr
+    line = one_error_line(result.stderr)
+    assert line.startswith("error: JOBPLANE_LOG_LEVEL:") and "DEBUG" in line
+    monkeypatch.setenv("JOBPLANE_LOG_LEVEL", "warning")
+    assert CommonSettings().log_level == "WARNING"
+
+
+def usage_error(stderr: str) -> str:
+    """The text of a usage error, out of its box and its wrapping."""
+    assert "Traceback" not in stderr
+    return " ".join(stderr.replace("│", " ").split())
+
+
+def test_revoking_something_that_is_not_a_token_id_is_a_usage_error(
+    sqlite_database_url: str,
+) -> None:
+    result = run_cli("token", "revoke", "nope", JOBPLANE_DATABASE_URL=sqlite_database_url)
+    assert result.returncode == 2, result.stderr
+    assert "'nope' is not a token id" in usage_error(result.stderr)
+
+
+def test_an_args_file_that_cannot_be_read_is_a_usage_error(tmp_path: Path) -> None:
+    missing = tmp_path / "nonexistent.json"
+    result = run_cli(
+        "trigger",
+        "send_receipt",
+        "--args",
+        f"@{missing}",
+        "--url",
+        "http://127.0.0.1:1",
+        COLUMNS="400",  # the path unwrapped
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"cannot read {missing}: No such file or directory" in usage_error(result.stderr)

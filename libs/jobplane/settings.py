@@ -6,6 +6,7 @@ Built in ``main()`` (or a test), never at import time, and passed down explicitl
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote_plus
@@ -45,6 +46,7 @@ class CommonSettings(BaseSettings):
     redis_url: str = "memory://"
     #: Prefix of every Redis key (several deployments may share one Redis).
     key_prefix: str = Field(default="jobplane", pattern=r"^[A-Za-z0-9_.:\-]+$")
+    #: A level name of :mod:`logging` (``DEBUG``, ``INFO``, ``WARNING``…), in any case.
     log_level: str = "INFO"
     #: ``text`` for people, ``json`` (one object per line, with every structured field) for
     #: log collectors; the container image defaults to ``json``.
@@ -89,6 +91,14 @@ class CommonSettings(BaseSettings):
             connect_timeout_s=self.db_connect_timeout_s,
             application_name=self.session_name(),
         )
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, value: str) -> str:
+        names = [name for name in logging.getLevelNamesMapping() if name != "NOTSET"]
+        if value.upper() not in names:
+            raise ValueError(f"must be one of {', '.join(names)} (in any case)")
+        return value.upper()
 
     @field_validator("database_url")
     @classmethod

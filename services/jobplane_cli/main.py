@@ -422,13 +422,20 @@ def token_revoke(token_id: str) -> None:
     """Revoke a token at once."""
     from uuid import UUID
 
+    try:
+        chosen = UUID(token_id)
+    except ValueError:
+        raise typer.BadParameter(
+            f"{token_id!r} is not a token id (a UUID, as `jobplane token ls` shows)",
+            param_hint="TOKEN_ID",
+        ) from None
     settings = CommonSettings()
 
     async def go() -> None:
         from jobplane.backends import open_checked_store
 
         async with open_checked_store(settings) as store:
-            if not await store.revoke_token(UUID(token_id), "cli"):
+            if not await store.revoke_token(chosen, "cli"):
                 raise JobplaneError(f"no live token {token_id}")
         typer.echo(f"revoked {token_id}", err=True)
 

@@ -95,7 +95,13 @@ def parse_args(text: str | None) -> Any:
     if text is None:
         return None
     if text.startswith("@"):
-        text = Path(text[1:]).read_text()
+        try:
+            text = Path(text[1:]).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise typer.BadParameter(
+                f"cannot read {text[1:]}: {why}", param_hint="--args"
+            ) from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
@@ -212,8 +218,9 @@ def trigger(
     output: Fmt = Output.TABLE,
 ) -> None:
     """Trigger a job; with --wait, follow it live and exit 1 unless it Succeeded."""
+    arguments = parse_args(args)  # a bad --args is reported before any request
     with client(url, token) as c:
-        instance = c.trigger(key, parse_args(args), delay_s=delay)
+        instance = c.trigger(key, arguments, delay_s=delay)
         if wait:
             instance = _follow(c, instance["id"])
         show(instance, output, [*INSTANCE_COLUMNS, "result"])
