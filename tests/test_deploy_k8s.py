@@ -277,6 +277,22 @@ def test_the_commented_collector_rule_opens_the_endpoint_the_config_suggests() -
     assert [p["port"] for p in rule["ports"]] == [int(port)]
 
 
+def test_the_prod_steps_make_the_namespace_before_the_secret() -> None:
+    """On a fresh cluster the Secret (created by hand, before the overlay) needs its
+    namespace: docs/deploy.md creates the one the template names, then the Secret, then the
+    overlay."""
+    deploy = (ROOT / "docs" / "deploy.md").read_text()
+    steps = deploy[deploy.index("**prod**") :].split("```sh\n", 1)[1].split("```", 1)[0]
+    commands = [ln.split("#")[0].split() for ln in steps.splitlines()]
+    namespace_file = ROOT / "k8s" / "base" / "namespace.yaml"
+    assert commands[0] == ["kubectl", "apply", "-f", str(namespace_file.relative_to(ROOT))]
+    namespace = yaml.safe_load(namespace_file.read_text())
+    template = yaml.safe_load((ROOT / "k8s" / "base" / "secret.example.yaml").read_text())
+    assert template["metadata"]["namespace"] == namespace["metadata"]["name"]
+    assert commands[1][:3] == ["kubectl", "apply", "-f"]
+    assert commands[-1] == ["kubectl", "apply", "-k", "k8s/overlays/prod"]
+
+
 def test_keda_scales_workers_on_the_streams_jobplane_really_uses() -> None:
     scaled = one("prod", "ScaledObject", "jobplane-worker")
     worker = one("prod", "Deployment", "jobplane-worker")
