@@ -80,6 +80,19 @@ def test_bad_declarations_fail_at_import_with_the_field() -> None:
     assert info.value.field == "args"
 
 
+@pytest.mark.parametrize("name", ["acme/billing", "", "-acme", "acme jobs", "é", "a" * 201])
+def test_an_app_name_outside_the_job_key_characters_is_refused(name: str) -> None:
+    """The name is a path segment of the dashboard's app pages: "acme/billing" made them 404."""
+    with pytest.raises(ValueError, match="must be 1-200 characters of letters") as info:
+        App(name)
+    assert isinstance(info.value, InvalidOptionsError) and info.value.field == "name"
+
+
+@pytest.mark.parametrize("name", ["acme", "acme.billing", "Acme_Billing-2", "acme:jobs", "a" * 200])
+def test_an_app_name_of_job_key_characters_is_accepted(name: str) -> None:
+    assert App(name).name == name
+
+
 async def test_lifespan_runs_hooks_in_order() -> None:
     app = App()
     events: list[str] = []

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from jobplane.context import JobContext
-from jobplane.domain.options import JobKind, JobOptions
+from jobplane.domain.options import KEY_PATTERN, JobKind, JobOptions
 from jobplane.errors import ConfigurationError, InvalidOptionsError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -87,6 +87,14 @@ class App:
     """A set of jobs plus the startup/shutdown hooks that create the resources they share."""
 
     def __init__(self, name: str = "jobplane", *, queue: str = "default") -> None:
+        # The name is a path segment of the dashboard's app pages (/apps/{name}/…): the
+        # characters of a job key, so a "/" never makes them unreachable.
+        if not isinstance(name, str) or not KEY_PATTERN.match(name):
+            raise InvalidOptionsError(
+                "name",
+                f"App name {name!r} must be 1-200 characters of letters, digits, '_', '.', "
+                "':' or '-', starting with a letter or digit (as a job key)",
+            )
         self.name = name
         self.default_queue = queue
         self.jobs: dict[str, JobSpec] = {}
