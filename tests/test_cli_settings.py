@@ -36,6 +36,9 @@ def test_sslmode_becomes_asyncpgs_ssl_and_the_rest_of_the_url_stays() -> None:
         "?target_session_attrs=read-write&ssl=verify-full"
     )
     assert normalise_database_url("postgres://db/jp") == "postgresql+asyncpg://db/jp"
+    # Several hosts (SQLAlchemy reads each ``host``) and the statement cache pass as they are.
+    hosts = "postgresql://u@/jp?host=a:5432&host=b:5432&prepared_statement_cache_size=0"
+    assert normalise_database_url(hosts) == hosts.replace("postgresql:", "postgresql+asyncpg:")
 
 
 @pytest.mark.parametrize(

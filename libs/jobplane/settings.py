@@ -109,12 +109,22 @@ class CommonSettings(BaseSettings):
 #: ``sslmode`` values (libpq's), which asyncpg's ``ssl`` takes as they are.
 SSL_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
 
-#: Query parameters a ``postgresql://`` URL may carry: SQLAlchemy hands each to
-#: ``asyncpg.connect()`` as a keyword, so anything else (libpq's ``connect_timeout``,
-#: ``application_name``, ``sslrootcert``…) would fail every connection. Timeouts and the
-#: session's name come from ``JOBPLANE_DB_*`` settings instead.
+#: Query parameters a ``postgresql://`` URL may carry: SQLAlchemy reads ``host`` (several
+#: hosts, for a standby to take over) and ``prepared_statement_cache_size`` itself and hands
+#: the rest to ``asyncpg.connect()`` as keywords, so anything else (libpq's
+#: ``connect_timeout``, ``application_name``, ``sslrootcert``…) would fail every connection.
+#: Timeouts and the session's name come from ``JOBPLANE_DB_*`` settings instead.
 POSTGRES_URL_PARAMETERS = frozenset(
-    {"ssl", "sslmode", "target_session_attrs", "krbsrvname", "gsslib", "passfile"}
+    {
+        "ssl",
+        "sslmode",
+        "target_session_attrs",
+        "krbsrvname",
+        "gsslib",
+        "passfile",
+        "host",
+        "prepared_statement_cache_size",
+    }
 )
 
 
