@@ -15,12 +15,12 @@ import pytest
 from jobplane import App, JobContext
 from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
-from jobplane.domain.reasons import EndReason
+from jobplane.domain.reasons import EndReason, StopReason
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.sql import SqlStore
 from jobplane_worker.worker import Worker
 from tests.scheduler_helpers import running_scheduler
-from tests.worker_helpers import FlakyStore, running_worker, wait_for
+from tests.worker_helpers import FlakyStore, running_worker, settled, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -84,3 +84,90 @@ async def test_a_fenced_sync_attempt_keeps_its_lease_while_its_code_runs(
 
 async def _gone(worker: Worker) -> bool:
     return not worker.running
+
+
+@pytest.mark.parametrize("stops", ["returns", "raises"])
+async def test_a_fenced_sync_job_that_stops_early_is_released_not_recorded(
+    stops: str, store: SqlStore, redis_bus: Bus
+) -> None:
+    """A sync job that checks ``ctx.cancelled`` (as the docs say) stops when the fence asks it
+    to: what it returns (a partial result) or raises is the stop's doing. Its attempt is
+    released and run again; it was recorded Succeeded with the partial result, or Failed
+    (Terminated here: no retry left)."""
+    app = App("fenced-sync")
+    noticed: list[object] = []
+
+    @app.triggered(retries=0)
+    def steps(ctx: JobContext) -> dict[str, int]:
+        for step in range(600):
+            if ctx.attempt > 1:
+                break  # the attempt after the release runs to its end at once
+            if ctx.cancelled:
+                noticed.append(ctx.cancellation.reason)
+                if stops == "raises":
+                    raise RuntimeError(f"stopped at step {step}")
+                return {"steps": step}
+            ctx.cancellation.wait_sync(0.05)
+        return {"steps": 600}
+
+    flaky = FlakyStore(store)
+    async with running_worker(app, flaky, redis_bus, lease_s=LEASE_S, heartbeat_s=0.3):
+        instance = await Dispatcher(store, redis_bus).trigger("steps")
+
+        async def processing() -> bool:
+            return (await store.get_instance(instance.id)).state is S.PROCESSING
+
+        await wait_for(processing, what="the claim")
+        flaky.down = {"heartbeat"}
+
+        async def stopping() -> bool:
+            return bool(noticed)
+
+        await wait_for(stopping, what="the fence, and the job to notice it")
+        flaky.down = set()
+        [done] = await settled(store, [instance.id], timeout_s=20)
+    assert noticed == [StopReason.LEASE_LOST]
+    moves = [(t.from_state, t.to_state, t.reason) for t in await store.transitions(instance.id)]
+    assert (S.PROCESSING, S.ENQUEUED, StopReason.LEASE_LOST) in moves
+    assert done.state is S.SUCCEEDED and done.result == {"steps": 600}, moves
+    assert done.attempt == 2 and done.retries_used == 0
+
+
+async def test_a_checkpoint_not_saved_that_ends_a_sync_job_releases_it(
+    store: SqlStore, redis_bus: Bus
+) -> None:
+    """The store stays away a little longer than the lease: the job's checkpoint gives up
+    (``CheckpointNotSavedError``) just before the fence, and the job, which does not catch
+    it, ends on it. That is the fence's stop: released and run again from its last saved
+    checkpoint, not Failed (Terminated here, no retry left)."""
+    app = App("checkpointing")
+
+    @app.triggered(retries=0)
+    def chunks(ctx: JobContext) -> int:
+        done: int = (ctx.last_checkpoint or {}).get("chunks", 0)
+        while done < 10 and not ctx.cancelled:
+            done += 1
+            ctx.cancellation.wait_sync(0.1 if ctx.attempt > 1 else 0.3)  # a chunk of work
+            ctx.checkpoint_sync({"chunks": done})
+        return done
+
+    flaky = FlakyStore(store)
+    async with running_worker(app, flaky, redis_bus, lease_s=LEASE_S, heartbeat_s=0.3):
+        instance = await Dispatcher(store, redis_bus).trigger("chunks")
+
+        async def checkpointed() -> bool:
+            return (await store.get_instance(instance.id)).checkpoint is not None
+
+        async def attempt_over() -> bool:
+            now = await store.get_instance(instance.id)
+            return now.state is not S.PROCESSING or now.attempt > 1
+
+        await wait_for(checkpointed, what="a first checkpoint")
+        flaky.down = {"save_checkpoint", "heartbeat"}  # its writes fail, not the release
+        await wait_for(attempt_over, what="the first attempt to end")
+        flaky.down = set()
+        [done] = await settled(store, [instance.id], timeout_s=20)
+    moves = [(t.from_state, t.to_state, t.reason) for t in await store.transitions(instance.id)]
+    assert (S.PROCESSING, S.ENQUEUED, StopReason.LEASE_LOST) in moves
+    assert done.state is S.SUCCEEDED and done.result == 10, moves
+    assert done.attempt == 2 and done.retries_used == 0
