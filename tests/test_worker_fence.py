@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from uuid import UUID
 
@@ -171,3 +172,26 @@ async def test_a_checkpoint_not_saved_that_ends_a_sync_job_releases_it(
     assert (S.PROCESSING, S.ENQUEUED, StopReason.LEASE_LOST) in moves
     assert done.state is S.SUCCEEDED and done.result == 10, moves
     assert done.attempt == 2 and done.retries_used == 0
+
+
+async def test_a_job_the_fence_stops_on_every_attempt_is_terminated_once_exhausted(
+    store: SqlStore, redis_bus: Bus
+) -> None:
+    """An async job that blocks its event loop for most of the lease: no heartbeat renews it in
+    time, so the fence stops every attempt. Each release counts an unexpected retry, as the
+    reaper's does: Terminated once they are used up (it was released and run for ever)."""
+    app = App("blocks-loop")
+
+    @app.triggered(max_unexpected_retries=1, retries=0)
+    async def blocks(ctx: JobContext) -> str:
+        time.sleep(LEASE_S * 0.85)  # noqa: ASYNC251 (blocking the loop is the point)
+        await asyncio.sleep(LEASE_S)
+        return "done"
+
+    async with running_worker(app, store, redis_bus, lease_s=LEASE_S, heartbeat_s=0.5):
+        instance = await Dispatcher(store, redis_bus).trigger("blocks")
+        [done] = await settled(store, [instance.id], timeout_s=30)
+    moves = [(t.from_state, t.to_state, t.reason) for t in await store.transitions(instance.id)]
+    assert done.state is S.TERMINATED and done.reason == EndReason.EXHAUSTED, moves
+    assert done.attempt == 2 and done.unexpected_retries_used == 1 and done.retries_used == 0
+    assert moves.count((S.PROCESSING, S.ENQUEUED, StopReason.LEASE_LOST)) == 1
