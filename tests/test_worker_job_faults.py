@@ -170,3 +170,35 @@ async def test_a_cancellation_callback_that_raises_ends_nothing_but_its_job(
         await settled(pg_store, [second.id], timeout_s=10)
     assert cancelled.state is S.CANCELLED
     assert any(getattr(r, "action", None) == "worker.cancellation_callback" for r in caplog.records)
+
+
+class Garbled(Exception):
+    """An exception whose text a store cannot keep as it is."""
+
+
+@app.triggered()
+async def raises_a_nul() -> None:
+    raise Garbled("before\x00after")
+
+
+@app.triggered()
+def raises_a_lone_surrogate() -> None:
+    raise Garbled("before\ud800after")  # as from bytes decoded with surrogateescape
+
+
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [("raises_a_nul", "before\\x00after"), ("raises_a_lone_surrogate", "before\\ud800after")],
+)
+async def test_error_text_a_store_cannot_keep_is_recorded_escaped_on_both_stores(
+    store: SqlStore, redis_bus: Bus, key: str, message: str
+) -> None:
+    """Postgres' jsonb refuses NUL and lone surrogates: the outcome was recorded as
+    OutcomeNotStored there, the job's error type, message and traceback lost, while SQLite
+    kept them. Made visible, both stores keep the same."""
+    async with running_worker(app, store, redis_bus):
+        instance = await Dispatcher(store, redis_bus).trigger(key)
+        [done] = await settled(store, [instance.id], timeout_s=10)
+    assert done.state is S.TERMINATED and done.error is not None
+    assert (done.error.type, done.error.message) == ("Garbled", message)
+    assert done.error.traceback is not None and message in done.error.traceback

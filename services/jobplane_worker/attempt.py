@@ -16,14 +16,14 @@ from opentelemetry.context import Context
 from pydantic import BaseModel
 
 from jobplane.app import JobSpec, Resources
-from jobplane.context import Cancellation, JobContext
+from jobplane.context import CheckpointNotSavedError, JobContext
 from jobplane.domain.limits import MAX_RESULT_BYTES, check_json
 from jobplane.domain.models import Claim, ErrorInfo, Outcome
 from jobplane.domain.options import Isolation
 from jobplane.domain.reasons import EndReason, StopReason
 from jobplane.domain.states import InstanceState
 from jobplane_worker.isolation import ChildFailedError, LeaseWindow, run_in_child
-from jobplane_worker.job_errors import exception_message, exception_traceback
+from jobplane_worker.job_errors import exception_message, exception_traceback, storable_text
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +36,10 @@ class Attempt:
     ctx: JobContext
     task: asyncio.Task[Outcome | None] | None = None
     lease_lost: bool = False
-    #: Stopped by the worker's fence before a lease it could not renew ended; unlike a lost
-    #: lease, what it leaves is still written (a release, or an outcome), fenced by its token.
+    #: Stopped by the worker's fence before a lease it could not renew ended (or its code ended
+    #: on ``CheckpointNotSavedError``, the fence's notice); unlike a lost lease, what it leaves
+    #: is still written, fenced by its token: a release once its code has stopped (see
+    #: :func:`ending`).
     fenced: bool = False
     released: bool = False
     #: Set by the outcome recorder once this attempt's outcome was written (or refused).
@@ -69,7 +71,8 @@ class Ending(Enum):
 
     #: Its outcome, fenced by its claim token.
     RECORD = "record"
-    #: Processing → Enqueued, no retry used: the worker stopped it (shutdown, the fence).
+    #: Processing → Enqueued, no retry used: the worker stopped it (shutdown, the fence; the
+    #: fence's release counts an unexpected retry, see ``Recorder.release``).
     RELEASE = "release"
     #: Nothing: the lease was lost, another attempt may run the instance.
     LOST = "lost"
@@ -90,7 +93,17 @@ def ending(attempt: Attempt, outcome: Outcome | None, broken: bool) -> Ending:
         return Ending.ERROR
     if outcome is None:
         return Ending.LEFT if attempt.code_running else Ending.RELEASE
-    if attempt.shutdown and not attempt.code_running and outcome.reason != StopReason.TIMEOUT:
+    if attempt.code_running or outcome.reason == StopReason.TIMEOUT:
+        return Ending.RECORD  # a runaway's outcome (a timeout), or a timeout: kept as such
+    if attempt.fenced and outcome.reason != StopReason.CANCEL_REQUESTED:
+        # The fence stopped it and its code has stopped: what it returned or raised is the
+        # stop's doing (a job that checks ctx.cancelled returns a partial result early, or
+        # raises), not its outcome. Recorded, a partial result was a success and a raise a
+        # failure using a retry (Terminated with none left). Released, and run again. (Code
+        # that ended just as the fence came cannot be told apart: it runs again too.) A
+        # cancel requested keeps its meaning: Cancelled.
+        return Ending.RELEASE
+    if attempt.shutdown:
         # The worker is stopping and the code has stopped (it noticed the signal and
         # returned): another worker runs it again.
         return Ending.RELEASE
@@ -117,7 +130,8 @@ async def run_attempt(
     ``BaseException`` (``SystemExit``, ``KeyboardInterrupt``, a library's own): nothing it does
     escapes into the worker. Only a stop the worker asked for (``ctx.cancellation`` set: its
     shutdown, a lost lease) raises ``asyncio.CancelledError``: the attempt is released, not
-    failed.
+    failed. So does ``CheckpointNotSavedError`` escaping the job: the store stayed unreachable
+    until just before the fence (the attempt is marked fenced).
     """
     claim, ctx = attempt.claim, attempt.ctx
     timeout = claim.options.timeout_s
@@ -140,12 +154,13 @@ async def run_attempt(
     except BaseException as exc:
         # Whatever the job raised, SystemExit and KeyboardInterrupt included (asyncio would
         # re-raise those out of the event loop and end the worker's process).
-        return _raised(claim, ctx.cancellation, exc)
+        return _raised(attempt, exc)
 
 
-def _raised(claim: Claim, cancellation: Cancellation, exc: BaseException) -> Outcome:
+def _raised(attempt: Attempt, exc: BaseException) -> Outcome:
     """The outcome of an attempt whose code raised ``exc``; re-raises a stop the worker asked
     for (the attempt is released, not failed)."""
+    claim, cancellation = attempt.claim, attempt.ctx.cancellation
     if cancellation.cancel_requested:
         return _cancelled(claim)  # (a cancel during a timeout's grace too: no retry)
     if isinstance(exc, TimeoutError) and cancellation.reason is StopReason.TIMEOUT:
@@ -153,6 +168,26 @@ def _raised(claim: Claim, cancellation: Cancellation, exc: BaseException) -> Out
         return _failed(
             claim, TimeoutError(f"timed out after {timeout:g} s"), reason=StopReason.TIMEOUT
         )
+    if isinstance(exc, CheckpointNotSavedError) and cancellation.reason is not StopReason.TIMEOUT:
+        # The store stayed unreachable until just before the fence (the checkpoint's retries
+        # end FENCE_NOTICE_S before it): the fence's stop, come early, as the job's code heard
+        # it. Recorded as the job's failure, an outage a little longer than the lease used a
+        # retry, or Terminated a checkpointing job with none left. Released as the fence
+        # releases an attempt (the fence itself would stop it a moment later).
+        attempt.fenced = True
+        cancellation.set(StopReason.LEASE_LOST)
+        logger.warning(
+            "instance %s (%s) stopped on a checkpoint not saved before its lease could end; "
+            "released",
+            claim.instance.id,
+            claim.instance.job_key,
+            extra={
+                "action": "worker.fenced",
+                "instance_id": str(claim.instance.id),
+                "job_key": claim.instance.job_key,
+            },
+        )
+        raise asyncio.CancelledError from exc
     if isinstance(exc, asyncio.CancelledError) and cancellation.is_set():
         # The worker asked it to stop: every stop of the worker's (its drain, a cancel
         # request, a lost lease or the fence; a timeout is a TimeoutError here) sets the signal
@@ -279,6 +314,12 @@ def _failed(claim: Claim, exc: BaseException, reason: StopReason | None = None) 
             message=exception_message(exc),
             traceback=exception_traceback(exc),
         )
+    # The job's text, as the store can keep it (NUL, lone surrogates: see storable_text).
+    error = ErrorInfo(
+        type=storable_text(error.type),
+        message=storable_text(error.message),
+        traceback=None if error.traceback is None else storable_text(error.traceback),
+    )
     return Outcome(
         claim.instance.id,
         claim.token,

@@ -27,6 +27,20 @@ def exception_traceback(exc: BaseException) -> str:
         return f"{type(exc).__name__}: {exception_message(exc)}\n(traceback not available)\n"
 
 
+def storable_text(text: str) -> str:
+    """``text`` with what a store cannot keep made visible: NUL as ``\\x00`` and a lone
+    surrogate as ``\\udXXX``. Postgres' ``jsonb`` refuses both (the outcome was recorded as
+    ``OutcomeNotStored``, the job's error type, message and traceback lost) while SQLite kept
+    them: cleaned, both stores keep the same diagnostics."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (an undecodable byte smuggled through)
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 def describe(exc: BaseException) -> str:
     """``Type: message``, for a log line."""
     return f"{type(exc).__name__}: {exception_message(exc)}"

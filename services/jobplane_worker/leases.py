@@ -158,7 +158,15 @@ class Leases:
         )
 
     async def _renew(self) -> None:
-        attempts = [a for a in self.running.values() if not (a.lease_lost or a.fenced)]
+        # A fenced attempt is renewed too, for as long as it is running here: the fence only
+        # asks its code to stop, and a sync job's thread (or an async job that finishes its
+        # step first, an isolated child in its kill grace) may run on after it. Race: were it
+        # left out, a store back before the lease ended still let the lease lapse under code
+        # that ran on; the reaper released the instance and another worker started a second
+        # copy beside it (max_concurrency=1 broken too). Renewed, the lease holds until the
+        # code has stopped; then what it leaves is written, fenced by its token. Once a
+        # heartbeat finds it lost, nothing of it is renewed or written.
+        attempts = [a for a in self.running.values() if not a.lease_lost]
         if not attempts:
             return
         # Progress stays pending until a heartbeat has written it (a failed one loses nothing).

@@ -1,12 +1,14 @@
 """Recording how attempts ended: outcomes in batches (fenced by the claim token, retried while
 the store is unreachable, one that cannot be stored parked as a failure and logged: an outcome
-is never dropped silently), releases on shutdown, and the republishing that follows (retries,
-instances parked for a freed slot).
+is never dropped silently), releases (on shutdown, or of an attempt the fence stopped: counted
+as the reaper counts an expired lease), and the republishing that follows (retries, instances
+parked for a freed slot).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable
@@ -159,26 +161,39 @@ class Recorder:
     async def release(self, attempt: Attempt, lease_until: float) -> None:
         """Processing → Enqueued (no retry used) once the code has stopped, on shutdown or
         because the attempt was fenced (its lease could not be renewed in time: the reason
-        then says "lease lost");
+        then says "lease lost", and one unexpected retry is counted, as the reaper counts an
+        expired lease: Terminated once they are used up, Cancelled if a cancel is pending);
         retried while the store is unreachable and the lease may still hold (after that the
         reaper releases it, counting an unexpected retry). A refusal is logged, not retried."""
         instance = attempt.claim.instance
-        try:
-            # Fenced by the claim token and the Processing state: after a lost lease (the
-            # reaper released it, another worker may run it) this changes nothing.
-            released: Instance | None = await retrying(
-                f"releasing instance {instance.id} ({instance.job_key})",
-                lambda: lease_until,
-                self.metrics.backend_error,
-            )(
+        # Fenced by the claim token and the Processing state: after a lost lease (the reaper
+        # released it, another worker may run it) this changes nothing.
+        if attempt.fenced:
+            # Counted: uncounted, a job that always outlives the fence (an async job blocking
+            # its loop for most of the lease) was released and run again for ever.
+            write = functools.partial(
+                self.store.release_fenced,
+                instance.id,
+                attempt.claim.token,
+                actor=self.worker_id,
+                reason=StopReason.LEASE_LOST,
+            )
+        else:
+            write = functools.partial(
                 self.store.transition,
                 instance.id,
                 InstanceState.ENQUEUED,
                 expect=[InstanceState.PROCESSING],
                 claim_token=attempt.claim.token,
                 actor=self.worker_id,
-                reason=StopReason.LEASE_LOST if attempt.fenced else StopReason.SHUTDOWN,
+                reason=StopReason.SHUTDOWN,
             )
+        try:
+            released: Instance | None = await retrying(
+                f"releasing instance {instance.id} ({instance.job_key})",
+                lambda: lease_until,
+                self.metrics.backend_error,
+            )(write)
         except StoreUnavailableError as exc:
             logger.warning(
                 "could not release instance %s of %s: %s; the reaper will once its lease expires",
@@ -194,6 +209,16 @@ class Recorder:
                 instance.id,
                 instance.job_key,
                 extra=_about(instance, "worker.release_refused"),
+            )
+            return
+        if released.state is not InstanceState.ENQUEUED:
+            logger.warning(
+                "instance %s of %s ended %s instead of being released (%s)",
+                instance.id,
+                instance.job_key,
+                released.state.value,
+                released.reason,
+                extra=_about(instance, "worker.release_ended"),
             )
             return
         await quietly(self.dispatcher.publish([released]), self.metrics)

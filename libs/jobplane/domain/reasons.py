@@ -37,7 +37,8 @@ class EndReason(StrEnum):
     LIMIT_REACHED = "max concurrency reached"
     #: A Failed outcome of an attempt whose cancel was requested: Cancelled, not retried.
     CANCEL_WINS = "cancel requested; the failed attempt is not retried"
-    #: An Enqueued instance found with ``cancel_requested`` by a claim: Cancelled.
+    #: An Enqueued instance found with ``cancel_requested`` by a claim, or an attempt its
+    #: worker's fence stopped (released): Cancelled.
     CANCEL_BEFORE_CLAIM = "cancel requested; not run again"
     #: A Failed attempt with no retry left: Terminated.
     NO_ATTEMPTS_LEFT = "no attempts left"

@@ -177,6 +177,15 @@ class WorkerStore(DispatchStore, Registration, WorkerReads, Protocol):
         dead-worker sweep finds its worker stopped.
         """
 
+    async def release_fenced(
+        self, instance_id: UUID, claim_token: int, *, actor: str, reason: str
+    ) -> Instance | None:
+        """Release an attempt its worker stopped because it could not renew the lease in time
+        (the worker's fence), counted as the reaper counts an expired lease: Processing →
+        Enqueued with ``reason`` and one unexpected retry (no retry used), Terminated once the
+        job's ``max_unexpected_retries`` are used up, Cancelled if a cancel is pending. Fenced by
+        ``claim_token``; ``None`` (nothing written) if the attempt no longer holds it."""
+
     async def release_runaway_slot(self, instance_id: UUID, claim_token: int) -> bool:
         """Give back the slot an attempt kept when its outcome was recorded with
         ``holds_slot`` (its code has now returned). ``False`` if it holds none (never held,

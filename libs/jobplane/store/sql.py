@@ -11,6 +11,7 @@ from jobplane.store.cluster import ClusterStore
 from jobplane.store.definitions import DefinitionStore
 from jobplane.store.instances import InstanceStore
 from jobplane.store.lifecycle import LifecycleStore
+from jobplane.store.releases import ReleaseStore
 from jobplane.store.stats import StatsStore
 from jobplane.store.sweeps import SweepStore
 from jobplane.store.timers import TimerStore
@@ -22,6 +23,7 @@ class SqlStore(
     DefinitionStore,
     InstanceStore,
     LifecycleStore,
+    ReleaseStore,
     ClusterStore,
     SweepStore,
     TimerStore,
