@@ -181,6 +181,13 @@ class CronFiring(AheadFiring):
         # Every pass of a backfill looks from its first pass's time: a tick within the grace
         # then is not missed for the time the passes took (those due since are planned next).
         looked = self._backfill.get(definition.key, now)
+        since = definition.schedule_since
+        if since is not None and since > looked:
+            # Its schedule was edited after the backfill began: the old schedule's ticks up to
+            # the edit are caught up too (from ``earlier``), not only those up to the first
+            # pass (the rest, due before the edit, were in no span once the timer planned
+            # from it: lost without a record). The backfill starts again from now.
+            looked = now
         caught = catch_up(definition, last, looked, earlier)
         made = caught.records
         if not caught.complete:
@@ -193,7 +200,6 @@ class CronFiring(AheadFiring):
         self._backfill.pop(definition.key, None)
         # The timer goes on from the latest tick written, and never from before the last
         # edit of the schedule: its ticks before that never existed.
-        since = definition.schedule_since
         marks = [t for t in (last, since, *(m.scheduled_at for m in made)) if t is not None]
         self.timers.set_job(definition, max(marks, default=None), now)
         return made
