@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta, timezone
 from zoneinfo import ZoneInfo, available_timezones
 from zoneinfo._zoneinfo import (  # type: ignore[import-not-found]  # (lists transitions)
@@ -12,6 +13,7 @@ from zoneinfo._zoneinfo import (  # type: ignore[import-not-found]  # (lists tra
 import pytest
 from cronsim import CronSim
 
+from jobplane import cron as cron_module
 from jobplane.cron import JUST_BEFORE, CronSchedule, next_fire_times
 from jobplane.errors import InvalidOptionsError
 
@@ -318,3 +320,90 @@ def test_no_zone_changes_its_clock_twice_within_a_day() -> None:
         if hasattr(rule, "transitions"):
             start, end = rule.transitions(2030)
             assert abs(end - start) > day, key
+
+
+def _walked(monkeypatch: pytest.MonkeyPatch) -> list[datetime]:
+    """The wall times the fixed-time search reads, as they are read."""
+    walked: list[datetime] = []
+    fires = cron_module._fires
+
+    def counting(it: CronSim, expression: str) -> Iterator[datetime]:
+        for wall in fires(it, expression):
+            walked.append(wall)
+            yield wall
+
+    monkeypatch.setattr(cron_module, "_fires", counting)
+    return walked
+
+
+@pytest.mark.parametrize("expr", ["0-59 0-23 * * * *", "0-59 0-23 * * *", "0 0-23 * * * */5"])
+def test_a_fixed_time_search_away_from_a_change_starts_at_the_instant(
+    expr: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seated 3 hours before the instant on every search (for a time skipped by a change
+    just before it), ``0-59 0-23 * * * *``, every second, read 10,800 wall times per fire
+    time (117 ms: a leader with a few such jobs could not keep up with its ticks). Away from
+    a change the search reads the fire time itself and little else."""
+    walked = _walked(monkeypatch)
+    schedule = CronSchedule(expr, "Europe/Berlin")
+    current = datetime(2026, 6, 1, 12, 0, 0, 500_000, tzinfo=UTC)
+    for _ in range(20):
+        before = len(walked)
+        current = schedule.next_after(current)
+        assert len(walked) - before <= 2
+    reference = CronSchedule(expr, "UTC")  # (a zone without changes: the same cadence)
+    start = datetime(2026, 6, 1, 12, 0, 0, 500_000, tzinfo=UTC)
+    assert reference.between(start, current, 100)[-1] == current
+
+
+def _seated_before_the_gap(schedule: CronSchedule, after: datetime) -> datetime:
+    """The reference: the first fire time after ``after`` from a search seated _GAP_MAX
+    before it, whatever the clock did (the search before it was made cheap)."""
+    start = after.astimezone(schedule.zone).replace(tzinfo=None) - cron_module._GAP_MAX
+    for wall in cron_module._fires(cron_module._seated(schedule._parsed, start), "x"):
+        found = schedule._on_the_clock(wall).astimezone(UTC)
+        if found > after:
+            return found
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize(
+    ("tz", "change"),
+    [
+        ("Europe/Berlin", datetime(2026, 3, 29, 1, tzinfo=UTC)),
+        ("Europe/Berlin", datetime(2026, 10, 25, 1, tzinfo=UTC)),
+        ("America/New_York", datetime(2026, 3, 8, 7, tzinfo=UTC)),
+        ("America/New_York", datetime(2026, 11, 1, 6, tzinfo=UTC)),
+        ("Australia/Lord_Howe", datetime(2026, 4, 4, 15, tzinfo=UTC)),
+        ("Australia/Lord_Howe", datetime(2026, 10, 3, 15, 30, tzinfo=UTC)),
+        ("Pacific/Chatham", datetime(2026, 9, 26, 14, tzinfo=UTC)),
+    ],
+)
+@pytest.mark.parametrize("expr", ["30 2 * * * 0,30", "0-59 1-3 * * * */20", "0 1-3 * * *"])
+def test_a_fixed_time_search_after_a_change_finds_what_one_from_before_it_does(
+    tz: str, change: datetime, expr: str
+) -> None:
+    """A search starts at its instant's wall time unless the clocks changed within the
+    3 hours before it: then from the gap's first wall time (a time skipped fires after the
+    gap, at a wall time earlier than the instant's) or past the repeated hour. Every instant
+    around a change finds the fire time a search seated 3 hours earlier finds."""
+    schedule = CronSchedule(expr, tz)
+    seconds = [*range(-3600, 4 * 3600, 613), *range(-3, 125, 7)]
+    for offset in seconds:
+        after = change + timedelta(seconds=offset)
+        assert schedule.next_after(after) == _seated_before_the_gap(schedule, after), after
+
+
+def test_every_second_of_the_day_fires_once_across_the_changes() -> None:
+    """``0-59 0-23 * * * *`` is every second: through a spring change, every real second,
+    once (a skipped one fires once after the gap, at a second already due); through an
+    autumn change, every second of the first pass and none of the repeated hour's second."""
+    schedule = CronSchedule("0-59 0-23 * * * *", "Europe/Berlin")
+    spring = datetime(2026, 3, 29, 1, tzinfo=UTC)
+    ticks = schedule.between(spring - timedelta(minutes=2), spring + timedelta(minutes=2), 1000)
+    assert ticks == [spring - timedelta(minutes=2) + timedelta(seconds=s) for s in range(1, 241)]
+    autumn = datetime(2026, 10, 25, 1, tzinfo=UTC)  # (03:00 CEST → 02:00 CET)
+    ticks = schedule.between(autumn - timedelta(minutes=1), autumn + timedelta(hours=1), 10_000)
+    # (From 01:00 UTC the wall clock reads 02:00:00 to 02:59:59 again: 03:00 is at 02:00 UTC.)
+    first = [autumn - timedelta(minutes=1) + timedelta(seconds=s) for s in range(1, 60)]
+    assert ticks == [*first, autumn + timedelta(hours=1)]

@@ -18,6 +18,7 @@ from jobplane.store.sql import SqlStore
 from jobplane.store.tables import job_definition_versions, job_definitions
 from jobplane_api.main import create_app
 from jobplane_api.settings import ApiSettings
+from tests.api_helpers import problem_of
 from tests.scheduler_helpers import DrivenClock, advance_until, applied, running_scheduler
 from tests.store_helpers import define
 
@@ -69,6 +70,41 @@ async def test_an_edit_to_a_cron_that_never_fires_is_422_naming_cron(
     assert [e["field"] for e in response.json()["errors"]] == ["cron"]
     job = (await api.get("/api/v1/jobs/nightly")).json()
     assert job["version"] == 1 and job["options"]["cron"] == "0 3 * * *"
+
+
+#: Expressions that fire in UTC but never in the zone: every match falls in a spring gap.
+NEVER_IN_ZONE = [("*/15 2 * 3 0#2", "America/New_York"), ("* 2 * 3 0L", "Europe/Berlin")]
+
+
+@pytest.mark.parametrize(("cron", "zone"), NEVER_IN_ZONE)
+def test_registration_refuses_a_cron_that_never_fires_in_its_zone(cron: str, zone: str) -> None:
+    """The per-field check reads the expression without the zone: these were accepted, and
+    the leader then logged the job's schedule error and never fired it."""
+    assert JobOptions.parse(key="j", kind="recurring", cron=cron).cron == cron  # (UTC: fires)
+    with pytest.raises(InvalidOptionsError) as raised:
+        JobOptions.parse(key="j", kind="recurring", cron=cron, timezone=zone)
+    assert raised.value.field == "cron"
+    assert "never fires" in raised.value.reason and zone in raised.value.reason
+    # Options read back from the store are not re-checked (see STORED).
+    values = {"key": "j", "kind": "recurring", "cron": cron, "timezone": zone}
+    assert JobOptions.from_stored(values).timezone == zone
+
+
+async def test_an_edit_that_makes_a_cron_never_fire_in_its_zone_is_422_naming_cron(
+    api: httpx.AsyncClient, store: SqlStore
+) -> None:
+    """Either half of the edit: the expression (in the job's zone), or the zone alone."""
+    await define(store, "spring", cron="*/15 2 * 3 0#2")  # (UTC: it fires)
+    edits = [
+        ("nightly", {"cron": "* 2 * 3 0L"}, "Europe/Berlin"),
+        ("spring", {"timezone": "America/New_York"}, "America/New_York"),
+    ]
+    for key, options, zone in edits:
+        response = await api.patch(f"/api/v1/jobs/{key}", json={"version": 1, "options": options})
+        body = problem_of(response, 422)
+        assert [e["field"] for e in body["errors"]] == ["cron"]
+        assert "never fires" in body["errors"][0]["reason"] and zone in body["errors"][0]["reason"]
+        assert (await api.get(f"/api/v1/jobs/{key}")).json()["version"] == 1
 
 
 async def test_stored_never_firing_cron_is_shown_on_its_job_and_rollback_to_it_is_422(

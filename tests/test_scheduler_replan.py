@@ -13,6 +13,8 @@ from typing import Any, cast
 from jobplane.bus.abc import Bus
 from jobplane.definitions import announce
 from jobplane.domain.models import (
+    DefinitionChange,
+    DefinitionVersion,
     InstanceFilter,
     JobDefinition,
     LeaderLease,
@@ -20,7 +22,7 @@ from jobplane.domain.models import (
 from jobplane.domain.options import JobOptions
 from jobplane.store.abc import LeaderStore
 from jobplane.store.sql import SqlStore
-from jobplane_scheduler.cron_timers import BACKFILL_BATCH
+from jobplane_scheduler.cron_timers import BACKFILL_BATCH, earlier_spans
 from jobplane_scheduler.duties import LeaderDuties
 from jobplane_scheduler.scheduler import Scheduler
 from jobplane_scheduler.settings import SchedulerSettings
@@ -173,3 +175,48 @@ async def test_a_window_reopened_after_its_end_fires_nothing_from_before_the_edi
 async def _ticks_after(store: SqlStore, moment: datetime) -> int:
     page = await store.list_instances(InstanceFilter(job_key="ended"), limit=1000)
     return sum(1 for i in page.items if i.scheduled_at and i.scheduled_at > moment)
+
+
+async def test_a_schedule_edited_during_a_backfill_catches_up_the_old_one_to_the_edit(
+    pg_store: SqlStore, memory_bus: Bus
+) -> None:
+    """A one-second job 2,000 ticks behind: its backfill's first pass looked from L; its
+    schedule was edited 5 s later (E). The next passes still looked from L, so the old
+    schedule's ticks in (L, E] were in no pass, and the timer planned from the edit: lost,
+    with no record."""
+    created = datetime(2026, 5, 1, 11, tzinfo=UTC)
+    last = datetime(2026, 5, 1, 12, tzinfo=UTC)
+    old = JobOptions.parse(key="tick", kind="recurring", cron="* * * * * *")
+    values: dict[str, Any] = {**FAST, "scheduler_id": "s-1"}
+    lease = LeaderLease(0, "s-1", 1, last, last + timedelta(seconds=30))
+    duties = LeaderDuties(
+        cast(LeaderStore, pg_store), memory_bus, SchedulerSettings(**values), lease
+    )
+    first = last + timedelta(seconds=2000)
+    made = duties._plan(JobDefinition(options=old, version=1, created_at=created), last, first)
+    assert len(made) == BACKFILL_BATCH and "tick" in duties._backfill
+    edited_at = first + timedelta(seconds=5)
+    new = old.edited(cron="*/2 * * * * *")
+    edited = JobDefinition(options=new, version=2, created_at=created, schedule_since=edited_at)
+    history = [
+        DefinitionVersion("tick", 1, old, False, DefinitionChange.REGISTER, "test", created),
+        DefinitionVersion("tick", 2, new, False, DefinitionChange.EDIT, "test", edited_at),
+    ]
+    spans = earlier_spans(history, edited_at)
+    now = edited_at + timedelta(seconds=3)
+    for _ in range(10):
+        made += duties._plan(edited, made[-1].scheduled_at, now, spans)
+        if "tick" not in duties._backfill:
+            break
+    ticks = [m.scheduled_at for m in made if m.scheduled_at is not None]
+    assert len(set(ticks)) == len(ticks) == len(made)
+    seconds = int((edited_at - last).total_seconds())
+    assert [t for t in ticks if t <= edited_at] == [
+        last + timedelta(seconds=s) for s in range(1, seconds + 1)
+    ]
+    # fire_once: every tick missed is Skipped but the latest, which fires (as do those within
+    # the grace at ``now``).
+    fired = [m.scheduled_at for m in made if m.skip_reason is None and m.scheduled_at]
+    assert fired and all(t > now - timedelta(seconds=2) for t in fired[1:])
+    next_time = duties.timers.next_time()
+    assert next_time is not None and next_time > max(ticks)

@@ -50,6 +50,12 @@ from jobplane_scheduler.settings import SchedulerSettings
 
 #: The records of a tick are built at most this long before it (while the loop waits).
 PREPARE_AHEAD_S = 1.0
+#: A re-plan pass takes jobs until their records reach this many (at least one job); the
+#: rest wait for the cron loop's next pass (see _replan), so that a pass stays well within
+#: the lease's renewal period.
+REPLAN_BUDGET = 5_000
+#: A re-plan's records are written this many at a time (a tick of 1,000 jobs is one write).
+FIRE_CHUNK = 1_000
 
 
 class CronFiring(AheadFiring):
@@ -96,8 +102,20 @@ class CronFiring(AheadFiring):
         last = await self.store.last_occurrences([d.key for d in active])
         earlier = await self._earlier(active, last)
         now = await self.clock.now()  # (after the reads: a tick due meanwhile is on time)
-        records = []
-        for definition in active:
+        records: list[NewInstance] = []
+        planned: list[JobDefinition] = []
+        for definition in self._in_turn(active):
+            if records and len(records) >= REPLAN_BUDGET:
+                # The pass is full (a new leader after an outage re-plans every job at once:
+                # 1,000 one-second jobs 5 minutes behind were 300,000 records, 6 s without a
+                # turn for the lease's renewal, whose term then ended before the fire, and the
+                # next term began with the same pass): the rest go on as a backfill, in the
+                # cron loop's next passes, from this pass's time. No timer of theirs fires
+                # before (its ticks would move their last occurrence past the catch-up).
+                self.timers.drop_job(definition.key)
+                self._backfill.setdefault(definition.key, now)
+                continue
+            planned.append(definition)
             try:
                 records.extend(
                     self._plan(
@@ -106,18 +124,50 @@ class CronFiring(AheadFiring):
                 )
             except Exception:  # (its schedule cannot be computed: the others still fire)
                 self._schedule_failed(definition.key)
+            # A turn for the lease's renewal (and the bus) between jobs. The cache does not
+            # move meanwhile: it changes only under ``_planning``, which this holds.
+            await asyncio.sleep(0)
+        for definition in planned:
+            # (Re-queued behind the jobs deferred above: a long backfill takes its turn with
+            # them rather than before them, pass after pass.)
+            if (looked := self._backfill.pop(definition.key, None)) is not None:
+                self._backfill[definition.key] = looked
         try:
-            changed = await self._fire_as_planned(records)
+            changed = await self._fire_in_chunks(records)
         except BaseException:
-            # Not written: no timer fires before the re-plan does (a tick recorded first would
-            # move the job's last occurrence past the catch-up, which would never be written).
-            for definition in active:
+            # Not written (or only a part of each job's oldest ticks): no timer fires before
+            # the re-plan does (a tick recorded first would move the job's last occurrence past
+            # the catch-up, which would never be written).
+            for definition in planned:
                 self.timers.drop_job(definition.key)
             raise
         self._unplanned -= keys
         if changed:
             await self._replan(changed)  # (re-planned under what the fire found stored)
         self._wake.set()
+
+    def _in_turn(self, active: list[JobDefinition]) -> list[JobDefinition]:
+        """The order a re-plan takes its jobs in: those not in a backfill first (an edit, a
+        resume: planned at once), then the backfill's in its order (longest waiting first)."""
+        turn = {key: i for i, key in enumerate(self._backfill)}
+        return sorted(active, key=lambda d: turn.get(d.key, -1))
+
+    async def _fire_in_chunks(self, records: list[NewInstance]) -> set[str]:
+        """Fire a re-plan's records ``FIRE_CHUNK`` at a time, with a turn for the lease's
+        renewal between chunks. Each job's records are in the order of their ticks, so a
+        failure between chunks leaves written the oldest ticks of a job: its catch-up goes on
+        from them, gap-free, as after a backfill pass. Returns the jobs read again (see
+        :meth:`_fire_as_planned`); their later records, planned under what they no longer
+        are, are not written."""
+        changed: set[str] = set()
+        for i in range(0, len(records), FIRE_CHUNK):
+            chunk = records[i : i + FIRE_CHUNK]
+            if changed:
+                chunk = [r for r in chunk if r.job_key not in changed]
+            changed |= await self._fire_as_planned(chunk)
+            if i + FIRE_CHUNK < len(records):
+                await asyncio.sleep(0)
+        return changed
 
     def _plan(
         self,
@@ -131,6 +181,13 @@ class CronFiring(AheadFiring):
         # Every pass of a backfill looks from its first pass's time: a tick within the grace
         # then is not missed for the time the passes took (those due since are planned next).
         looked = self._backfill.get(definition.key, now)
+        since = definition.schedule_since
+        if since is not None and since > looked:
+            # Its schedule was edited after the backfill began: the old schedule's ticks up to
+            # the edit are caught up too (from ``earlier``), not only those up to the first
+            # pass (the rest, due before the edit, were in no span once the timer planned
+            # from it: lost without a record). The backfill starts again from now.
+            looked = now
         caught = catch_up(definition, last, looked, earlier)
         made = caught.records
         if not caught.complete:
@@ -143,7 +200,6 @@ class CronFiring(AheadFiring):
         self._backfill.pop(definition.key, None)
         # The timer goes on from the latest tick written, and never from before the last
         # edit of the schedule: its ticks before that never existed.
-        since = definition.schedule_since
         marks = [t for t in (last, since, *(m.scheduled_at for m in made)) if t is not None]
         self.timers.set_job(definition, max(marks, default=None), now)
         return made

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Self
 
@@ -17,13 +17,14 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ModelWrapValidatorHandler,
     ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
-from jobplane.cron import validate_cron, validate_timezone
+from jobplane.cron import CronSchedule, validate_cron, validate_timezone
 from jobplane.domain.limits import INT32_MAX, check_text, to_utc
 from jobplane.errors import InvalidOptionsError
 
@@ -244,6 +245,29 @@ class JobOptions(BaseModel):
         if not self.name:
             object.__setattr__(self, "name", self.key)
         return self
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _fires_in_its_zone(
+        cls, data: Any, handler: ModelWrapValidatorHandler[Self], info: ValidationInfo
+    ) -> Self:
+        """An expression that never fires in the job's zone (``*/15 2 * 3 0#2`` in New York:
+        its every match falls in a spring gap) is refused where options enter: the per-field
+        check reads the expression without the zone. Not for options read back (see
+        :data:`STORED`), nor for options already made (a response model holding a stored
+        job's options validates them again): the leader and the API show their schedule's
+        error per job."""
+        made = isinstance(data, JobOptions)
+        options = handler(data)
+        if made or options.cron is None or _stored(info):
+            return options
+        try:
+            CronSchedule(options.cron, options.timezone).next_after(datetime.now(UTC))
+        except InvalidOptionsError:
+            raise InvalidOptionsError(
+                "cron", f"{options.cron!r} never fires in time zone {options.timezone}"
+            ) from None
+        return options
 
     @classmethod
     def from_stored(cls, values: Any) -> JobOptions:
