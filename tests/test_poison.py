@@ -111,9 +111,12 @@ async def test_a_refused_outcome_is_parked_and_the_worker_keeps_recording(
     async with running_worker(app, pg_store, redis_bus, concurrency=8, batch_size=20) as worker:
         first = [await dispatcher.trigger("fine", {"value": i}) for i in range(5)]
         unserialisable = await dispatcher.trigger("nul_result")
-        poison = [await dispatcher.trigger("refused_result"), await dispatcher.trigger("nul_error")]
+        poison = [await dispatcher.trigger("refused_result") for _ in range(2)]
+        nul = await dispatcher.trigger("nul_error")
         more = [await dispatcher.trigger("fine", {"value": i}) for i in range(5, 10)]
-        done = await settled(pg_store, [i.id for i in [*first, unserialisable, *poison, *more]])
+        done = await settled(
+            pg_store, [i.id for i in [*first, unserialisable, *poison, nul, *more]]
+        )
         # Still alive and recording after the poison.
         [after] = await settled(pg_store, [(await dispatcher.trigger("fine", {"value": 99})).id])
         assert not worker.running
@@ -131,6 +134,10 @@ async def test_a_refused_outcome_is_parked_and_the_worker_keeps_recording(
     failed = by_id[unserialisable.id]
     assert failed.state is S.TERMINATED and failed.error is not None
     assert failed.error.type == "TypeError" and "NUL" in failed.error.message
+    # An error message with a NUL is kept, the NUL made visible (jsonb cannot store it).
+    kept = by_id[nul.id]
+    assert kept.state is S.TERMINATED and kept.error is not None
+    assert (kept.error.type, kept.error.message) == ("ValueError", "bad\\x00byte")
 
 
 async def test_a_result_with_an_integer_too_long_to_store_fails_its_attempt_clearly(
