@@ -177,14 +177,17 @@ async def test_the_end_of_an_isolated_job_never_holds_up_the_workers_loop(
     assert max(gaps) < 0.5, f"the worker's loop stalled {max(gaps):.2f} s"
 
 
-@pytest.mark.parametrize("key", ["ticks_until_killed", "raises_when_stopped"])
+@pytest.mark.parametrize(
+    "key", ["ticks_until_killed", "raises_when_stopped", "returns_when_stopped"]
+)
 async def test_a_child_whose_lease_is_not_renewed_stops_itself_before_it_ends(
     key: str, tmp_path: Path
 ) -> None:
     """Its worker cannot stop it when frozen or blocked, and nothing renews the lease: the
     child stops itself past the fence time (SIGTERM, the job's cancellation) and kills its
     group before the lease may end, whether its job heeds the stop or not. The attempt is
-    then released as the fence releases one, not failed by what the stop made the job do."""
+    then released as the fence releases one, not failed (nor succeeded, with a partial result
+    returned early) by what the stop made the job do."""
     gate = tmp_path / "gate"
     ctx = JobContext(
         instance_id=uuid.uuid4(), job_key=key, attempt=1, scheduled_at=None, worker_id="w"

@@ -19,8 +19,10 @@ from jobplane.dispatch import Dispatcher
 from jobplane.domain.reasons import EndReason, StopReason
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.sql import SqlStore
+from jobplane_worker.attempt import Attempt, Ending, _raised, ending
 from jobplane_worker.worker import Worker
 from tests.scheduler_helpers import running_scheduler
+from tests.store_helpers import define, enqueue
 from tests.worker_helpers import FlakyStore, running_worker, settled, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -195,3 +197,29 @@ async def test_a_job_the_fence_stops_on_every_attempt_is_terminated_once_exhaust
     assert done.state is S.TERMINATED and done.reason == EndReason.EXHAUSTED, moves
     assert done.attempt == 2 and done.unexpected_retries_used == 1 and done.retries_used == 0
     assert moves.count((S.PROCESSING, S.ENQUEUED, StopReason.LEASE_LOST)) == 1
+
+
+async def test_a_stop_for_the_lease_that_cancels_the_code_is_counted_as_the_fences(
+    store: SqlStore,
+) -> None:
+    """An isolated child that stopped itself at the fence (its worker frozen, or its loop
+    blocked, so the worker's own fence did not run) ends its attempt with the lease's stop:
+    the attempt is marked fenced, so its release counts an unexpected retry and says "lease
+    lost", as the fence's does (it was released as a shutdown: uncounted)."""
+    await define(store, "job")
+    [instance] = await enqueue(store, "job")
+    [claim] = (await store.claim([instance.id], "w1", 30, ["job"])).claimed
+    ctx = JobContext(
+        instance_id=instance.id, job_key="job", attempt=1, scheduled_at=None, worker_id="w1"
+    )
+    attempt = Attempt(claim, ctx)
+    ctx.cancellation.set(StopReason.LEASE_LOST)
+    with pytest.raises(asyncio.CancelledError):
+        _raised(attempt, asyncio.CancelledError())
+    assert attempt.fenced and ending(attempt, None, broken=False) is Ending.RELEASE
+    # A stop of the worker's own (its drain) stays a shutdown's release.
+    drained = Attempt(claim, JobContext(instance.id, "job", 1, None, "w1"))
+    drained.ctx.cancellation.set(StopReason.SHUTDOWN)
+    with pytest.raises(asyncio.CancelledError):
+        _raised(drained, asyncio.CancelledError())
+    assert not drained.fenced

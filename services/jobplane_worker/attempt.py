@@ -191,7 +191,12 @@ def _raised(attempt: Attempt, exc: BaseException) -> Outcome:
     if isinstance(exc, asyncio.CancelledError) and cancellation.is_set():
         # The worker asked it to stop: every stop of the worker's (its drain, a cancel
         # request, a lost lease or the fence; a timeout is a TimeoutError here) sets the signal
-        # before it cancels anything. Released, not failed.
+        # before it cancels anything. Released, not failed. A stop for the lease (an isolated
+        # child that stopped itself at the fence while this worker was frozen, or its loop
+        # blocked) is the fence's: its release counts an unexpected retry (uncounted, it was
+        # labelled a shutdown). A lease found lost writes nothing anyway (see ``ending``).
+        if cancellation.reason is StopReason.LEASE_LOST:
+            attempt.fenced = True
         raise exc
     # The job's own: a TimeoutError of a call of its (the attempt's timeout always sets the
     # signal first), a CancelledError nobody asked for (a future something else cancelled; a

@@ -170,11 +170,12 @@ async def run_in_child(
             # Off the loop: a child's exit may wait for threads its job left running.
             await asyncio.get_running_loop().run_in_executor(None, process.join, KILL_GRACE_S)
             message = final.result()
-            if deadlines.stopped_itself and (message is None or message["kind"] != "ok"):
+            if deadlines.stopped_itself:
                 # Stopped at the fence, by itself: the lease was not renewed in time (this
                 # worker was frozen, or its loop blocked). Released, as the fence releases an
-                # attempt, not failed: what its job raised, or its death, was the stop's doing.
-                # (A result it returned still counts: written fenced by the claim token.)
+                # attempt, not recorded: what its job returned (a partial result, early),
+                # raised, or its death, was the stop's doing. (A result that came just before
+                # the stop cannot be told apart: it runs again, as after the worker's fence.)
                 ctx.cancellation.set(StopReason.LEASE_LOST)
                 raise asyncio.CancelledError
             return _unpack(message, process)

@@ -65,3 +65,12 @@ async def raises_when_stopped(ctx: JobContext, args: Gate) -> None:
     await asyncio.to_thread(_note, f"{args.path}.pid", str(os.getpid()))
     await ctx.cancellation.wait()
     raise RuntimeError("interrupted by the stop")
+
+
+@app.triggered(isolation="process", timeout_s=120)
+async def returns_when_stopped(ctx: JobContext, args: Gate) -> dict[str, bool]:
+    """Notes its pid, then waits for its stop and returns early, a partial result (as a job
+    that checks ``ctx.cancelled`` between its steps does)."""
+    await asyncio.to_thread(_note, f"{args.path}.pid", str(os.getpid()))
+    await ctx.cancellation.wait()
+    return {"partial": True}
