@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from datetime import timedelta
 from uuid import UUID
 
@@ -16,6 +17,7 @@ from jobplane.domain.models import (
     Outcome,
     WorkerInfo,
 )
+from jobplane.domain.reasons import EndReason
 from jobplane.domain.states import InstanceState as S
 from jobplane.errors import DefinitionsChangedError, JobNotFoundError
 from jobplane.store.base import NotLeaderError
@@ -333,6 +335,42 @@ async def test_instances_pinned_to_a_gone_worker_fall_back_or_fail(store: SqlSto
     assert (await store.get_instance(kept.id)).pinned_worker == "alive"
     gone = await store.get_instance(failed.id)
     assert gone.state is S.TERMINATED and gone.reason == "pinned worker gone"
+
+
+async def test_instances_pinned_to_a_live_worker_without_their_job_fall_back_after_a_while(
+    store: SqlStore,
+) -> None:
+    """Nothing runs an instance pinned to a live worker that has not registered its job: that
+    worker puts its entry back, and another's claim refuses the pin. Once it has waited the
+    unknown-job timeout, the job's ``pin_fallback`` applies, with a reason that says why."""
+    await define(store, "any_job", max_concurrency=5)
+    await define(store, "strict_job", pin_fallback="fail")
+    lease = await _lead(store)
+    worker = WorkerInfo(
+        id="other-app",
+        host="h",
+        pid=1,
+        queues=("default",),
+        capacity=1,
+        version="x",
+        jobs=("strict_job",),
+    )
+    await store.register_worker(worker)
+    [moved] = await enqueue(store, "any_job", pinned_worker="other-app")
+    [knows] = await enqueue(store, "strict_job", pinned_worker="other-app")
+    assert await store.resolve_orphaned_pins(lease, 60.0) == []  # (not waited long enough)
+    await asyncio.sleep(0.3)
+    [(unpinned, was_pinned_to)] = await store.resolve_orphaned_pins(lease, 0.2)
+    assert (unpinned.id, unpinned.pinned_worker, was_pinned_to) == (moved.id, None, "other-app")
+    assert unpinned.reason == EndReason.PIN_UNAWARE_UNPINNED and unpinned.state is S.ENQUEUED
+    assert (await store.get_instance(knows.id)).pinned_worker == "other-app"  # it registered it
+    await store.register_worker(replace(worker, jobs=()))  # a release without the job
+    [failed] = await enqueue(store, "strict_job", pinned_worker="other-app")
+    await asyncio.sleep(0.3)
+    assert await store.resolve_orphaned_pins(lease, 0.2) == []
+    for instance in (knows, failed):
+        ended = await store.get_instance(instance.id)
+        assert ended.state is S.TERMINATED and ended.reason == EndReason.PIN_UNAWARE
 
 
 async def test_retry_on_the_same_worker_pins_the_retry(store: SqlStore) -> None:

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from jobplane import App
+from jobplane import App, JobContext
 from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import WorkerInfo
@@ -17,7 +17,7 @@ from jobplane.domain.states import InstanceState as S
 from jobplane.store.sql import SqlStore
 from tests.scheduler_helpers import running_scheduler
 from tests.store_helpers import define, enqueue
-from tests.worker_helpers import running_worker, wait_for
+from tests.worker_helpers import running_worker, settled, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -117,3 +117,58 @@ async def test_terminate_unknown_jobs_waits_for_the_timeout_and_for_recent_worke
     [later] = await store.terminate_unknown_jobs(lease, 1.0)
     assert later.id == gone.id
     assert (await store.get_instance(known.id)).state is S.ENQUEUED
+
+
+pool = App("pool")
+
+
+@pool.triggered(key="train", queue="gpu")
+async def train(ctx: JobContext) -> str:
+    return ctx.worker_id
+
+
+earlier_pool = App("pool")  # the same app, a release before ``train`` existed
+
+
+@earlier_pool.triggered(key="known")
+async def known_earlier() -> None: ...
+
+
+async def test_an_entry_is_forwarded_only_to_a_worker_that_consumes_its_queue(
+    store: SqlStore, bus: Bus
+) -> None:
+    """A worker of the gpu queue that does not know a gpu job (a rollout half done) forwarded
+    its entry to any live worker that knew the job, one of the cpu pool included, which ran
+    it: its claim does not look at queues. It now waits for a worker of the gpu queue."""
+    async with (
+        running_worker(pool, store, bus, worker_id="cpu-1", queues=["default"]),
+        running_worker(earlier_pool, store, bus, worker_id="gpu-1", queues=["gpu"]),
+    ):
+        instance = await Dispatcher(store, bus).trigger("train")
+        await asyncio.sleep(1.5)  # many put-back rounds (0.1 s apart here)
+        waiting = await store.get_instance(instance.id)
+        assert waiting.state is S.ENQUEUED and waiting.attempt == 0
+        async with running_worker(pool, store, bus, worker_id="gpu-2", queues=["gpu"]):
+            [done] = await settled(store, [instance.id])
+    assert done.state is S.SUCCEEDED and done.result == "gpu-2"
+
+
+async def test_an_instance_pinned_to_a_worker_that_does_not_know_its_job_is_unpinned(
+    store: SqlStore, bus: Bus
+) -> None:
+    """Pinned to a live worker without its job: that worker forwarded the entry to one that
+    knew the job, whose claim refused the pin and dropped the entry; the sweep republished it
+    to the pinned worker, and round it went, the instance Enqueued for ever. The entry now
+    waits at its worker, and once the unknown-job timeout has passed the sweep applies the
+    job's ``pin_fallback`` (``any``: unpinned, run by a worker that knows the job)."""
+    async with (
+        running_worker(pool, store, bus, worker_id="trainer", queues=["gpu"]),
+        running_worker(earlier_pool, store, bus, worker_id="old", queues=["gpu"]),
+        running_scheduler(store, bus, republish_after_s=1.0, unknown_job_timeout_s=1.0),
+    ):
+        instance = await Dispatcher(store, bus).trigger("train", pinned_worker="old")
+        [done] = await settled(store, [instance.id], timeout_s=30)
+    # Run by the other worker: only once unpinned (a claim refuses an instance pinned to
+    # another worker). The reason the sweep gives is checked in tests/test_sweeps.py.
+    assert done.state is S.SUCCEEDED and done.result == "trainer"
+    assert done.pinned_worker is None

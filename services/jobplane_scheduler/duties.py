@@ -208,7 +208,9 @@ class LeaderDuties(CronFiring):
             )
             self.metrics.count(SweepStep.DEAD_WORKERS, dead)
         with self._refused("orphaned pins"):
-            unpinned = await self.store.resolve_orphaned_pins(self.lease)
+            unpinned = await self.store.resolve_orphaned_pins(
+                self.lease, self.settings.unknown_job_timeout_s
+            )
             self.metrics.count(SweepStep.ORPHANED_PINS, [i for i, _ in unpinned])
             await self._publish([i for i, _ in unpinned])
             await self._drop_old_pins(unpinned)

@@ -24,7 +24,7 @@ from opentelemetry.context import Context
 from jobplane.app import App
 from jobplane.bus.abc import Consumer, Delivery
 from jobplane.domain.models import Claim
-from jobplane.errors import BusUnavailableError, UnavailableError
+from jobplane.errors import BusUnavailableError, InstanceNotFoundError, UnavailableError
 from jobplane.store.abc import WorkerStore
 from jobplane_worker.metrics import FencedWrite, WorkerMetrics
 from jobplane_worker.settings import WorkerSettings
@@ -283,19 +283,27 @@ class Intake:
 
     async def _requeue_later(self, consumer: Consumer, deliveries: list[Delivery]) -> None:
         """Leave a job this worker does not know for a worker that does: forward it to a live
-        worker that registered the job; if none is live, put it back after a delay (until then
-        it stays pending here, so a crash loses nothing)."""
-        by_key: dict[str, list[Delivery]] = {}
+        worker that registered the job and consumes its queue; if none is live, put it back
+        after a delay (until then it stays pending here, so a crash loses nothing). An entry
+        pinned to this worker is never forwarded: another worker's claim refuses a pinned
+        instance (and acks the entry: it was republished here and forwarded again, for ever).
+        It waits here; the leader's sweep unpins or ends an instance pinned to a worker that
+        does not know its job (``pin_fallback``)."""
+        by_key: dict[tuple[str, str | None], list[Delivery]] = {}
         for d in deliveries:
-            by_key.setdefault(d.envelope.job_key, []).append(d)
+            queue = None if d.envelope.pinned_worker is not None else await self._queue_of(d)
+            by_key.setdefault((d.envelope.job_key, queue), []).append(d)
         workers = await self.store.list_workers()
         now = await self.store.now()
         waiting: list[Delivery] = []
-        for key, group in by_key.items():
+        for (key, queue), group in by_key.items():
+            # Only a worker that consumes the queue: one that does not ran the instance all the
+            # same (its claim does not look at queues), a gpu job on a cpu pool in a rollout.
             live = [
                 w.id
                 for w in workers
                 if key in w.jobs
+                and queue in w.queues
                 and w.id != self.worker_id
                 and w.stopped_at is None
                 and w.heartbeat_at is not None
@@ -322,6 +330,16 @@ class Intake:
         enqueued = await self.store.still_enqueued({d.envelope.instance_id for d in waiting})
         await consumer.ack([d for d in waiting if d.envelope.instance_id not in enqueued])
         await consumer.requeue([d for d in waiting if d.envelope.instance_id in enqueued])
+
+    async def _queue_of(self, delivery: Delivery) -> str | None:
+        """The queue of an unpinned entry: its stream's, or, in this worker's own stream
+        (forwarded here), its instance's (``None`` if it is gone: the entry is acked later)."""
+        if delivery.queue is not None:
+            return delivery.queue
+        try:
+            return (await self.store.get_instance(delivery.envelope.instance_id)).queue
+        except InstanceNotFoundError:
+            return None
 
     def _log_unknown(self, key: str, entries: int) -> None:
         """One line per job and ``UNKNOWN_JOB_LOG_EVERY_S`` for entries put back, with the

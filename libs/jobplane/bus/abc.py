@@ -42,6 +42,9 @@ class Delivery:
     entry_id: str
     envelope: Envelope
     times_delivered: int = 1
+    #: The queue whose stream it came from (``None``: the worker's own stream, where pinned
+    #: and forwarded entries go).
+    queue: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,15 @@ class Keys:
         """The band streams of ``queue``, highest priority first."""
         return [self.queue_stream(queue, band) for _, band in BANDS]
 
+    def queue_of(self, stream: str) -> str | None:
+        """The queue whose band stream ``stream`` is (``None`` for any other stream: a
+        worker's own)."""
+        head = f"{self.prefix}:q:{{"
+        queue, sep, band = stream.removeprefix(head).rpartition("}:b")
+        if not stream.startswith(head) or not sep or not band.isdigit():
+            return None
+        return queue
+
     def stream_of(self, queue: str, envelope: Envelope) -> str:
         """The stream ``envelope`` is published to: its pinned worker's, else its band's."""
         if envelope.pinned_worker is not None:

@@ -261,7 +261,11 @@ class MemoryConsumer:
             )
             return None
         return Delivery(
-            stream=key, entry_id=str(entry_id), envelope=envelope, times_delivered=count
+            stream=key,
+            entry_id=str(entry_id),
+            envelope=envelope,
+            times_delivered=count,
+            queue=self.bus.keys.queue_of(key),
         )
 
     def _forget(self, key: str, entry_id: int) -> None:

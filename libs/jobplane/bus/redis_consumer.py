@@ -201,7 +201,8 @@ class RedisConsumer:
             # scheduler's sweep republishes an Enqueued instance whose message is gone.)
             await self._dead_letter(stream, entry, raw or b"", exc)
             return None
-        return Delivery(stream=stream, entry_id=entry, envelope=envelope, times_delivered=count)
+        queue = self.bus.keys.queue_of(stream)
+        return Delivery(stream, entry, envelope, times_delivered=count, queue=queue)
 
     async def _dead_letter(self, stream: str, entry_id: str, raw: bytes, exc: Exception) -> None:
         dead = self._dead_of[stream]

@@ -54,6 +54,11 @@ class EndReason(StrEnum):
     PIN_GONE = "pinned worker gone"
     #: The same, with ``pin_fallback="any"``: the instance goes to its queue instead.
     PIN_GONE_UNPINNED = "pinned worker gone; unpinned"
+    #: The worker an instance is pinned to is live but has not registered its job, for
+    #: ``JOBPLANE_UNKNOWN_JOB_TIMEOUT_S`` (``pin_fallback="fail"``) ...
+    PIN_UNAWARE = "pinned worker does not run the job"
+    #: ... with ``pin_fallback="any"``: the instance goes to its queue instead.
+    PIN_UNAWARE_UNPINNED = "pinned worker does not run the job; unpinned"
     #: No live worker registered the job for ``JOBPLANE_UNKNOWN_JOB_TIMEOUT_S``: Terminated.
     NO_WORKER_KNOWS = "no worker knows the job"
     #: A cron tick not fired by the misfire policy: recorded Skipped.

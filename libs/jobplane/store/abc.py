@@ -306,9 +306,13 @@ class LeaderStore(DispatchStore, Protocol):
         Terminated when unexpected retries are exhausted, → Cancelled if a cancel was pending.
         Returns the released (Enqueued) ones, to publish."""
 
-    async def resolve_orphaned_pins(self, lease: LeaderLease) -> list[tuple[Instance, str]]:
-        """Instances pinned to a worker that is gone: unpinned (returned, to publish, each
-        with the worker it was pinned to) or Terminated, per the job's ``pin_fallback``."""
+    async def resolve_orphaned_pins(
+        self, lease: LeaderLease, unaware_after_s: float | None = None
+    ) -> list[tuple[Instance, str]]:
+        """Instances pinned to a worker that is gone, or (with ``unaware_after_s``) waiting
+        longer than that pinned to a live worker that has not registered their job: unpinned
+        (returned, to publish, each with the worker it was pinned to) or Terminated, per the
+        job's ``pin_fallback``."""
 
     async def terminate_unknown_jobs(
         self, lease: LeaderLease, after_s: float, limit: int = 1000

@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
-from sqlalchemy import Select, and_, delete, func, or_, select, update
+from sqlalchemy import ColumnElement, Select, and_, delete, func, or_, select, update
 
 from jobplane.domain.models import Instance, InstanceSource, LeaderLease, NewInstance, WorkerInfo
 from jobplane.domain.options import JobOptions, PinFallback
@@ -254,25 +254,43 @@ class SweepStore(PublicationStore):
         )
 
     @retry_conflicts
-    async def resolve_orphaned_pins(self, lease: LeaderLease) -> list[tuple[Instance, str]]:
+    async def resolve_orphaned_pins(
+        self, lease: LeaderLease, unaware_after_s: float | None = None
+    ) -> list[tuple[Instance, str]]:
         """Enqueued instances pinned to a worker that is gone (stopped, marked dead, or never
-        registered): unpinned for any worker (``pin_fallback=any``; returned with the worker
-        they were pinned to, to publish on the queue) or Terminated with the reason "pinned
-        worker gone" (``fail``)."""
+        registered), or, with ``unaware_after_s``, to a live worker that has not registered
+        their job, for instances waiting longer than that: unpinned for any worker
+        (``pin_fallback=any``; returned with the worker they were pinned to, to publish on
+        the queue) or Terminated (``fail``), each with a reason that says which."""
         async with self._write() as conn:
             await self._fence(conn, lease)
-            orphans = (await conn.execute(orphaned_pins())).all()
-            fail = [
+            unaware: list[tuple[str, list[str]]] = []
+            before = None
+            if unaware_after_s is not None:
+                # (A few rows.) Race: a worker that registers the job meanwhile has its pinned
+                # instance unpinned or ended once the grace is over, not before.
+                alive = select(workers.c.id, workers.c.jobs).where(workers.c.stopped_at.is_(None))
+                unaware = [(r.id, list(r.jobs or [])) for r in await conn.execute(alive)]
+                before = await self._now(conn) - timedelta(seconds=unaware_after_s)
+            orphans = (await conn.execute(orphaned_pins(unaware=unaware, before=before))).all()
+            live = {worker_id for worker_id, _ in unaware}
+            fail = {
                 r.id
                 for r in orphans
                 if JobOptions.from_stored(r.options).pin_fallback is PinFallback.FAIL
-            ]
-            unpin_ids = [r.id for r in orphans if r.id not in fail]
+            }
             pinned_to = {r.id: r.pinned_worker for r in orphans}
-            await self._move_many(
-                conn, fail, InstanceState.ENQUEUED, InstanceState.TERMINATED, EndReason.PIN_GONE, {}
-            )
-            moved = await unpin(conn, unpin_ids, EndReason.PIN_GONE_UNPINNED)
+            moved: list[Instance] = []
+            for aware, (ended, unpinned) in (
+                (False, (EndReason.PIN_GONE, EndReason.PIN_GONE_UNPINNED)),
+                (True, (EndReason.PIN_UNAWARE, EndReason.PIN_UNAWARE_UNPINNED)),
+            ):
+                ids = [r.id for r in orphans if (r.pinned_worker in live) is aware]
+                ending = [i for i in ids if i in fail]
+                await self._move_many(
+                    conn, ending, InstanceState.ENQUEUED, InstanceState.TERMINATED, ended, {}
+                )
+                moved += await unpin(conn, [i for i in ids if i not in fail], unpinned)
             return [(instance, pinned_to[instance.id]) for instance in moved]
 
     @retry_conflicts
@@ -438,19 +456,34 @@ class SweepStore(PublicationStore):
             return len(ids)
 
 
-def orphaned_pins(limit: int = 1000) -> Select[Any]:
+def orphaned_pins(
+    limit: int = 1000,
+    *,
+    unaware: Sequence[tuple[str, Sequence[str]]] = (),
+    before: datetime | None = None,
+) -> Select[Any]:
     """Enqueued instances pinned to a worker that is not live (id, the pin, the job's options),
     locked, up to ``limit``: read from ``ix_job_instances_pinned_enqueued`` (migration 0021),
     which holds the pinned Enqueued instances only, when the planner's statistics know the
-    backlog (without it, each sweep read every Enqueued row)."""
+    backlog (without it, each sweep read every Enqueued row). With ``unaware`` (live workers'
+    ids and the jobs each registered) and ``before``, also those created before ``before``
+    and pinned to one of them that has not registered their job: no worker may run them (a
+    worker that does not know the job puts its entry back; another's claim refuses the pin)."""
     live = select(workers.c.id).where(workers.c.stopped_at.is_(None))
+    stuck: ColumnElement[bool] = job_instances.c.pinned_worker.not_in(live)
+    if unaware and before is not None:
+        lacking = [
+            and_(job_instances.c.pinned_worker == worker_id, job_instances.c.job_key.not_in(jobs))
+            for worker_id, jobs in unaware
+        ]
+        stuck = or_(stuck, and_(job_instances.c.created_at < before, or_(*lacking)))
     return (
         select(job_instances.c.id, job_instances.c.pinned_worker, job_definitions.c.options)
         .join(job_definitions, job_definitions.c.key == job_instances.c.job_key)
         .where(
             job_instances.c.state == InstanceState.ENQUEUED.value,
             job_instances.c.pinned_worker.is_not(None),
-            job_instances.c.pinned_worker.not_in(live),
+            stuck,
         )
         .limit(limit)
         .with_for_update(of=job_instances, skip_locked=True)
