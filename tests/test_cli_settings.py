@@ -160,3 +160,19 @@ def test_an_args_file_that_cannot_be_read_is_a_usage_error(tmp_path: Path) -> No
     )
     assert result.returncode == 2, result.stderr
     assert f"cannot read {missing}: No such file or directory" in usage_error(result.stderr)
+
+
+@pytest.mark.parametrize(
+    "env",
+    ["JOBPLANE_RETENTION_DAYS=1000000", "JOBPLANE_UNKNOWN_JOB_TIMEOUT_S=1e12"],
+    ids=["retention", "unknown-job-timeout"],
+)
+def test_a_duration_past_a_century_is_refused_in_one_line(env: str) -> None:
+    """The leader subtracts these from the database's time: ``JOBPLANE_RETENTION_DAYS=1000000``
+    raised OverflowError at its first housekeeping and ended every scheduler in turn."""
+    name, value = env.split("=")
+    settings = {"JOBPLANE_DATABASE_URL": "sqlite:///unused.db", name: value}
+    result = run_cli("scheduler", env=settings)
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: {name}: Input should be less than or equal to"), line

@@ -181,7 +181,8 @@ class LeaderDuties(CronFiring):
                 await self._sweep_once()
             if datetime.now() - last_housekeeping > timedelta(minutes=1):
                 last_housekeeping = datetime.now()
-                await self._housekeeping()
+                with self._refused("housekeeping"):  # (optional work: never the leader's end)
+                    await self._housekeeping()
             await self._sleep_until_sweep()
 
     async def _sweep_once(self) -> None:
