@@ -304,3 +304,39 @@ async def _until_answers(bus: Bus) -> None:
         except BusUnavailableError:
             await asyncio.sleep(0.05)
     await bus.ping()
+
+
+async def test_dropping_the_last_pins_of_a_worker_that_never_started_deletes_its_stream(
+    redis_bus: Bus,
+) -> None:
+    assert isinstance(redis_bus, RedisBus)
+    # A trigger pinned to a worker id that never started (mistyped): the leader gives its
+    # instances away and drops their entries; the stream itself must not stay for good.
+    never = [envelope(pinned="never-started") for _ in range(3)]
+    await redis_bus.publish([("default", e) for e in never])
+    key = redis_bus.keys.worker_stream("never-started")
+    assert await redis_bus.drop_pinned("never-started", [never[0].instance_id]) == 1
+    assert await redis_bus.client.xlen(key) == 2  # others left: the stream stays
+    assert await redis_bus.drop_pinned("never-started", [e.instance_id for e in never[1:]]) == 2
+    assert not await redis_bus.client.exists(key)
+    assert await redis_bus.drop_pinned("never-started", [never[0].instance_id]) == 0
+
+    # A worker that read its stream has its group there: its emptied stream is kept (it may
+    # still be running; forgetting stopped workers deletes it once it is gone for good).
+    read = envelope(pinned="started")
+    await redis_bus.publish([("default", read)])
+    [delivered] = await redis_bus.consumer("started", ["default"]).read(1, 50)
+    assert delivered.envelope == read
+    assert await redis_bus.drop_pinned("started", [read.instance_id]) == 1
+    started = redis_bus.keys.worker_stream("started")
+    assert await redis_bus.client.exists(started)
+    assert await redis_bus.client.xlen(started) == 0
+    assert len(await redis_bus.client.xinfo_groups(started)) == 1
+
+
+async def test_dropping_pins_goes_in_chunks(redis_bus: Bus) -> None:
+    assert isinstance(redis_bus, RedisBus)
+    many = [envelope(pinned="far") for _ in range(2_500)]
+    await redis_bus.publish([("default", e) for e in many])
+    assert await redis_bus.drop_pinned("far", [e.instance_id for e in many]) == 2_500
+    assert not await redis_bus.client.exists(redis_bus.keys.worker_stream("far"))

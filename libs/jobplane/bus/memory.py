@@ -140,6 +140,9 @@ class MemoryBus:
         for entry_id in doomed:
             stream.entries.pop(entry_id, None)
             stream.pending.pop(entry_id, None)
+        if not stream.entries and not stream.pending and not stream.last_delivered:
+            # Emptied, and never read: a worker id that never started (see RedisBus).
+            self._streams.pop(self.keys.worker_stream(worker_id), None)
         return len(doomed)
 
     def consumer(self, worker_id: str, queues: Sequence[str]) -> MemoryConsumer:

@@ -59,6 +59,23 @@ if #pending > 0 then return 0 end
 redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
 return 1
 """
+# Acknowledge and delete entries ARGV[2..] of a worker's own stream KEYS[1] (group ARGV[1]),
+# then delete the stream if that emptied it and no worker ever made its group there: the
+# stream of a worker id that never started (a trigger pinned to a mistyped id) is otherwise
+# left for good, as forgetting stopped workers only reaches those that registered. At once,
+# so a worker that starts in between (and makes its group) keeps its stream. Returns how
+# many entries were deleted.
+DROP_PINNED_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+pcall(redis.call, 'XACK', KEYS[1], ARGV[1], unpack(ARGV, 2))
+local deleted = redis.call('XDEL', KEYS[1], unpack(ARGV, 2))
+if redis.call('XLEN', KEYS[1]) == 0 and #redis.call('XINFO', 'GROUPS', KEYS[1]) == 0 then
+    redis.call('DEL', KEYS[1])
+end
+return deleted
+"""
+#: Entries dropped per script call (Lua's ``unpack`` takes a few thousand at most).
+DROP_CHUNK = 1000
 
 
 class RedisBus:
@@ -72,6 +89,7 @@ class RedisBus:
         self._clear_pending = client.register_script(CLEAR_PENDING_LUA)
         self._appender = Appender(client, client.register_script(APPEND_LUA))
         self._forget_consumer = client.register_script(FORGET_CONSUMER_LUA)
+        self._drop_pinned = client.register_script(DROP_PINNED_LUA)
         #: The pending-update marks as last read whole, and the hash's (edit count, length)
         #: then (see :meth:`get_pending_updates`).
         self._marks: dict[str, int] = {}
@@ -225,14 +243,12 @@ class RedisBus:
         if not wanted:
             return 0
         doomed = [e async for e, instance_id in self._entries(key) if instance_id in wanted]
-        if not doomed:
-            return 0
-        pipe = self.client.pipeline(transaction=False)
-        pipe.xack(key, GROUP, *doomed)  # 0 when the worker never read: no group, no error
-        pipe.xdel(key, *doomed)
+        deleted = 0
         async with translated("xdel"):
-            await pipe.execute()
-        return len(doomed)
+            for start in range(0, len(doomed), DROP_CHUNK):
+                chunk = doomed[start : start + DROP_CHUNK]
+                deleted += int(await self._drop_pinned(keys=[key], args=[GROUP, *chunk]))
+        return deleted
 
     async def _stuck(self, key: str, idle_ms: int) -> set[str]:
         """Ids of ``key``'s entries delivered at least ``idle_ms`` ago and not acknowledged."""
