@@ -14,7 +14,7 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -183,6 +183,25 @@ async def test_async_client(stack: dict[str, str]) -> None:
             await jp.trigger("echo", {"value": "five"})
         assert info.value.status == 422
         assert info.value.problem["errors"][0]["field"] == "args.value"
+
+
+def test_a_key_or_id_with_path_characters_names_no_other_endpoint(stack: dict[str, str]) -> None:
+    with Client(stack["url"], stack["admin"]) as jp:
+        before = jp.instances(job="add_sync", limit=500)["items"]
+        calls: tuple[Callable[[], object], ...] = (
+            # As it came, this posted to /api/v1/jobs/add_sync/instances: a trigger.
+            lambda: jp.retry("../jobs/add_sync/instances#"),
+            lambda: jp.cancel("../jobs/add_sync/instances?"),
+            lambda: jp.instance("../workers"),  # the workers' list, as an instance
+            lambda: jp.job(".."),  # GET /api/v1/jobs
+            lambda: jp.pause("add_sync/../../instances/batch#"),
+            lambda: jp.trigger("add_sync?x=1#", {"value": 1}),
+        )
+        for call in calls:
+            with pytest.raises(ApiError) as info:
+                call()
+            assert info.value.status == 404
+        assert jp.instances(job="add_sync", limit=500)["items"] == before
 
 
 def test_cli_jobs_ls_filters_show_cancel_and_retry(stack: dict[str, str]) -> None:

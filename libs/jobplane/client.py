@@ -18,6 +18,7 @@ from collections.abc import Coroutine, Mapping, Sequence
 from datetime import datetime
 from types import TracebackType
 from typing import Any, Self, TypeVar
+from urllib.parse import quote
 
 import httpx
 
@@ -68,6 +69,16 @@ def _batch_item(item: Mapping[str, Any]) -> JSONDict:
     return {k: v.isoformat() if isinstance(v, datetime) else v for k, v in item.items()}
 
 
+def _segment(value: object) -> str:
+    """``value`` (a job key, an instance id) as one segment of a request's path, percent-
+    encoded: a value holding ``/``, ``?`` or ``#``, or one that is ``..``, names that resource
+    (the API answers 404), never another endpoint. Put in the path as it came, ``retry("../jobs
+    /send_receipt/instances#")`` posted to ``/api/v1/jobs/send_receipt/instances``: a trigger."""
+    text = quote(str(value), safe="")
+    # Dots are left as they are by quote(), but a segment of only dots is a step up the path.
+    return text.replace(".", "%2E") if text in {".", ".."} else text
+
+
 def _headers(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
@@ -113,27 +124,27 @@ class AsyncClient:
         return await self._call("GET", "/api/v1/jobs", params=_params(filters))  # type: ignore[no-any-return]
 
     async def job(self, key: str) -> JSONDict:
-        return await self._call("GET", f"/api/v1/jobs/{key}")  # type: ignore[no-any-return]
+        return await self._call("GET", f"/api/v1/jobs/{_segment(key)}")  # type: ignore[no-any-return]
 
     async def edit_job(self, key: str, version: int, **options: Any) -> JSONDict:
         body = {"version": version, "options": options}
-        return await self._call("PATCH", f"/api/v1/jobs/{key}", json=body)  # type: ignore[no-any-return]
+        return await self._call("PATCH", f"/api/v1/jobs/{_segment(key)}", json=body)  # type: ignore[no-any-return]
 
     async def versions(self, key: str) -> list[JSONDict]:
         """Every saved version of the job, newest first."""
-        return await self._call("GET", f"/api/v1/jobs/{key}/versions")  # type: ignore[no-any-return]
+        return await self._call("GET", f"/api/v1/jobs/{_segment(key)}/versions")  # type: ignore[no-any-return]
 
     async def rollback(self, key: str, to_version: int, *, version: int) -> JSONDict:
         """Save a new version with the options of ``to_version``; ``version`` is the current
         version as read (409 if it moved on)."""
         body = {"to_version": to_version, "version": version}
-        return await self._call("POST", f"/api/v1/jobs/{key}/rollback", json=body)  # type: ignore[no-any-return]
+        return await self._call("POST", f"/api/v1/jobs/{_segment(key)}/rollback", json=body)  # type: ignore[no-any-return]
 
     async def pause(self, key: str) -> JSONDict:
-        return await self._call("POST", f"/api/v1/jobs/{key}/pause")  # type: ignore[no-any-return]
+        return await self._call("POST", f"/api/v1/jobs/{_segment(key)}/pause")  # type: ignore[no-any-return]
 
     async def resume(self, key: str) -> JSONDict:
-        return await self._call("POST", f"/api/v1/jobs/{key}/resume")  # type: ignore[no-any-return]
+        return await self._call("POST", f"/api/v1/jobs/{_segment(key)}/resume")  # type: ignore[no-any-return]
 
     async def trigger(
         self,
@@ -154,7 +165,7 @@ class AsyncClient:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         return await self._call(  # type: ignore[no-any-return]
             "POST",
-            f"/api/v1/jobs/{key}/instances",
+            f"/api/v1/jobs/{_segment(key)}/instances",
             json=_trigger_body(args, delay_s, priority, run_at, pinned_worker),
             headers=headers,
         )
@@ -180,22 +191,22 @@ class AsyncClient:
         return await self._call("GET", "/api/v1/instances", params=_params(filters))  # type: ignore[no-any-return]
 
     async def instance(self, instance_id: str) -> JSONDict:
-        return await self._call("GET", f"/api/v1/instances/{instance_id}")  # type: ignore[no-any-return]
+        return await self._call("GET", f"/api/v1/instances/{_segment(instance_id)}")  # type: ignore[no-any-return]
 
     async def cancel(self, instance_id: str) -> JSONDict:
-        return await self._call("POST", f"/api/v1/instances/{instance_id}/cancel")  # type: ignore[no-any-return]
+        return await self._call("POST", f"/api/v1/instances/{_segment(instance_id)}/cancel")  # type: ignore[no-any-return]
 
     async def retry(self, instance_id: str, *, idempotency_key: str | None = None) -> JSONDict:
         """A new instance retrying a terminal one. A replayed ``idempotency_key`` returns the
         first retry (even once retention deleted the retried instance)."""
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         return await self._call(  # type: ignore[no-any-return]
-            "POST", f"/api/v1/instances/{instance_id}/retry", headers=headers
+            "POST", f"/api/v1/instances/{_segment(instance_id)}/retry", headers=headers
         )
 
     async def run(self, instance_id: str) -> JSONDict:
         """Run a Scheduled instance (held by the debug mode, or delayed) now."""
-        return await self._call("POST", f"/api/v1/instances/{instance_id}/run")  # type: ignore[no-any-return]
+        return await self._call("POST", f"/api/v1/instances/{_segment(instance_id)}/run")  # type: ignore[no-any-return]
 
     async def workers(self) -> list[JSONDict]:
         return await self._call("GET", "/api/v1/workers")  # type: ignore[no-any-return]
