@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import socket
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
+import asyncpg
 import pytest
 from sqlalchemy import make_url, text
 from sqlalchemy.exc import DBAPIError
@@ -16,6 +18,7 @@ from jobplane.domain.models import NewInstance
 from jobplane.domain.states import InstanceState
 from jobplane.errors import StoreRefusedError, StoreUnavailableError
 from jobplane.idempotency import fingerprint
+from jobplane.store.base import reachable
 from jobplane.store.factory import open_store
 from jobplane.store.sql import SqlStore
 from tests.store_helpers import define
@@ -134,3 +137,49 @@ async def test_a_refused_connection_is_reported_as_by_sqlalchemy(
         assert raised.value.sqlstate == "3D000"  # invalid catalog name
     finally:
         await refused.close()
+
+
+async def _out_of_step(store: SqlStore, type_name: str) -> int:
+    """Make the pooled connection of ``store`` (a pool of one) raise asyncpg's
+    ``InternalClientError`` when it reads a ``type_name`` value: the error asyncpg raises when
+    its protocol is out of step ("cannot switch to state 15; another operation (2) is in
+    progress", seen on a leader's connection after its process was frozen mid-statement).
+    Returns the connection's backend pid."""
+
+    def out_of_step(_value: str) -> None:
+        raise asyncpg.InternalClientError(
+            "cannot switch to state 15; another operation (2) is in progress"
+        )
+
+    async with store.engine.connect() as conn:
+        driver: Any = (await conn.get_raw_connection()).driver_connection
+        await driver.set_type_codec(
+            type_name, schema="pg_catalog", encoder=str, decoder=out_of_step, format="text"
+        )
+        return int(driver.get_server_pid())
+
+
+async def _backend_pid(store: SqlStore) -> int:
+    async with store.engine.connect() as conn:
+        return int((await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one())
+
+
+async def test_a_connection_out_of_step_is_dropped_and_unavailable(pg_database_url: str) -> None:
+    # Reported as a refusal of the statement and pooled as it was, it ended the leader's
+    # duties; now it is a lost connection: waited out, and the next call gets a new one.
+    store = open_store(pg_database_url, pool_size=1)
+    try:
+        broken = await _out_of_step(store, "circle")
+        with pytest.raises(StoreUnavailableError, match="another operation"):
+            async with reachable(), store.engine.connect() as conn:
+                await conn.execute(text("SELECT circle '<(0,0),1>'"))
+        assert await _backend_pid(store) != broken
+        # The same through a statement run on the driver (the clock read, the single
+        # trigger, the claim).
+        broken = await _out_of_step(store, "timestamptz")
+        with pytest.raises(StoreUnavailableError, match="another operation"):
+            await store.now()
+        assert await _backend_pid(store) != broken
+        assert (await store.now()).tzinfo is not None
+    finally:
+        await store.close()

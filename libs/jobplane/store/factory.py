@@ -45,6 +45,7 @@ def make_engine(
         )
         event.listen(engine.sync_engine, "checkout", _replace_closed)
         event.listen(engine.sync_engine, "handle_error", _drop_when_cancelled)
+        event.listen(engine.sync_engine, "handle_error", _drop_when_out_of_step)
         return engine
     if url.startswith("sqlite+aiosqlite://"):
         # Imported for SQLite only: a role on Postgres never loads sqlite3 (nor its library).
@@ -85,6 +86,35 @@ def _drop_when_cancelled(context: ExceptionContext) -> None:
     driver = connection.connection.driver_connection
     if driver is not None:
         driver.terminate()
+
+
+def _drop_when_out_of_step(context: ExceptionContext) -> None:
+    """A connection whose driver lost track of its own protocol (asyncpg's
+    ``InternalClientError``: "cannot switch to state 15; another operation (2) is in
+    progress", seen once on the leader's pooled connection after its process was frozen
+    mid-statement) is dropped, and the error reported as a lost connection: the caller waits
+    it out and tries again on a new one. Kept, the connection went back to the pool as it was,
+    and the error was a refusal of the statement, which ended the leader's duties."""
+    if not any(type(e).__name__ == "InternalClientError" for e in _chain(context)):
+        return
+    context.is_disconnect = True
+    context.invalidate_pool_on_disconnect = False  # (only this connection is out of step)
+    connection = context.connection
+    if connection is None or connection.invalidated or connection.closed:
+        return
+    driver = connection.connection.driver_connection
+    if driver is not None:
+        driver.terminate()
+
+
+def _chain(context: ExceptionContext) -> list[BaseException]:
+    """The error SQLAlchemy handles, as the driver's adapter raised it, and its causes."""
+    found: list[BaseException] = []
+    error: BaseException | None = context.original_exception
+    while error is not None and len(found) < 5:
+        found.append(error)
+        error = error.__cause__
+    return found
 
 
 def _session_args(limits: SessionLimits) -> dict[str, Any]:
