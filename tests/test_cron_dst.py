@@ -407,3 +407,57 @@ def test_every_second_of_the_day_fires_once_across_the_changes() -> None:
     # (From 01:00 UTC the wall clock reads 02:00:00 to 02:59:59 again: 03:00 is at 02:00 UTC.)
     first = [autumn - timedelta(minutes=1) + timedelta(seconds=s) for s in range(1, 60)]
     assert ticks == [*first, autumn + timedelta(hours=1)]
+
+
+def _stepped_on_the_clock(zone: ZoneInfo, wall: datetime) -> datetime:
+    """The reference for a skipped wall time: stepped a minute at a time until it exists."""
+    moment = wall.replace(tzinfo=zone, fold=0)
+    while cron_module._is_skipped(moment):
+        wall += timedelta(minutes=1)
+        moment = wall.replace(tzinfo=zone, fold=0)
+    return moment
+
+
+@pytest.mark.parametrize(
+    ("tz", "gap_start", "minutes"),
+    [
+        ("America/New_York", datetime(2026, 3, 8, 2), 60),
+        ("Europe/Berlin", datetime(2026, 3, 29, 2), 60),
+        ("Australia/Lord_Howe", datetime(2026, 10, 4, 2), 30),  # (a half-hour change)
+        ("Pacific/Apia", datetime(2011, 12, 30), 24 * 60),  # (a whole day skipped)
+    ],
+)
+def test_a_skipped_wall_time_moves_to_the_first_minute_after_the_gap(
+    tz: str, gap_start: datetime, minutes: int
+) -> None:
+    schedule = CronSchedule("* * * * *", tz)
+    zone = ZoneInfo(tz)
+    for second in range(0, minutes * 60, 997 if minutes > 60 else 1):
+        wall = gap_start + timedelta(seconds=second)
+        assert cron_module._is_skipped(wall.replace(tzinfo=zone)), wall
+        expected = _stepped_on_the_clock(zone, wall)
+        assert schedule._on_the_clock(wall) == expected, wall
+    after = gap_start + timedelta(minutes=minutes)  # the gap's end exists
+    assert schedule._on_the_clock(after) == after.replace(tzinfo=zone)
+
+
+@pytest.mark.parametrize("expr", ["0-59 0-23 * * * *", "0-59 2 * * * *", "0-59 2 * * * 15,45"])
+def test_a_search_in_the_minute_after_a_spring_change_reads_little_of_the_gap(
+    expr: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In the last seconds of the minute after a spring change, the search walked the whole
+    gap (3,600 wall times of ``0-59 0-23 * * * *``, each stepped a minute at a time to the
+    clock: 0.4 s a search, blocking the leader). Nothing in the gap fires later than the
+    change plus the expression's last second, so past that the gap is not read; before it,
+    the search stops in the gap's first minute."""
+    schedule = CronSchedule(expr, "America/New_York")
+    change = datetime(2026, 3, 8, 7, tzinfo=UTC)
+    # Around the seconds the expressions fire at, and the minute's last ones.
+    offsets = [-2, -0.5, 0, 0.5, 1, 14.5, 15, 15.5, 30, 44.5, 45, 45.5, 58.5, 59, 59.5, 60, 61]
+    afters = [change + timedelta(seconds=offset) for offset in offsets]
+    expected = [_seated_before_the_gap(schedule, after) for after in afters]
+    walked = _walked(monkeypatch)
+    for after, fire in zip(afters, expected, strict=True):
+        before = len(walked)
+        assert schedule.next_after(after) == fire, after
+        assert len(walked) - before <= 62, after
