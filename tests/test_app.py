@@ -80,7 +80,9 @@ def test_bad_declarations_fail_at_import_with_the_field() -> None:
     assert info.value.field == "args"
 
 
-@pytest.mark.parametrize("name", ["acme/billing", "", "-acme", "acme jobs", "é", "a" * 201])
+@pytest.mark.parametrize(
+    "name", ["acme/billing", "", "-acme", "acme jobs", "é", "a" * 201, "acme\n"]
+)
 def test_an_app_name_outside_the_job_key_characters_is_refused(name: str) -> None:
     """The name is a path segment of the dashboard's app pages: "acme/billing" made them 404."""
     with pytest.raises(ValueError, match="must be 1-200 characters of letters") as info:

@@ -83,6 +83,15 @@ def test_sources_of_enqueued() -> None:
         ({"key": "a", "kind": "recurring", "cron": "61 * * * *"}, "cron"),
         ({"key": "a", "kind": "recurring", "cron": "* * * * * * *"}, "cron"),
         ({"key": "a", "kind": "recurring", "timezone": "Mars/Olympus"}, "timezone"),
+        # Files of the zone database that are no zone: the host's own, and leftovers.
+        ({"key": "a", "kind": "recurring", "timezone": "localtime"}, "timezone"),
+        ({"key": "a", "kind": "recurring", "timezone": "posixrules"}, "timezone"),
+        ({"key": "a", "kind": "recurring", "timezone": "right/UTC"}, "timezone"),
+        ({"key": "a", "kind": "recurring", "timezone": "posix/Europe/Berlin"}, "timezone"),
+        ({"key": "a", "kind": "recurring", "timezone": "UTC\n"}, "timezone"),
+        # "$" matched before a final newline: a queue no worker could consume was accepted.
+        ({"key": "a", "kind": "triggered", "queue": "mail\n"}, "queue"),
+        ({"key": "job\n", "kind": "triggered"}, "key"),
         ({"key": "a", "kind": "triggered", "max_concurrency": 0}, "max_concurrency"),
         ({"key": "a", "kind": "triggered", "retries": -1}, "retries"),
         ({"key": "a", "kind": "triggered", "timeout_s": 0}, "timeout_s"),

@@ -54,7 +54,7 @@ def hash_secret(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-_DURATION = re.compile(r"^(\d{1,6})([smhd])$")
+_DURATION = re.compile(r"\A(\d{1,6})([smhd])\Z")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 

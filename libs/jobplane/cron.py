@@ -25,8 +25,12 @@ from jobplane.errors import InvalidOptionsError
 
 #: What an IANA zone name may hold, checked before the zone database is touched (a long or
 #: odd name would otherwise reach the file system).
-_ZONE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_+\-]*(/[A-Za-z0-9_+\-]+){0,3}$")
+_ZONE_NAME = re.compile(r"\A[A-Za-z][A-Za-z0-9_+\-]*(/[A-Za-z0-9_+\-]+){0,3}\Z")
 _ZONE_NAME_MAX = 64
+#: Files of the zone database that are no zone of the world: the host's own zone (the API and
+#: the scheduler may run on hosts set to different ones), and its build's leftovers.
+_NOT_ZONES = frozenset({"localtime", "posixrules", "Factory"})
+_NOT_ZONE_DIRS = ("posix/", "right/")
 #: A reference instant for parsing: fire times never depend on it.
 _REFERENCE = datetime(2000, 1, 1)
 _MINUTE = timedelta(minutes=1)
@@ -100,6 +104,8 @@ def validate_timezone(name: str, field: str = "timezone") -> ZoneInfo:
     """Return the :class:`ZoneInfo` for an IANA name or raise :class:`InvalidOptionsError`."""
     if len(name) > _ZONE_NAME_MAX or not _ZONE_NAME.match(name):
         raise InvalidOptionsError(field, "not an IANA time zone name (e.g. Europe/Berlin)")
+    if name in _NOT_ZONES or name.startswith(_NOT_ZONE_DIRS):
+        raise InvalidOptionsError(field, f"{name!r} is not a time zone of the world")
     try:
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError, OSError) as exc:

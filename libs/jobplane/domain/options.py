@@ -32,14 +32,16 @@ PRIORITY_MIN = 0
 PRIORITY_MAX = 9
 PRIORITY_DEFAULT = 5
 
-KEY_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,199}$")
+# \A and \Z, not ^ and $: "$" also matches before a final newline, and a key, queue or
+# zone name ending in one passed (a queue "mail\n" that no worker may consume).
+KEY_PATTERN = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_.:\-]{0,199}\Z")
 #: Stored in every version of a definition: bounded so that versions stay cheap.
 NAME_MAX = 200
 DESCRIPTION_MAX = 4000
 #: Ten years: a longer timeout or delay is a mistake, not a setting.
 SECONDS_MAX = 10 * 365 * 24 * 3600.0
 # Queue names become part of Redis keys inside a hash tag: no braces, no colons, no spaces.
-QUEUE_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_.\-]{0,63}$")
+QUEUE_PATTERN = re.compile(r"\A[a-z0-9][a-z0-9_.\-]{0,63}\Z")
 
 
 #: The most missed ticks ``fire_all`` fires after an outage. A catch-up pass computes that many
