@@ -5,6 +5,7 @@ out of reach."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Sequence
 from datetime import timedelta
@@ -26,6 +27,7 @@ from jobplane.errors import (
     InvalidOptionsError,
     JobNotFoundError,
 )
+from jobplane.ids import new_id as uuid7
 from jobplane.store.sql import SqlStore
 from jobplane.triggering import envelope_for
 from tests.store_helpers import define
@@ -125,6 +127,57 @@ async def test_a_trigger_from_code_takes_no_reserved_idempotency_key(
     with pytest.raises(InvalidOptionsError):
         await Dispatcher(store, bus).trigger("job", idempotency_key="a\x00b")
     assert await _count(store) == 1
+
+
+@pytest.mark.parametrize("priority", [10, 99, -1, True, 2.5, "3"])
+async def test_a_trigger_from_code_takes_only_a_priority_of_the_range(
+    store: SqlStore, bus: Bus, priority: object
+) -> None:
+    """Over REST a priority out of 0-9 is a 422; from code it was stored, and every leader
+    that published the instance stopped on it (its stream band is undefined)."""
+    await define(store, "job")
+    dispatcher = Dispatcher(store, bus)
+    with pytest.raises(InvalidOptionsError) as refused:
+        await dispatcher.trigger("job", priority=priority)  # type: ignore[arg-type]
+    assert refused.value.field == "priority"
+    with pytest.raises(InvalidOptionsError):
+        await dispatcher.trigger_many(
+            [NewInstance(job_key="job"), NewInstance(job_key="job", priority=priority)]  # type: ignore[arg-type]
+        )
+    assert await _count(store) == 0
+    assert (await dispatcher.trigger("job", priority=9)).priority == 9
+
+
+@pytest.mark.parametrize(
+    "delay", [timedelta(days=999_999_999), timedelta(days=3651), -timedelta(1)]
+)
+async def test_a_delay_from_code_is_bounded(store: SqlStore, bus: Bus, delay: timedelta) -> None:
+    """A billion days raised OverflowError from the clock's arithmetic; over REST ten years
+    is the bound."""
+    await define(store, "job")
+    with pytest.raises(InvalidOptionsError) as refused:
+        await Dispatcher(store, bus).trigger("job", delay=delay)
+    assert refused.value.field == "delay"
+    assert await _count(store) == 0
+
+
+async def test_a_stored_priority_out_of_range_is_published_in_the_nearest_band(
+    store: SqlStore, bus: Bus
+) -> None:
+    """A row stored before every way in checked its priority: publishing it raised, and the
+    leader's publish stopped on it, every term, with every instance published beside it."""
+    await define(store, "job")
+    dispatcher = Dispatcher(store, bus)
+    made = await dispatcher.trigger("job", priority=9)
+    old = [
+        dataclasses.replace(made, priority=99),
+        dataclasses.replace(made, id=uuid7(), priority=-3),
+    ]
+    await dispatcher.publish(old, force=True)
+    consumer = bus.consumer("w1", ["default"])
+    got = await consumer.read(10, 50)
+    assert {d.envelope.instance_id for d in got} >= {made.id}
+    assert len(got) == 3  # the trigger's own message, then both republished
 
 
 async def test_arguments_are_checked_against_the_stored_schema(store: SqlStore, bus: Bus) -> None:

@@ -189,6 +189,15 @@ async def test_refuses_a_disabled_job_and_delays_on_the_database_clock(
             at = enqueue(conn, "echo", {"value": 2}, run_at=db_now + timedelta(hours=1))
         with engine.begin() as conn, pytest.raises(InvalidOptionsError):
             enqueue(conn, "echo", {"value": 1}, run_at=db_now, delay=timedelta(seconds=1))
+        # Out of range, a priority was stored and stopped every leader that published it;
+        # a billion days' delay raised OverflowError.
+        for bad in ({"priority": 99}, {"priority": -1}, {"priority": True}):
+            with engine.begin() as conn, pytest.raises(InvalidOptionsError) as refused:
+                enqueue(conn, "echo", {"value": 1}, **bad)
+            assert refused.value.field == "priority"
+        with engine.begin() as conn, pytest.raises(InvalidOptionsError) as refused:
+            enqueue(conn, "echo", {"value": 1}, delay=timedelta(days=999_999_999))
+        assert refused.value.field == "delay"
         definition = await store.get_definition("echo")
         disabled = definition.options.edited(disabled=True)
         await store.save_definition(disabled, expected_version=definition.version, actor="t")

@@ -29,6 +29,7 @@ from jobplane.domain.models import (
     LeaderLease,
     NewInstance,
 )
+from jobplane.domain.options import check_priority
 from jobplane.domain.states import InstanceState
 from jobplane.errors import (
     BusUnavailableError,
@@ -155,6 +156,7 @@ class Dispatcher(Publisher):
         }
         for request in requests:
             check_json(request.args, "args")
+            check_priority(request.priority)
             definition = definitions.get(request.job_key)
             if definition is None:
                 continue  # create_instances raises JobNotFoundError with the key
@@ -173,6 +175,7 @@ class Dispatcher(Publisher):
         version (else read again and decided again), recorded as published in the same
         statement, then published."""
         check_json(request.args, "args")
+        check_priority(request.priority)
         for _ in range(STALE_TRIES):
             definition = await self._definition(request.job_key)
             try:

@@ -39,7 +39,7 @@ from sqlalchemy import Connection, Insert, Row, Select
 
 from jobplane.domain.limits import check_idempotency_key, check_json, to_utc
 from jobplane.domain.models import NewInstance
-from jobplane.domain.options import JobKind, JobOptions
+from jobplane.domain.options import JobKind, JobOptions, check_delay, check_priority
 from jobplane.domain.states import InstanceState
 from jobplane.errors import (
     InvalidArgumentsError,
@@ -192,6 +192,9 @@ def _plan(
         raise refused
     if run_at is not None and delay is not None:
         raise InvalidOptionsError("delay", "give run_at or delay, not both")
+    check_priority(priority)
+    if delay is not None:
+        check_delay(delay)
     if run_at is not None:
         run_at = to_utc(run_at, "run_at", naive_is_utc=False)
     if idempotency_key is not None:

@@ -11,7 +11,7 @@ from typing import Any
 from jobplane.bus.envelope import Envelope
 from jobplane.domain.limits import check_idempotency_key
 from jobplane.domain.models import Instance, InstanceSource, JobDefinition, NewInstance
-from jobplane.domain.options import JobKind
+from jobplane.domain.options import JobKind, check_delay, check_priority
 from jobplane.errors import InvalidArgumentsError, InvalidOptionsError, JobDisabledError
 from jobplane.idempotency import fingerprint
 
@@ -66,6 +66,7 @@ def trigger_request(
     """The :class:`NewInstance` for a trigger: ``delay`` counts from ``now`` (the store's
     clock; required with ``delay``). With an ``idempotency_key`` the request's fingerprint
     keeps ``delay`` as given, so a replay of the same delayed trigger matches."""
+    check_priority(priority)
     if idempotency_key is not None:
         # The API checks it as it reads the request; a trigger from code or from the
         # dashboard's form must not take a reserved key either (a bulk retry's ``retry-of:``
@@ -78,7 +79,7 @@ def trigger_request(
             raise ValueError("a delay needs the store's current time")
         if run_at is not None:
             raise InvalidOptionsError("delay_s", "give run_at or delay_s, not both")
-        run_at = now + delay
+        run_at = now + check_delay(delay)
         if idempotency_key is not None:
             request_print = fingerprint(
                 key, args, delay=delay, priority=priority, pinned_worker=pinned_worker

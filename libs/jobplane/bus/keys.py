@@ -19,9 +19,10 @@ BANDS: tuple[tuple[int, int], ...] = ((7, 0), (3, 1), (PRIORITY_MIN, 2))
 
 
 def band_of(priority: int) -> int:
-    """The stream band of a priority: 0 for 7-9 (high), 1 for 3-6, 2 for 0-2 (low)."""
-    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
-        raise ValueError(f"priority {priority} outside {PRIORITY_MIN}..{PRIORITY_MAX}")
+    """The stream band of a priority: 0 for 7-9 (high), 1 for 3-6, 2 for 0-2 (low). A priority
+    out of range (a row stored before every way in checked it) takes the nearest band: it
+    raised, and every leader that published the row stopped on it."""
+    priority = min(max(priority, PRIORITY_MIN), PRIORITY_MAX)
     for lowest, band in BANDS:
         if priority >= lowest:
             return band

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Any, Self
 
@@ -312,3 +312,24 @@ def options_error(exc: ValidationError) -> InvalidOptionsError:
     field = ".".join(str(part) for part in first["loc"]) or "options"
     message = first["msg"].removeprefix("Value error, ")
     return InvalidOptionsError(field, message)
+
+
+def check_priority(value: object, field: str = "priority") -> int | None:
+    """``value`` if it is a priority (an int from PRIORITY_MIN to PRIORITY_MAX) or None, else
+    :class:`InvalidOptionsError`. For a trigger's own priority from code: one out of range was
+    stored, and every leader that published it stopped on it (its stream band is undefined)."""
+    if value is None:
+        return None
+    if type(value) is not int or not PRIORITY_MIN <= value <= PRIORITY_MAX:
+        raise InvalidOptionsError(
+            field, f"must be a whole number from {PRIORITY_MIN} to {PRIORITY_MAX}, got {value!r}"
+        )
+    return value
+
+
+def check_delay(value: timedelta, field: str = "delay") -> timedelta:
+    """``value`` if it is a delay from now (zero to ten years), else InvalidOptionsError (one
+    of a billion days raised OverflowError from the clock's arithmetic)."""
+    if not isinstance(value, timedelta) or not 0 <= value.total_seconds() <= SECONDS_MAX:
+        raise InvalidOptionsError(field, "must be a duration from zero to ten years")
+    return value
