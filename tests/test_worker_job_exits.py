@@ -47,6 +47,16 @@ async def interrupted_async() -> None:
     raise KeyboardInterrupt
 
 
+@app.triggered()
+def closes_sync() -> None:
+    raise GeneratorExit("closed")  # a generator's protocol, raised by hand
+
+
+@app.triggered()
+async def closes_async() -> None:
+    raise GeneratorExit("closed")
+
+
 @app.triggered(timeout_s=0.5)
 def runaway_exits() -> None:
     time.sleep(1.5)  # ignores its timeout: a runaway, whose thread then exits
@@ -90,7 +100,15 @@ async def test_a_job_that_exits_or_is_interrupted_fails_and_the_worker_serves_on
 ) -> None:
     await wait_for_output(worker, "worker exits ready")
     dispatcher = Dispatcher(pg_store, redis_bus)
-    keys = ["exits_sync", "exits_async", "interrupted_sync", "interrupted_async", "runaway_exits"]
+    keys = [
+        "exits_sync",
+        "exits_async",
+        "interrupted_sync",
+        "interrupted_async",
+        "closes_sync",
+        "closes_async",
+        "runaway_exits",
+    ]
     made = [await dispatcher.trigger(key) for key in keys]
 
     async def ended() -> bool:
@@ -99,12 +117,16 @@ async def test_a_job_that_exits_or_is_interrupted_fails_and_the_worker_serves_on
 
     await wait_for(ended, timeout_s=30, what="the jobs to end")
     done = {i.job_key: i for i in await settled(pg_store, [i.id for i in made])}
+    assert {k: i.attempt for k, i in done.items()} == dict.fromkeys(keys, 1)
     errors = {k: (i.state, i.error and (i.error.type, i.error.message)) for k, i in done.items()}
     assert errors == {
         "exits_sync": (S.TERMINATED, ("SystemExit", "3")),
         "exits_async": (S.TERMINATED, ("SystemExit", "4")),
         "interrupted_sync": (S.TERMINATED, ("KeyboardInterrupt", "")),
         "interrupted_async": (S.TERMINATED, ("KeyboardInterrupt", "")),
+        # Re-raised as a close of the attempt, nothing was recorded and the code ran 4 times.
+        "closes_sync": (S.TERMINATED, ("GeneratorExit", "closed")),
+        "closes_async": (S.TERMINATED, ("GeneratorExit", "closed")),
         "runaway_exits": (S.TERMINATED, ("TimeoutError", "timed out after 0.5 s")),
     }
     # The runaway's thread exits (SystemExit) too, 1.5 s in: discarded, like whatever it does.

@@ -135,6 +135,7 @@ async def run_attempt(
     """
     claim, ctx = attempt.claim, attempt.ctx
     timeout = claim.options.timeout_s
+    task = asyncio.current_task()
     try:
         if claim.options.isolation is Isolation.PROCESS:
             result = await run_in_child(
@@ -149,12 +150,27 @@ async def run_attempt(
         if ctx.cancellation.cancel_requested:
             return _cancelled(claim)  # the job noticed the cancel and returned early
         return _succeeded(claim, result)
-    except GeneratorExit:
-        raise  # this coroutine is being closed (its task destroyed with its loop): not the job's
+    except GeneratorExit as exc:
+        if not _stepped_by(task):
+            raise  # this coroutine is being closed (its task destroyed with its loop)
+        # Raised by the job's code, in a step of this attempt's task: its outcome, as any
+        # exception's. (Re-raised as a close, it escaped the worker: nothing was recorded, the
+        # lease ran out and the code ran again until the unexpected retries were spent.)
+        return _raised(attempt, exc)
     except BaseException as exc:
         # Whatever the job raised, SystemExit and KeyboardInterrupt included (asyncio would
         # re-raise those out of the event loop and end the worker's process).
         return _raised(attempt, exc)
+
+
+def _stepped_by(task: asyncio.Task[Any] | None) -> bool:
+    """Whether the code running now is a step of ``task`` on a running loop: not a close of
+    its coroutine from outside (a pending task destroyed with its loop is closed by the
+    garbage collector, outside any step of it)."""
+    try:
+        return task is not None and asyncio.current_task() is task
+    except RuntimeError:  # no running loop
+        return False
 
 
 def _raised(attempt: Attempt, exc: BaseException) -> Outcome:
