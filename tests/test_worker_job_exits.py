@@ -14,7 +14,7 @@ from subprocess import Popen
 
 import pytest
 
-from jobplane import App
+from jobplane import App, JobContext
 from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.states import InstanceState as S
@@ -55,6 +55,11 @@ def closes_sync() -> None:
 @app.triggered()
 async def closes_async() -> None:
     raise GeneratorExit("closed")
+
+
+@app.triggered()
+async def checkpoints_blocking(ctx: JobContext) -> None:
+    ctx.checkpoint_sync({"step": 1})  # the sync form, on the worker's own loop
 
 
 @app.triggered(timeout_s=0.5)
@@ -107,6 +112,7 @@ async def test_a_job_that_exits_or_is_interrupted_fails_and_the_worker_serves_on
         "interrupted_async",
         "closes_sync",
         "closes_async",
+        "checkpoints_blocking",
         "runaway_exits",
     ]
     made = [await dispatcher.trigger(key) for key in keys]
@@ -127,6 +133,14 @@ async def test_a_job_that_exits_or_is_interrupted_fails_and_the_worker_serves_on
         # Re-raised as a close of the attempt, nothing was recorded and the code ran 4 times.
         "closes_sync": (S.TERMINATED, ("GeneratorExit", "closed")),
         "closes_async": (S.TERMINATED, ("GeneratorExit", "closed")),
+        # It waited on the loop it blocked: the worker froze for good.
+        "checkpoints_blocking": (
+            S.TERMINATED,
+            (
+                "RuntimeError",
+                "checkpoint_sync() blocks: from an async job, use `await ctx.checkpoint(...)`",
+            ),
+        ),
         "runaway_exits": (S.TERMINATED, ("TimeoutError", "timed out after 0.5 s")),
     }
     # The runaway's thread exits (SystemExit) too, 1.5 s in: discarded, like whatever it does.

@@ -196,7 +196,21 @@ class JobContext:
             return
         if self._hooks.loop is None:
             raise RuntimeError("checkpoint_sync() is only available inside a worker")
+        if _running_loop() is self._hooks.loop:
+            # Called on the loop's own thread (from an async job): waiting here for the loop
+            # to save it froze the loop, and with it the whole worker, for good.
+            raise RuntimeError(
+                "checkpoint_sync() blocks: from an async job, use `await ctx.checkpoint(...)`"
+            )
         asyncio.run_coroutine_threadsafe(self.checkpoint(data), self._hooks.loop).result()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop running in this thread, if any."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 # -- the worker's side (not for job code) ---------------------------------------------------
