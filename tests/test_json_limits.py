@@ -94,3 +94,31 @@ async def test_a_trigger_with_an_integer_too_long_is_refused_before_anything_is_
         await dispatcher.trigger("takes_anything", {"value": HUGE})
     assert raised.value.field == "args.value"
     assert await pg_store.count_by_state("takes_anything") == {}
+
+
+@pytest.mark.parametrize(
+    ("value", "at"),
+    [
+        ({1: "a", "1": "b"}, "args.1"),
+        ({"1": "a", 1: "b"}, "args.1"),
+        ({True: 1, "true": 2}, "args.true"),
+        ({"x": [{-7: 0, "-7": 1}]}, "args.x.0.-7"),
+    ],
+)
+def test_two_keys_that_json_writes_alike_are_refused(value: Any, at: str) -> None:
+    """Stored as JSON, the second replaced the first without a word: an argument lost."""
+    with pytest.raises(InvalidOptionsError) as raised:
+        check_json(value, "args")
+    assert raised.value.field == at
+
+
+async def test_a_keyed_trigger_whose_object_has_number_and_text_keys_is_fingerprinted(
+    pg_store: SqlStore, redis_bus: Bus
+) -> None:
+    """Keys of both kinds could not be sorted for the request's fingerprint: TypeError. They
+    are fingerprinted as stored (all text), so the same request replays."""
+    await define(pg_store, "takes_anything")
+    dispatcher = Dispatcher(pg_store, redis_bus)
+    first = await dispatcher.trigger("takes_anything", {1: "a", "b": 2}, idempotency_key="k")
+    again = await dispatcher.trigger("takes_anything", {"1": "a", "b": 2}, idempotency_key="k")
+    assert again.id == first.id and first.args == {"1": "a", "b": 2}

@@ -45,7 +45,13 @@ def fingerprint(
         "source": source,
         "retry_of": str(retry_of) if retry_of is not None else None,
     }
-    canonical = json.dumps(request, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    try:
+        canonical = json.dumps(request, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    except TypeError:
+        # Keys of one object both numbers and text cannot be sorted: as they are stored, all
+        # text (check_json refuses two that would read alike).
+        request["args"] = json.loads(json.dumps(args))
+        canonical = json.dumps(request, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
 
 

@@ -103,6 +103,8 @@ def _push_children(
     if isinstance(node, list):
         stack.extend((child, f"{path}.{index}", depth + 1) for index, child in enumerate(node))
         return
+    if not all(type(key) is str for key in node):
+        _check_key_collisions(node, path)
     for key, child in node.items():
         if isinstance(key, str):
             name: str | int = key[:40]
@@ -115,6 +117,24 @@ def _push_children(
         else:
             raise InvalidOptionsError(path, "object keys must be text")
         stack.append((child, f"{path}.{name}", depth + 1))
+
+
+def _check_key_collisions(node: dict[Any, Any], path: str) -> None:
+    """Refuse an object two of whose keys JSON writes alike (``1`` and ``"1"``, ``True`` and
+    ``"true"``): stored, the second silently replaced the first."""
+    seen: set[str] = set()
+    for key in node:
+        if isinstance(key, bool):
+            text = "true" if key else "false"
+        elif isinstance(key, int) and -_INT_SMALL < key < _INT_SMALL:
+            text = str(key)
+        else:
+            continue  # (text as it is; a huge number is refused by the walk)
+        if text in seen or (text in node and type(key) is not str):
+            raise InvalidOptionsError(
+                f"{path}.{text}", "this key is given twice (as a number and as text)"
+            )
+        seen.add(text)
 
 
 def check_int_digits(value: int, field: str) -> None:
