@@ -14,6 +14,7 @@ from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.sql import SqlStore
+from jobplane_worker.job_errors import MESSAGE_MAX, TRACEBACK_MAX
 from tests.worker_helpers import running_worker, settled, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -202,3 +203,24 @@ async def test_error_text_a_store_cannot_keep_is_recorded_escaped_on_both_stores
     assert done.state is S.TERMINATED and done.error is not None
     assert (done.error.type, done.error.message) == ("Garbled", message)
     assert done.error.traceback is not None and message in done.error.traceback
+
+
+@app.triggered()
+async def raises_a_megabyte() -> None:
+    raise Garbled("start" + "x" * 1_000_000 + "END")
+
+
+async def test_a_huge_error_is_recorded_cut_to_its_beginning_and_end(
+    store: SqlStore, redis_bus: Bus
+) -> None:
+    """A 40 MB message was stored whole, as an 84 MB row (the traceback repeats it), which
+    every listing then read. Each part is bounded; the cut says how much was left out."""
+    async with running_worker(app, store, redis_bus):
+        instance = await Dispatcher(store, redis_bus).trigger("raises_a_megabyte")
+        [done] = await settled(store, [instance.id], timeout_s=10)
+    assert done.state is S.TERMINATED and done.error is not None
+    message, traceback = done.error.message, done.error.traceback
+    assert len(message) <= MESSAGE_MAX and message.startswith("start") and message.endswith("END")
+    assert "characters cut ...]" in message
+    assert traceback is not None and len(traceback) <= TRACEBACK_MAX
+    assert traceback.startswith("Traceback") and traceback.endswith("END\n")

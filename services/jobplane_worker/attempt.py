@@ -23,7 +23,14 @@ from jobplane.domain.options import Isolation
 from jobplane.domain.reasons import EndReason, StopReason
 from jobplane.domain.states import InstanceState
 from jobplane_worker.isolation import ChildFailedError, LeaseWindow, run_in_child
-from jobplane_worker.job_errors import exception_message, exception_traceback, storable_text
+from jobplane_worker.job_errors import (
+    MESSAGE_MAX,
+    TRACEBACK_MAX,
+    TYPE_MAX,
+    exception_message,
+    exception_traceback,
+    storable_text,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -337,9 +344,11 @@ def _failed(claim: Claim, exc: BaseException, reason: StopReason | None = None) 
         )
     # The job's text, as the store can keep it (NUL, lone surrogates: see storable_text).
     error = ErrorInfo(
-        type=storable_text(error.type),
-        message=storable_text(error.message),
-        traceback=None if error.traceback is None else storable_text(error.traceback),
+        type=storable_text(error.type, TYPE_MAX),
+        message=storable_text(error.message, MESSAGE_MAX),
+        traceback=None
+        if error.traceback is None
+        else storable_text(error.traceback, TRACEBACK_MAX),
     )
     return Outcome(
         claim.instance.id,

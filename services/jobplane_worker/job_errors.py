@@ -27,11 +27,26 @@ def exception_traceback(exc: BaseException) -> str:
         return f"{type(exc).__name__}: {exception_message(exc)}\n(traceback not available)\n"
 
 
-def storable_text(text: str) -> str:
+#: The most characters of a job's error recorded: its type name, its message, its traceback
+#: (which repeats the message). A job's exception may carry megabytes (a whole response body,
+#: a dump): kept whole, a 40 MB message was stored as an 84 MB row, read by every listing.
+TYPE_MAX = 200
+MESSAGE_MAX = 16_384
+TRACEBACK_MAX = 65_536
+
+
+def storable_text(text: str, limit: int) -> str:
     """``text`` with what a store cannot keep made visible: NUL as ``\\x00`` and a lone
     surrogate as ``\\udXXX``. Postgres' ``jsonb`` refuses both (the outcome was recorded as
     ``OutcomeNotStored``, the job's error type, message and traceback lost) while SQLite kept
-    them: cleaned, both stores keep the same diagnostics."""
+    them: cleaned, both stores keep the same diagnostics. At most ``limit`` characters: a
+    longer text keeps its beginning and its end (a traceback's last lines say where it was
+    raised), the middle replaced by a line that says how much was cut."""
+    if len(text) > limit:
+        cut = len(text) - limit
+        marker = f"\n[... {cut:,} characters cut ...]\n"
+        keep = max(0, limit - len(marker))
+        text = text[: keep // 2] + marker + text[len(text) - (keep - keep // 2) :]
     if "\x00" in text:
         text = text.replace("\x00", "\\x00")
     try:
