@@ -22,7 +22,7 @@ from jobplane_api.main import DEFAULT_CSP, create_app
 from jobplane_api.settings import ApiSettings
 from tests.api_helpers import AppClient
 from tests.apps.basic import app as jobs_app
-from tests.cli_helpers import run_cli
+from tests.cli_helpers import free_port, run_cli, spawn_cli, stop_all, wait_http_ok
 
 
 @pytest.fixture
@@ -373,3 +373,39 @@ async def test_a_role_too_low_is_403_before_the_body_is_validated(
     )
     assert garbage.status_code == 422, garbage.text
     assert garbage.json()["detail"] == "JSON decode error"
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("trusted", ["", "127.0.0.1"])
+def test_forwarded_headers_name_the_client_only_from_trusted_proxies(
+    trusted: str, pg_database_url: str, redis_url: str, redis_prefix: str
+) -> None:
+    """A real ``jobplane api`` (uvicorn): by uvicorn's default every process on the api's host
+    was a trusted proxy, so its ``X-Forwarded-For`` named the client whose failures the
+    throttle counts (never throttled by changing it, or another address throttled at will).
+    Now only the proxies ``FORWARDED_ALLOW_IPS`` lists are believed."""
+    port = free_port()
+    env = {
+        "JOBPLANE_DATABASE_URL": pg_database_url,
+        "JOBPLANE_REDIS_URL": redis_url,
+        "JOBPLANE_KEY_PREFIX": redis_prefix,
+        "JOBPLANE_AUTH_FAILURES_PER_MINUTE": "3",
+        **({"FORWARDED_ALLOW_IPS": trusted} if trusted else {}),
+    }
+    proc = spawn_cli("api", "--host", "127.0.0.1", "--port", str(port), **env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_http_ok(f"{base}/healthz", proc=proc)
+        codes = [
+            httpx.get(
+                f"{base}/api/v1/jobs",
+                headers={"Authorization": f"Bearer jp_wrong{n}", "X-Forwarded-For": f"10.0.0.{n}"},
+                timeout=10,
+            ).status_code
+            for n in range(6)
+        ]
+    finally:
+        stop_all([proc])
+    # Untrusted: one client (this host) fails 3 times, then is throttled, whatever it says.
+    # Trusted: six clients, one failure each.
+    assert codes == ([401] * 6 if trusted else [401, 401, 401, 429, 429, 429])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -243,6 +244,15 @@ def run_api_processes(settings: ApiSettings, process_main: ProcessMain) -> int:
 PROCESS_STOP_TIMEOUT_S = 30.0
 
 
+def trusted_proxies() -> str:
+    """The addresses whose ``X-Forwarded-For`` and ``X-Forwarded-Proto`` the api believes
+    (uvicorn's ``FORWARDED_ALLOW_IPS``: a comma-separated list, ``*`` for any): none unless
+    set. uvicorn's own default believes 127.0.0.1, so any process on the api's host, or a
+    proxy there that passes the client's own header on, could name the client address the
+    failed-sign-in throttle counts: never throttled, or another address throttled at will."""
+    return os.environ.get("FORWARDED_ALLOW_IPS", "").strip()
+
+
 async def serve(
     settings: ApiSettings,
     stop: asyncio.Event,
@@ -252,6 +262,7 @@ async def serve(
     sockets: list[socket.socket] | None = None,
 ) -> None:
     """Serve ``create_app(settings, store=…, bus=…)`` with uvicorn until ``stop`` is set."""
+    trusted = trusted_proxies()
     config = uvicorn.Config(
         create_app(settings, store=store, bus=bus),
         host=settings.host,
@@ -260,5 +271,7 @@ async def serve(
         log_config=None,  # uvicorn logs through the role's handler (text or JSON)
         lifespan="on",
         http=ProblemHttpProtocol,  # an unparsable request is answered with problem+json too
+        proxy_headers=bool(trusted),
+        forwarded_allow_ips=trusted or None,
     )
     await serve_until(config, stop, sockets)
