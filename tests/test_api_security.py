@@ -409,3 +409,62 @@ def test_forwarded_headers_name_the_client_only_from_trusted_proxies(
     # Untrusted: one client (this host) fails 3 times, then is throttled, whatever it says.
     # Trusted: six clients, one failure each.
     assert codes == ([401] * 6 if trusted else [401, 401, 401, 429, 429, 429])
+
+
+async def _dev_api(
+    pg_store: SqlStore, redis_bus: Bus, host: str
+) -> AsyncIterator[tuple[AppClient, str]]:
+    for spec in jobs_app.jobs.values():
+        await pg_store.register_definition(spec.options, spec.args_schema(), "test")
+    api = create_app(ApiSettings(auth_enabled=False, host=host), store=pg_store, bus=redis_bus)
+    key = next(iter(jobs_app.jobs))
+    async with api.router.lifespan_context(api), AppClient(api) as dev:
+        yield dev, key
+
+
+async def test_without_authentication_a_request_from_another_site_changes_nothing(
+    pg_store: SqlStore, redis_bus: Bus
+) -> None:
+    """``jobplane dev``: a web page the developer visits could post a form to pause a job or
+    cancel an instance (no body, no preflight): nothing told it from the api's own callers.
+    A browser says where a request comes from; scripts say nothing and go on working."""
+    async for dev, key in _dev_api(pg_store, redis_bus, "0.0.0.0"):
+        pause = f"/api/v1/jobs/{key}/pause"
+        for sent in (
+            {"Origin": "https://evil.example"},
+            {"Origin": "null"},
+            {"Sec-Fetch-Site": "cross-site"},
+            {"Sec-Fetch-Site": "same-site", "Origin": "http://api"},
+        ):
+            refused = await dev.post(pause, headers=sent)
+            assert refused.status_code == 403, sent
+            assert refused.headers["content-type"] == "application/problem+json"
+            assert (await dev.get(f"/api/v1/jobs/{key}")).json()["paused"] is False
+        # Reading is not refused; the api's own page, and a script, may change things.
+        assert (await dev.get(pause.rsplit("/", 1)[0], headers=sent)).status_code == 200
+        own = {"Origin": "http://api", "Sec-Fetch-Site": "same-origin"}
+        assert (await dev.post(pause, headers=own)).status_code == 200
+        assert (await dev.post(f"/api/v1/jobs/{key}/resume")).status_code == 200
+
+
+async def test_without_authentication_on_a_loopback_address_only_loopback_names_are_served(
+    pg_store: SqlStore, redis_bus: Bus
+) -> None:
+    """A page whose name its owner rebinds to 127.0.0.1 is, to the browser, of the same
+    origin as the api: it could read everything and trigger at will. Its requests carry its
+    own name in ``Host``, which a loopback address never answers to."""
+    async for dev, _ in _dev_api(pg_store, redis_bus, "127.0.0.1"):
+        for host in ("127.0.0.1:8000", "localhost:8000", "[::1]:8000", "127.0.0.2", "LOCALHOST"):
+            answer = await dev.get("/api/v1/jobs", headers={"Host": host})
+            assert answer.status_code == 200, host
+        for host in ("evil.example:8000", "evil.example", "127.0.0.1.evil.example", ""):
+            answer = await dev.get("/api/v1/jobs", headers={"Host": host})
+            assert answer.status_code == 403, host
+
+
+async def test_with_authentication_the_origin_is_not_checked(client: AppClient) -> None:
+    """A bearer token is never sent by a browser on its own: no other site can act with it."""
+    made = await client.get(
+        "/api/v1/jobs", headers={"Origin": "https://elsewhere.example", "Host": "evil.example"}
+    )
+    assert made.status_code == 401  # the token is what counts

@@ -12,6 +12,7 @@ The dashboard's login form and session cookie check their secrets with the same
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import time
@@ -174,3 +175,65 @@ class AuthenticateFirst:
             return
         scope.setdefault("state", {})[PRINCIPAL] = token
         await self.app(scope, receive, send)
+
+
+#: Methods a browser sends across sites without asking first (a form, a fetch ``no-cors``)
+#: that change something here.
+UNSAFE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+class SameSiteOnly:
+    """Without authentication (``jobplane dev``, ``JOBPLANE_AUTH_ENABLED=false``) nothing
+    tells this api's own callers from a web page the developer happens to visit: the page's
+    form could post to ``/api/v1/jobs/{key}/pause`` or ``/instances/{id}/cancel`` (no body,
+    no preflight), and, served on a loopback address, a page whose name it rebinds to
+    127.0.0.1 could read and trigger at will. So, with auth off, a request that changes
+    something is refused (403) when the browser says it comes from another site (an
+    ``Origin`` not this host, or ``Sec-Fetch-Site: cross-site``/``same-site``); and an api
+    served on a loopback address answers only requests that name a loopback host
+    (``localhost``, ``127.0.0.1``, ``[::1]``), which a rebound name is not. Scripts and the
+    command line send neither header and are not concerned."""
+
+    def __init__(self, app: ASGIApp, served_on: str) -> None:
+        self.app = app
+        self.loopback_only = _is_loopback(served_on)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        host = headers.get("host", "")
+        refusal: str | None = None
+        if self.loopback_only and not _is_loopback(_host_name(host)):
+            refusal = f"this api answers its own host only, not {host[:100]!r}"
+        elif scope["method"] in UNSAFE_METHODS:
+            origin = headers.get("origin")
+            site = headers.get("sec-fetch-site")
+            if site in ("cross-site", "same-site") or (
+                origin is not None and origin.partition("://")[2] != host
+            ):
+                refusal = "a request from another site (authentication is off)"
+        if refusal is None:
+            await self.app(scope, receive, send)
+            return
+        response = problems.problem(403, "Forbidden", refusal, request=Request(scope))
+        await response(scope, receive, send)
+
+
+def _host_name(host: str) -> str:
+    """The name in a ``Host`` header, without its port (``[::1]:8000`` is ``::1``)."""
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
+def _is_loopback(name: str) -> bool:
+    """Whether ``name`` is ``localhost`` or a loopback address (``127.0.0.1.evil.example``,
+    a name, is not)."""
+    if name.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False

@@ -22,7 +22,7 @@ from jobplane.serving import bind, serve_until, supervise
 from jobplane.startup import freeze_startup_heap
 from jobplane.store.abc import ApiStore
 from jobplane_api import dashboard, docs, problems
-from jobplane_api.authn import AuthenticateFirst, Authenticator
+from jobplane_api.authn import AuthenticateFirst, Authenticator, SameSiteOnly
 from jobplane_api.http_metrics import MeasureRequests, RequestMetrics
 from jobplane_api.inputs import decimal
 from jobplane_api.metrics import MetricsCache
@@ -95,6 +95,8 @@ def create_app(
     )
     if settings.auth_enabled:
         app.add_middleware(AuthenticateFirst, authenticator=app.state.authenticator)
+    else:
+        app.add_middleware(SameSiteOnly, served_on=settings.host)
     app.add_middleware(SecurityHeaders)
     # Added last, so outermost: it also counts what authentication and InputGuard refuse.
     app.state.request_metrics = RequestMetrics()
