@@ -42,6 +42,28 @@ def test_triggered_job_publishes_its_argument_schema_and_binds() -> None:
         spec.bind(ctx, {"n": 1}, {})
 
 
+def test_a_resource_parameter_with_a_default_takes_it_unless_a_hook_returns_one() -> None:
+    """A parameter with a default was a resource like any other: every attempt failed with
+    "needs resource" unless a startup hook returned one by its name."""
+    app = App()
+
+    @app.triggered()
+    async def tuned(ctx: JobContext, retries_left: int = 3, *rest: Any, **more: Any) -> int:
+        return retries_left
+
+    spec = app.jobs["tuned"]
+    ctx = _ctx("tuned")
+    assert spec.bind(ctx, None, {}) == {"ctx": ctx}  # the function's default applies
+    assert spec.bind(_ctx("tuned"), None, {"retries_left": 7})["retries_left"] == 7
+    assert spec.missing_resources({}) == []  # (nor *rest, **more: nothing is passed by them)
+
+    @app.triggered()
+    async def needs(mailer: object, limit: int = 1) -> None: ...
+
+    assert app.jobs["needs"].missing_resources({}) == ["mailer"]
+    assert app.jobs["needs"].missing_resources({"mailer": object()}) == []
+
+
 def test_recurring_job_defaults_key_and_description() -> None:
     app = App(queue="ops")
 

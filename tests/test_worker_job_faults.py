@@ -224,3 +224,25 @@ async def test_a_huge_error_is_recorded_cut_to_its_beginning_and_end(
     assert "characters cut ...]" in message
     assert traceback is not None and len(traceback) <= TRACEBACK_MAX
     assert traceback.startswith("Traceback") and traceback.endswith("END\n")
+
+
+async def test_a_worker_says_at_start_which_jobs_lack_a_resource(
+    store: SqlStore, redis_bus: Bus, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found at the first attempt only, a resource no startup hook returns failed every run
+    of the job with "needs resource", in production; the worker now says so as it starts."""
+    lacking = App("lacking")
+
+    @lacking.triggered()
+    async def mails(mailer: object, retries: int = 2) -> None: ...
+
+    @lacking.triggered()
+    async def fine(ctx: JobContext) -> None: ...
+
+    async with running_worker(lacking, store, redis_bus):
+        pass
+    said = [r for r in caplog.records if getattr(r, "action", None) == "worker.resource_missing"]
+    assert [r.getMessage() for r in said] == [
+        "job mails needs resource(s) 'mailer', which no startup hook returned: each of its "
+        "attempts will fail"
+    ]

@@ -21,7 +21,8 @@
 
 Job functions take any of: a parameter annotated :class:`JobContext`; one annotated with a
 pydantic model (the validated arguments; its JSON Schema is published when a worker registers
-the job); and parameters named after resources returned by startup hooks.
+the job); and parameters named after resources returned by startup hooks (one with a default
+takes it when no hook returns it; a worker says at start which jobs lack one).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class JobSpec:
     context_param: str | None
     args_param: str | None
     resource_params: tuple[str, ...]
+    #: Resource parameters with a default: the default applies when no hook returns them.
+    optional_params: frozenset[str] = frozenset()
 
     @property
     def key(self) -> str:
@@ -75,12 +78,21 @@ class JobSpec:
         if self.args_param and self.args_model is not None:
             kwargs[self.args_param] = self.args_model.model_validate(args or {})
         for name in self.resource_params:
-            if name not in resources:
+            if name in resources:
+                kwargs[name] = resources[name]
+            elif name not in self.optional_params:
                 raise ConfigurationError(
                     f"job {self.key!r} needs resource {name!r}; return it from a startup hook"
                 )
-            kwargs[name] = resources[name]
         return kwargs
+
+    def missing_resources(self, resources: Resources) -> list[str]:
+        """The resources this job needs that ``resources`` lacks (its attempts would fail)."""
+        return [
+            name
+            for name in self.resource_params
+            if name not in resources and name not in self.optional_params
+        ]
 
 
 class App:
@@ -153,8 +165,11 @@ def _spec_for(
     context_param = args_param = None
     args_model: type[BaseModel] | None = None
     resources: list[str] = []
-    for name in inspect.signature(func).parameters:
+    optional: set[str] = set()
+    for name, parameter in inspect.signature(func).parameters.items():
         hint = hints.get(name)
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue  # (``*args``, ``**kwargs``: nothing is passed by them)
         if hint is JobContext:
             context_param = name
         elif isinstance(hint, type) and issubclass(hint, BaseModel):
@@ -163,6 +178,8 @@ def _spec_for(
             args_param, args_model = name, hint
         else:
             resources.append(name)
+            if parameter.default is not parameter.empty:
+                optional.add(name)  # (its default, unless a startup hook returns it)
     if args_model is not None and kind is JobKind.RECURRING:
         raise InvalidOptionsError("args", "recurring jobs take no arguments")
     return JobSpec(
@@ -172,6 +189,7 @@ def _spec_for(
         context_param=context_param,
         args_param=args_param,
         resource_params=tuple(resources),
+        optional_params=frozenset(optional),
     )
 
 
