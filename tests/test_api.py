@@ -266,6 +266,25 @@ async def test_batch_and_single_trigger_refuse_naive_run_at(api: httpx.AsyncClie
     assert (await api.get("/api/v1/instances")).json()["items"] == []
 
 
+@pytest.mark.parametrize("number", [253402300799, 1700000000, 1.5, "1700000000"])
+async def test_a_time_given_as_a_number_is_refused_naming_its_field(
+    api: httpx.AsyncClient, number: object
+) -> None:
+    """Read as Unix seconds, or as milliseconds once above 2e10: 253402300799 (9999, in
+    seconds) became a day of 1978."""
+    sent = await api.post(
+        "/api/v1/jobs/echo/instances", json={"args": {"value": 1}, "run_at": number}
+    )
+    [error] = problem_of(sent, 422)["errors"]
+    assert error["field"] == "body.run_at" and "ISO 8601" in error["reason"]
+    listed = await api.get("/api/v1/instances", params={"created_after": str(number)})
+    assert problem_of(listed, 422)["errors"][0]["field"] == "query.created_after"
+    edit = {"version": 1, "options": {"start_at": number}}
+    edited = await api.patch("/api/v1/jobs/tick", json=edit)
+    assert problem_of(edited, 422)["errors"][0]["field"] in ("start_at", "body.options.start_at")
+    assert (await api.get("/api/v1/instances")).json()["items"] == []
+
+
 async def test_instance_detail_lists_attempts(api: httpx.AsyncClient, store: SqlStore) -> None:
     """Failed once, then succeeded: two attempts, the first with its outcome and reason, the
     second succeeded; the error the instance kept belongs to no attempt once it succeeded."""

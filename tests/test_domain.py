@@ -92,6 +92,9 @@ def test_sources_of_enqueued() -> None:
         # "$" matched before a final newline: a queue no worker could consume was accepted.
         ({"key": "a", "kind": "triggered", "queue": "mail\n"}, "queue"),
         ({"key": "job\n", "kind": "triggered"}, "key"),
+        # A number was read as Unix seconds, or milliseconds above 2e10: 9999 became 1978.
+        ({"key": "a", "kind": "recurring", "start_at": 253402300799}, "start_at"),
+        ({"key": "a", "kind": "recurring", "end_at": "1700000000"}, "end_at"),
         ({"key": "a", "kind": "triggered", "max_concurrency": 0}, "max_concurrency"),
         ({"key": "a", "kind": "triggered", "retries": -1}, "retries"),
         ({"key": "a", "kind": "triggered", "timeout_s": 0}, "timeout_s"),

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Annotated, Any, TypeVar
 
-from pydantic import AfterValidator, AwareDatetime, Field
+from pydantic import AfterValidator, AwareDatetime, BeforeValidator, Field
 from pydantic_core import PydanticCustomError
 
 from jobplane.domain.limits import (
@@ -17,6 +17,7 @@ from jobplane.domain.limits import (
     check_idempotency_key,
     check_json,
     check_text,
+    is_a_number,
     to_utc,
 )
 from jobplane.errors import InvalidOptionsError
@@ -50,6 +51,15 @@ def _utc(naive_is_utc: bool) -> Callable[[datetime], datetime]:
     return validate
 
 
+def _not_a_number(value: Any) -> Any:
+    """A time is ISO 8601 text, never a number (see ``is_a_number``)."""
+    if is_a_number(value):
+        raise PydanticCustomError(
+            "datetime_type", "give the time as ISO 8601 text (2026-01-01T09:00:00Z), not a number"
+        )
+    return value
+
+
 def _text(value: str) -> None:
     check_text(value, "text")
 
@@ -78,6 +88,6 @@ IdempotencyKey = Annotated[
 ]
 #: A filter bound: with a UTC offset, or naive and then taken as UTC; ``2026-01-01`` is
 #: midnight UTC. Normalised to UTC; values that fall outside years 1-9999 are refused.
-FilterTime = Annotated[datetime, AfterValidator(_utc(True))]
+FilterTime = Annotated[datetime, BeforeValidator(_not_a_number), AfterValidator(_utc(True))]
 #: A time something should happen: a UTC offset is required (a naive time is ambiguous).
-DueTime = Annotated[AwareDatetime, AfterValidator(_utc(False))]
+DueTime = Annotated[AwareDatetime, BeforeValidator(_not_a_number), AfterValidator(_utc(False))]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from datetime import UTC, datetime
 from typing import Any
@@ -135,6 +136,18 @@ def _check_key_collisions(node: dict[Any, Any], path: str) -> None:
                 f"{path}.{text}", "this key is given twice (as a number and as text)"
             )
         seen.add(text)
+
+
+_NUMBER_TEXT = re.compile(r"\s*[-+]?[0-9]+(\.[0-9]*)?\s*")
+
+
+def is_a_number(value: object) -> bool:
+    """Whether ``value`` is a number, or text that is one: not a time. (Parsing a time, the
+    validation library reads a number as Unix seconds, or as milliseconds once above 2e10:
+    253402300799, meant as 9999 in seconds, became a day of 1978.)"""
+    if isinstance(value, str):
+        return _NUMBER_TEXT.fullmatch(value) is not None
+    return isinstance(value, int | float)
 
 
 def check_int_digits(value: int, field: str) -> None:

@@ -25,7 +25,7 @@ from pydantic import (
 )
 
 from jobplane.cron import CronSchedule, validate_cron, validate_timezone
-from jobplane.domain.limits import INT32_MAX, check_text, to_utc
+from jobplane.domain.limits import INT32_MAX, check_text, is_a_number, to_utc
 from jobplane.errors import InvalidOptionsError
 
 PRIORITY_MIN = 0
@@ -227,6 +227,16 @@ class JobOptions(BaseModel):
     def _timezone(cls, value: str, info: ValidationInfo) -> str:
         if not _stored(info):
             validate_timezone(value)
+        return value
+
+    @field_validator("start_at", "end_at", mode="before")
+    @classmethod
+    def _not_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        if is_a_number(value):  # (read as Unix seconds or milliseconds: see is_a_number)
+            raise InvalidOptionsError(
+                str(info.field_name),
+                "give the time as ISO 8601 text (2026-01-01T09:00:00Z), not a number",
+            )
         return value
 
     @field_validator("start_at", "end_at")
