@@ -176,3 +176,34 @@ def test_a_duration_past_a_century_is_refused_in_one_line(env: str) -> None:
     assert result.returncode == 2
     [line] = result.stderr.strip().splitlines()
     assert line.startswith(f"error: {name}: Input should be less than or equal to"), line
+
+
+@pytest.mark.parametrize(
+    ("role", "env", "said"),
+    [
+        # Accepted, each of these ended every attempt longer than about half the lease
+        # Terminated (stopped at its fence before a renewal came).
+        ("worker", {"JOBPLANE_HEARTBEAT_S": "3", "JOBPLANE_LEASE_S": "5"}, "under half of"),
+        ("worker", {"JOBPLANE_HEARTBEAT_S": "20", "JOBPLANE_LEASE_S": "5"}, "less than or equal"),
+        # A worker silent for 30 s is taken for dead: evicted, restarted, in a loop.
+        ("worker", {"JOBPLANE_HEARTBEAT_S": "31", "JOBPLANE_LEASE_S": "100"}, "less than or"),
+        # OverflowError as the role sized its session limits.
+        ("worker", {"JOBPLANE_LEASE_S": "inf"}, "finite number"),
+        ("scheduler", {"JOBPLANE_DB_STATEMENT_TIMEOUT_S": "inf"}, "finite number"),
+        ("scheduler", {"JOBPLANE_DB_LOCK_TIMEOUT_S": "1e300"}, "less than or equal"),
+        # A block longer than the Redis client's read timeout was an outage every poll.
+        ("worker", {"JOBPLANE_POLL_MS": "10000"}, "less than or equal to 4000"),
+        # Out of the database's int32 at registration, naming no setting.
+        ("worker", {"JOBPLANE_CONCURRENCY": "2147483648"}, "less than or equal"),
+        # A lease of a millisecond: never held, renewed in a flood of warnings.
+        ("scheduler", {"JOBPLANE_LEASE_TTL_S": "0.001"}, "greater than or equal to 0.5"),
+    ],
+)
+def test_timings_that_cannot_work_are_refused_in_one_line(
+    role: str, env: dict[str, str], said: str
+) -> None:
+    args = ("worker", "--app", "tests.apps.basic:app") if role == "worker" else (role,)
+    result = run_cli(*args, env={"JOBPLANE_DATABASE_URL": "sqlite:///unused.db", **env})
+    assert result.returncode == 2, result.stderr
+    line = one_error_line(result.stderr)
+    assert said in line and any(name in line for name in env), line

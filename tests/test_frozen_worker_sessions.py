@@ -32,7 +32,9 @@ def _dsn(url: str) -> str:
 async def leader_store(pg_database_url: str) -> AsyncIterator[SqlStore]:
     """The store as a role opens it: a lock wait ends after half a second (then a conflict,
     retried a few times), so a write blocked by a frozen session fails instead of hanging."""
-    limits = replace(WorkerSettings(lease_s=1.0).session_limits(), application_name="leader")
+    limits = replace(
+        WorkerSettings(lease_s=1.0, heartbeat_s=0.2).session_limits(), application_name="leader"
+    )
     store = open_store(pg_database_url, limits=limits)
     yield store
     await store.close()

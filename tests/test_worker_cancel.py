@@ -79,7 +79,7 @@ async def test_a_failure_after_a_cancel_request_ends_cancelled_not_retried(
         raise ValueError("failed after the cancel was requested")
 
     # Slow heartbeats and no bus event: the worker never hears of the cancel; the store decides.
-    async with running_worker(app, pg_store, redis_bus, heartbeat_s=30.0, lease_s=60.0):
+    async with running_worker(app, pg_store, redis_bus, heartbeat_s=10.0, lease_s=60.0):
         instance = await Dispatcher(pg_store, redis_bus).trigger("fails")
         await _processing(pg_store, instance.id)
         await pg_store.request_cancel(instance.id, "test")
@@ -161,7 +161,9 @@ async def test_an_instance_released_with_a_cancel_pending_is_not_run_again(
         await asyncio.sleep(30)
 
     # The first worker stops (releasing the instance) before a heartbeat tells it of the cancel.
-    async with running_worker(app, pg_store, redis_bus, heartbeat_s=30.0, grace_s=0.1):
+    async with running_worker(
+        app, pg_store, redis_bus, heartbeat_s=10.0, lease_s=60.0, grace_s=0.1
+    ):
         instance = await Dispatcher(pg_store, redis_bus).trigger("long")
         await _processing(pg_store, instance.id)
         await pg_store.request_cancel(instance.id, "test")

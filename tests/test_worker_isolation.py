@@ -50,7 +50,7 @@ async def test_isolated_checkpoint_after_a_lost_claim_is_refused(
     gets LeaseLostError, and its outcome is refused as well."""
     gate = tmp_path / "gate"
     # No heartbeat during the test: the attempt learns of its lost claim from the refusal.
-    async with running_worker(app, pg_store, redis_bus, heartbeat_s=30, lease_s=60) as worker:
+    async with running_worker(app, pg_store, redis_bus, heartbeat_s=10, lease_s=60) as worker:
         instance = await Dispatcher(pg_store, redis_bus).trigger(
             "child_checkpoints_late", {"path": str(gate)}
         )

@@ -17,6 +17,12 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from jobplane.logs import LogFormat
 
 DEFAULT_DATABASE_URL = f"sqlite+aiosqlite:///{Path('jobplane.db').absolute()}"
+#: The longest any duration setting may be (a century, in seconds): the leader subtracts them
+#: from the database's time, and a larger one (``JOBPLANE_RETENTION_DAYS=1000000``) raised
+#: OverflowError at its first housekeeping, which ended every scheduler that took the lease.
+CENTURY_S = 100 * 365.25 * 86_400
+#: The longest a Postgres session limit may be (a day; the server takes at most 24.8 days).
+SESSION_LIMIT_MAX_S = 86_400.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +44,9 @@ class SessionLimits:
 class CommonSettings(BaseSettings):
     """What every role needs: where the store and the bus are."""
 
-    model_config = SettingsConfigDict(env_prefix="JOBPLANE_", extra="ignore")
+    # No infinite or NaN duration: JOBPLANE_LEASE_S=inf was accepted, and raised OverflowError
+    # as the role sized its session limits.
+    model_config = SettingsConfigDict(env_prefix="JOBPLANE_", extra="ignore", allow_inf_nan=False)
 
     #: ``postgresql://…`` for production; a SQLite file by default (the embedded default).
     database_url: str = DEFAULT_DATABASE_URL
@@ -57,13 +65,15 @@ class CommonSettings(BaseSettings):
     #: until someone runs them by hand (``POST /api/v1/instances/{id}/run``).
     debug_hold_triggered: bool = False
     #: Postgres session limits (0: sized from the role's lease, see :meth:`session_limits`).
-    db_lock_timeout_s: float = Field(default=0, ge=0)
-    db_idle_in_transaction_timeout_s: float = Field(default=0, ge=0)
-    db_statement_timeout_s: float = Field(default=30.0, gt=0)
-    db_connect_timeout_s: float = Field(default=10.0, gt=0)
+    db_lock_timeout_s: float = Field(default=0, ge=0, le=SESSION_LIMIT_MAX_S)
+    db_idle_in_transaction_timeout_s: float = Field(default=0, ge=0, le=SESSION_LIMIT_MAX_S)
+    #: (At least 10 ms: a shorter one ended statements before they could run, reported as
+    #: conflicts retried for ever.)
+    db_statement_timeout_s: float = Field(default=30.0, ge=0.01, le=SESSION_LIMIT_MAX_S)
+    db_connect_timeout_s: float = Field(default=10.0, gt=0, le=SESSION_LIMIT_MAX_S)
     #: A role that starts while Postgres or Redis does not answer retries for this long
     #: (logging each try) before it exits 2; 0: one try. Start-up order then does not matter.
-    startup_timeout_s: float = Field(default=60.0, ge=0)
+    startup_timeout_s: float = Field(default=60.0, ge=0, le=CENTURY_S)
 
     def liveness_lease_s(self) -> float | None:
         """The lease this role's liveness depends on (none for the api)."""

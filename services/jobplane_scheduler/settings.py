@@ -7,12 +7,9 @@ import socket
 
 from pydantic import Field
 
-from jobplane.settings import CommonSettings
+from jobplane.settings import CENTURY_S, CommonSettings
 
-#: The longest any duration setting may be (a century, in seconds): the leader subtracts them
-#: from the database's time, and a larger one (``JOBPLANE_RETENTION_DAYS=1000000``) raised
-#: OverflowError at its first housekeeping, which ended every scheduler that took the lease.
-CENTURY_S = 100 * 365.25 * 86_400
+__all__ = ["CENTURY_S", "SchedulerSettings"]
 
 
 class SchedulerSettings(CommonSettings):
@@ -21,7 +18,8 @@ class SchedulerSettings(CommonSettings):
     #: Leader lease shard (one leader group per shard).
     shard: int = Field(default=0, ge=0)
     #: A crashed leader is replaced within this time; renewed every third of it.
-    lease_ttl_s: float = Field(default=5.0, gt=0, le=CENTURY_S)
+    #: (At least 0.5 s: a lease of a millisecond was renewed in a loop and never held.)
+    lease_ttl_s: float = Field(default=5.0, ge=0.5, le=CENTURY_S)
     #: The sweep in Postgres that finds what no event announced.
     sweep_interval_s: float = Field(default=1.0, gt=0, le=CENTURY_S)
     #: An Enqueued instance published this long ago and still unclaimed is published again.

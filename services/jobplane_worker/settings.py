@@ -7,13 +7,13 @@ import os
 import re
 import secrets
 import socket
-from typing import Annotated, Any
+from typing import Annotated, Any, Self
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from jobplane.domain.options import QUEUE_PATTERN
-from jobplane.settings import CommonSettings
+from jobplane.settings import CENTURY_S, CommonSettings
 
 
 def process_worker_id() -> str:
@@ -34,13 +34,19 @@ class WorkerSettings(CommonSettings):
     #: JSON list (``["default", "mail"]``).
     queues: Annotated[list[str], NoDecode] = ["default"]
     #: Jobs running at once in this worker (async and sync together).
-    concurrency: int = Field(default=16, ge=1)
+    concurrency: int = Field(default=16, ge=1, le=100_000)
     #: Bus entries read per round trip.
-    batch_size: int = Field(default=256, ge=1)
-    #: How long a read blocks when the queues are empty (bounded so the worker can stop).
-    poll_ms: int = Field(default=1000, ge=10)
-    heartbeat_s: float = Field(default=2.0, gt=0)
-    lease_s: float = Field(default=10.0, gt=0)
+    batch_size: int = Field(default=256, ge=1, le=100_000)
+    #: How long a read blocks when the queues are empty (bounded so the worker can stop, and
+    #: below the Redis client's 5 s read timeout: a longer block was an outage every poll).
+    poll_ms: int = Field(default=1000, ge=10, le=4000)
+    #: Every attempt's lease is renewed (and the worker's row refreshed) this often: under
+    #: half the lease (an attempt is stopped up to half a lease before its lease ends), and at
+    #: most 10 s (the leader takes a worker silent for ``JOBPLANE_DEAD_WORKER_AFTER_S``, 30 s
+    #: by default, for dead).
+    heartbeat_s: float = Field(default=2.0, gt=0, le=10)
+    #: (At least 0.1 s: a lease of a millisecond ended every transaction it bounds at once.)
+    lease_s: float = Field(default=10.0, ge=0.1, le=CENTURY_S)
     #: Entries delivered to a consumer that went silent are reclaimed after this idle time.
     reclaim_idle_s: float = Field(default=30.0, gt=0)
     #: An entry for a job this worker does not know is put back after this delay.
@@ -58,6 +64,18 @@ class WorkerSettings(CommonSettings):
 
     def liveness_lease_s(self) -> float | None:
         return self.lease_s
+
+    @model_validator(mode="after")
+    def _renewed_in_time(self) -> Self:
+        # Accepted, a heartbeat of 3 s against a lease of 5 s stopped every attempt longer
+        # than about 2.5 s at its fence, before a renewal came: each ended Terminated.
+        if self.heartbeat_s >= self.lease_s / 2:
+            raise ValueError(
+                f"JOBPLANE_HEARTBEAT_S ({self.heartbeat_s:g}) must be under half of "
+                f"JOBPLANE_LEASE_S ({self.lease_s:g}): leases are renewed every heartbeat, and "
+                "an attempt stops up to half a lease before its lease ends"
+            )
+        return self
 
     def session_name(self) -> str:
         return self.worker_id
