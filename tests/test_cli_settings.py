@@ -3,6 +3,7 @@ refused in one line (exit status 2), never with a traceback."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -207,3 +208,77 @@ def test_timings_that_cannot_work_are_refused_in_one_line(
     assert result.returncode == 2, result.stderr
     line = one_error_line(result.stderr)
     assert said in line and any(name in line for name in env), line
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "said"),
+    [
+        # Each of these was a traceback.
+        (("worker", "--app", ""), {}, "'' is not module:attribute"),
+        (("worker", "--app", ".foo"), {}, "'.foo' is not module:attribute"),
+        (("scheduler",), {"JOBPLANE_REDIS_URL": "redis://127.0.0.1:6379/99"}, "DB index is out"),
+        (("scheduler",), {"JOBPLANE_REDIS_URL": "redis://h:notaport/0"}, "port cannot be read"),
+        (
+            ("migrate",),
+            {"JOBPLANE_DATABASE_URL": "postgresql://u:hunter2@h:notaport/db"},
+            "port cannot be read",
+        ),
+        (("scheduler",), {"JOBPLANE_REDIS_URL": "http://u:hunter2@x/"}, "'http://u:***@x/'"),
+        (
+            ("jobs", "ls"),
+            {"JOBPLANE_API_TOKEN": "jp_…", "JOBPLANE_API_URL": "http://127.0.0.1:1"},
+            "the API token is not ASCII text",
+        ),
+    ],
+    ids=["app-empty", "app-relative", "redis-db", "redis-port", "pg-port", "bus-url", "token"],
+)
+def test_settings_a_user_gets_wrong_are_one_line_and_keep_passwords_out(
+    sqlite_database_url: str, args: tuple[str, ...], env: dict[str, str], said: str
+) -> None:
+    settings = {"JOBPLANE_DATABASE_URL": sqlite_database_url, "JOBPLANE_STARTUP_TIMEOUT_S": "0"}
+    result = run_cli(*args, env={**settings, **env})
+    assert result.returncode == (1 if args[0] == "jobs" else 2), result.stderr  # (a remote one: 1)
+    line = one_error_line(result.stderr)
+    assert said in line and "hunter2" not in result.stderr, line
+
+
+def test_an_api_on_a_port_in_use_is_one_line(sqlite_database_url: str) -> None:
+    """The single api process let uvicorn bind last, which exited 3 with its own log lines;
+    its processes (``--workers 2``) said it in one line already."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for workers in ("1", "2"):
+            result = run_cli(
+                "api",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                port,
+                "--workers",
+                workers,
+                env={"JOBPLANE_DATABASE_URL": sqlite_database_url},
+            )
+            assert result.returncode == 2, result.stderr
+            assert f"cannot listen on 127.0.0.1:{port}" in one_error_line(result.stderr)
+
+
+def test_api_processes_that_cannot_start_exit_in_one_line() -> None:
+    """``--workers 2`` against an unreachable database: each process printed a traceback (its
+    exit, typer's, was not click's) and the supervisor exited 1."""
+    result = run_cli(
+        "api",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--workers",
+        "2",
+        env={
+            "JOBPLANE_DATABASE_URL": "postgresql://postgres@127.0.0.1:1/x",
+            "JOBPLANE_STARTUP_TIMEOUT_S": "0",
+        },
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr

@@ -204,6 +204,9 @@ def load_app(path: str) -> App:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     module_name, _, attribute = path.partition(":")
+    if not module_name or module_name.startswith("."):
+        # ("" and ".foo" raised ValueError and TypeError from importlib: a traceback.)
+        raise ConfigurationError(f"{path!r} is not module:attribute (e.g. myapp.jobs:app)")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -25,7 +25,7 @@ import httpx
 from jobplane.domain.limits import check_json
 from jobplane.domain.states import TERMINAL_STATES
 from jobplane.errors import ApiError as ApiError  # re-exported
-from jobplane.errors import JobplaneError
+from jobplane.errors import ConfigurationError, JobplaneError
 
 JSONDict = dict[str, Any]
 T = TypeVar("T")
@@ -80,6 +80,10 @@ def _segment(value: object) -> str:
 
 
 def _headers(token: str | None) -> dict[str, str]:
+    if token and not token.isascii():
+        # (HTTP headers are ASCII: it raised UnicodeEncodeError at the first request; the
+        # documentation's placeholder ``jp_…`` pasted as it is, say.)
+        raise ConfigurationError("the API token is not ASCII text: paste the whole token")
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 

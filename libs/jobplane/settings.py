@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import unquote_plus
+from urllib.parse import unquote_plus, urlsplit
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -113,7 +113,14 @@ class CommonSettings(BaseSettings):
     @field_validator("database_url")
     @classmethod
     def _database_url(cls, value: str) -> str:
+        _check_host_and_port(value)
         return normalise_database_url(value)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str) -> str:
+        _check_host_and_port(value)
+        return value
 
 
 #: ``sslmode`` values (libpq's), which asyncpg's ``ssl`` takes as they are.
@@ -136,6 +143,16 @@ POSTGRES_URL_PARAMETERS = frozenset(
         "prepared_statement_cache_size",
     }
 )
+
+
+def _check_host_and_port(url: str) -> None:
+    """Refuse a URL whose host or port cannot be read (``host:notaport``, ``[::1`` unclosed):
+    each raised ValueError from deep in a driver, a traceback. The message never repeats the
+    URL (it may hold a password)."""
+    try:
+        urlsplit(url).port  # noqa: B018 (read for the check it makes)
+    except ValueError as exc:
+        raise ValueError(f"the URL's host or port cannot be read ({exc})") from None
 
 
 def normalise_database_url(url: str) -> str:

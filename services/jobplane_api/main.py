@@ -211,9 +211,16 @@ async def run_api(
     """Serve until ``stop`` is set, with a store and bus of its own. They are opened (and
     waited for) before uvicorn starts, so an unreachable backend is the role's one-line error
     rather than a failed lifespan inside uvicorn. ``sockets``: listen on these (bound by a
-    supervisor, shared by its processes) instead of binding ``settings.host:port``."""
-    async with backends(settings, stop) as (store, bus):
-        await serve(settings, stop, store=store, bus=bus, sockets=sockets)
+    supervisor, shared by its processes) instead of binding ``settings.host:port``, which is
+    bound first, so that a port in use is a one-line error before anything starts (uvicorn
+    bound it last and exited 3 with its own log lines)."""
+    own = [] if sockets is not None else [bind(settings.host, settings.port)]
+    try:
+        async with backends(settings, stop) as (store, bus):
+            await serve(settings, stop, store=store, bus=bus, sockets=sockets or own)
+    finally:
+        for sock in own:
+            sock.close()
 
 
 #: What each process of :func:`run_api_processes` runs: ``(settings, socket, index)``; it serves

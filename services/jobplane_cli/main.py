@@ -300,7 +300,7 @@ def serve_api_process(settings: ApiSettings, sock: socket.socket, index: int) ->
 
     try:
         run(go, settings, {"role": "api", "api_process": index})
-    except click.exceptions.Exit as exc:
+    except (click.exceptions.Exit, typer.Exit) as exc:  # (typer's is not click's, in 0.29)
         sys.exit(exc.exit_code)
 
 

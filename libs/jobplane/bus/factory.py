@@ -21,4 +21,6 @@ def open_bus(url: str, prefix: str = "jobplane") -> Bus:
     if url.startswith(REDIS_SCHEMES):
         client = aioredis.from_url(url, socket_connect_timeout=5, health_check_interval=30)
         return RedisBus(client, keys, owns_client=True)
-    raise ConfigurationError(f"unsupported bus URL {url!r}: use redis://… or memory://")
+    from jobplane.store.factory import redact  # (the URL may hold a password)
+
+    raise ConfigurationError(f"unsupported bus URL {redact(url)!r}: use redis://… or memory://")

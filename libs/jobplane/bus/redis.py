@@ -22,7 +22,7 @@ from jobplane.bus.keys import BANDS, GROUP, Keys
 from jobplane.bus.redis_append import Appender
 from jobplane.bus.redis_calls import as_text, translated
 from jobplane.bus.redis_consumer import RedisConsumer
-from jobplane.errors import BusUnavailableError, EnvelopeError
+from jobplane.errors import BusUnavailableError, ConfigurationError, EnvelopeError
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +103,15 @@ class RedisBus:
             await self.client.aclose()
 
     async def ping(self) -> None:
-        async with translated("ping"):
-            await self.client.ping()
+        try:
+            async with translated("ping"):
+                await self.client.ping()
+        except ResponseError as exc:  # (translated lets a refusal that is not "not now" by)
+            # Refused at the connection's set-up (a database index the server does not have:
+            # ``redis://host/99``): a setting to fix, said in one line (it was a traceback).
+            raise ConfigurationError(
+                f"Redis refuses this connection: {exc} (see JOBPLANE_REDIS_URL)"
+            ) from exc
 
     async def epoch(self) -> BusEpoch:
         # A restart changes the run_id; a FLUSHALL/FLUSHDB on a live server does not, but it
