@@ -264,6 +264,28 @@ def test_an_admin_token_is_recovered_from_the_database(pg_database_url: str) -> 
     assert "recovery" in listed.stdout and "expires" in listed.stdout, listed.stdout
     bad = run_cli("token", "create", "--role", "admin", "--expires-in", "soon", env=env)
     assert bad.returncode == 2 and "--expires-in" in bad.stderr
+    # As the API takes them: an admin token expired at birth, a nameless one, and a name the
+    # database refused (a raw "value too long") were made or tried.
+    for flags, hint in (
+        (("--expires-in", "0d"), "--expires-in"),
+        (("--expires-in", "59s"), "--expires-in"),
+        (("--expires-in", "999999d"), "--expires-in"),
+        (("--name", ""), "--name"),
+        (("--name", "x" * 201), "--name"),
+    ):
+        refused = run_cli("token", "create", "--role", "admin", *flags, env=env)
+        assert refused.returncode == 2 and hint in refused.stderr, (flags, refused.stderr)
+    assert run_cli("token", "ls", env=env).stdout.count("\n") == 1  # (none was made)
+
+
+async def test_an_expired_token_is_listed_expired(pg_store: SqlStore, pg_database_url: str) -> None:
+    """It was listed "live, expires <a time already past>"."""
+    await pg_store.create_token("gone", Role.VIEWER, "test", expires_in=timedelta(seconds=-1))
+    await pg_store.create_token("later", Role.VIEWER, "test", expires_in=timedelta(hours=1))
+    listed = run_cli("token", "ls", env={"JOBPLANE_DATABASE_URL": pg_database_url}).stdout
+    [gone] = [line for line in listed.splitlines() if "gone" in line]
+    [later] = [line for line in listed.splitlines() if "later" in line]
+    assert "(expired 20" in gone and "(live, expires 20" in later
 
 
 def test_durations() -> None:

@@ -11,6 +11,8 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from uuid import UUID
 
+from jobplane.domain.limits import check_text
+
 TOKEN_PREFIX = "jp_"
 
 
@@ -64,3 +66,22 @@ def parse_duration(text: str) -> timedelta:
     if match is None:
         raise ValueError(f"{text!r} is not a duration like 90s, 15m, 12h or 30d")
     return timedelta(seconds=int(match[1]) * _UNIT_S[match[2]])
+
+
+#: A token's lifetime, when it has one: a minute to ten years (the API and the CLI alike).
+MIN_TOKEN_LIFETIME_S = 60
+MAX_TOKEN_LIFETIME_S = 10 * 365 * 24 * 3600
+TOKEN_NAME_MAX = 200
+
+
+def check_token_request(name: str, lifetime: timedelta | None) -> None:
+    """ValueError unless ``name`` (1 to 200 characters of storable text) and ``lifetime`` (none,
+    or a minute to ten years) are what the API takes: ``jobplane token create`` made an admin
+    token expired at birth (``--expires-in 0d``), a nameless one, or failed in the database."""
+    if not name.strip() or len(name) > TOKEN_NAME_MAX:
+        raise ValueError(f"the name must be 1 to {TOKEN_NAME_MAX} characters")
+    check_text(name, "name")
+    if lifetime is not None and not (
+        MIN_TOKEN_LIFETIME_S <= lifetime.total_seconds() <= MAX_TOKEN_LIFETIME_S
+    ):
+        raise ValueError("the lifetime must be from a minute (60s, 1m) to ten years (3650d)")

@@ -375,7 +375,7 @@ def token_create(
 ) -> None:
     """Create a token and print its secret (the only time it is shown). Straight from the
     database: this is also how an admin token is recovered when none is left."""
-    from jobplane.auth import Role, parse_duration
+    from jobplane.auth import Role, check_token_request, parse_duration
 
     try:
         chosen = Role(role)
@@ -383,8 +383,10 @@ def token_create(
         raise typer.BadParameter("role must be viewer, operator or admin") from None
     try:
         lifetime = parse_duration(expires_in) if expires_in is not None else None
+        check_token_request(name, lifetime)  # (as the API takes them)
     except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--expires-in") from None
+        hint = "--name" if "name" in str(exc) else "--expires-in"
+        raise typer.BadParameter(str(exc), param_hint=hint) from None
     settings = CommonSettings()
 
     async def go() -> None:
@@ -407,10 +409,14 @@ def token_ls() -> None:
         from jobplane.backends import open_checked_store
 
         async with open_checked_store(settings) as store:
+            now = await store.now()
             for t in await store.list_tokens():
                 state = f"revoked {t.revoked_at:%Y-%m-%d}" if t.revoked_at else "live"
                 if t.expires_at and not t.revoked_at:
-                    state += f", expires {t.expires_at:%Y-%m-%d %H:%M}"
+                    # (An expired one said "live, expires <a past time>".)
+                    ended = t.expires_at <= now
+                    state = "expired" if ended else "live, expires"
+                    state += f" {t.expires_at:%Y-%m-%d %H:%M}"
                 used = f"{t.last_used_at:%Y-%m-%d %H:%M}" if t.last_used_at else "never"
                 typer.echo(f"{t.id}  {t.role.value:<8} {t.hint}…  {t.name}  ({state}; used {used})")
 

@@ -9,14 +9,13 @@ from uuid import UUID
 from fastapi import APIRouter, HTTPException, Response, status
 from pydantic import BaseModel, ConfigDict, Field
 
-from jobplane.auth import Role, TokenInfo
+from jobplane.auth import MAX_TOKEN_LIFETIME_S, MIN_TOKEN_LIFETIME_S, Role, TokenInfo
 from jobplane_api.deps import StoreDep
 from jobplane_api.inputs import ShortText
 from jobplane_api.schemas import PROBLEM_RESPONSES
 from jobplane_api.security import Admin, Principal, actor_of
 
 #: Ten years.
-MAX_TOKEN_LIFETIME_S = 10 * 365 * 24 * 3600
 
 router = APIRouter(prefix="/api/v1/tokens", tags=["tokens"], responses=PROBLEM_RESPONSES)
 
@@ -61,7 +60,7 @@ class TokenIn(BaseModel):
     role: Role
     expires_in_s: int | None = Field(
         default=None,
-        ge=60,
+        ge=MIN_TOKEN_LIFETIME_S,
         le=MAX_TOKEN_LIFETIME_S,
         description="Seconds until it stops working; omitted: until revoked.",
     )
