@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.cli_helpers import free_port, spawn_cli, stop_all, wait_http_ok
+from tests.cli_helpers import free_port, output_of, spawn_cli, stop_all, wait_http_ok
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -85,5 +85,42 @@ def test_a_dead_process_stops_the_role(
         assert proc.wait(timeout=60) != 0
         time.sleep(0.2)
         assert not Path(f"/proc/{servers[1]}").exists()
+        # Which one, and how: it exited 1 and said nothing.
+        assert "ended by itself (exit code -9): stopping the others" in output_of(proc)
     finally:
         stop_all([proc])
+
+
+def test_the_processes_stop_when_their_supervisor_is_killed(
+    pg_database_url: str, redis_url: str, redis_prefix: str
+) -> None:
+    """SIGKILL of the supervisor (an orchestrator's last resort, an OOM kill) left both API
+    processes serving the port, orphans that nothing would stop; each now sees its supervisor
+    gone and stops itself, gracefully."""
+    env = {
+        "JOBPLANE_DATABASE_URL": pg_database_url,
+        "JOBPLANE_REDIS_URL": redis_url,
+        "JOBPLANE_KEY_PREFIX": redis_prefix,
+        "JOBPLANE_AUTH_ENABLED": "false",
+    }
+    proc, _ = _start(env)
+    try:
+        servers = _servers(proc.pid)
+        assert len(servers) == 2
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in servers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in servers)
+    finally:
+        stop_all([proc])
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead and not yet reaped by init, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import multiprocessing
+import os
 import signal
 import socket
 import threading
@@ -17,6 +19,8 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from jobplane.errors import ConfigurationError
+
+logger = logging.getLogger(__name__)
 
 
 class _Server(uvicorn.Server):
@@ -103,12 +107,21 @@ def supervise(
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in STOP_SIGNALS}
     context = multiprocessing.get_context("spawn")
-    processes = [context.Process(target=target, args=a) for a in args]
+    parent = os.getpid()
+    processes = [context.Process(target=_child, args=(target, parent, *a)) for a in args]
     try:
         for process in processes:
             process.start()
         while not stop.wait(SUPERVISE_POLL_S):
-            if any(p.exitcode is not None for p in processes):
+            ended = [(i, p.exitcode) for i, p in enumerate(processes) if p.exitcode is not None]
+            if ended:
+                index, code = ended[0]
+                logger.error(
+                    "process %d ended by itself (exit code %s): stopping the others",
+                    index,
+                    code,
+                    extra={"action": "supervisor.process_ended", "api_process": index},
+                )
                 break
     finally:
         for process in processes:
@@ -131,6 +144,23 @@ def supervise(
     first = failed[0] if failed else 1  # one ended cleanly by itself: still a broken role
     return first if first is not None and first > 0 else 1
 
+
+def _child(target: Callable[..., None], parent: int, *args: Any) -> None:
+    """A supervised process: ``target(*args)``, stopped as by SIGTERM (gracefully) once its
+    supervisor is gone. Killed with SIGKILL, the supervisor left its processes serving the
+    port, orphans that nothing would stop."""
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    target(*args)
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+#: How often a supervised process checks that its supervisor is still there.
+PARENT_POLL_S = 0.5
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 #: How often :func:`supervise` checks that every process still runs.
