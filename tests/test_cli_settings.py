@@ -282,3 +282,32 @@ def test_api_processes_that_cannot_start_exit_in_one_line() -> None:
     )
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_an_empty_queues_flag_and_an_api_port_out_of_range_are_refused(
+    sqlite_database_url: str,
+) -> None:
+    """``--queues ""`` fell back to the default queue without a word; ``jobplane dev
+    --api-port 70000`` failed only once its worker and scheduler had started, naming
+    JOBPLANE_PORT."""
+    env = {"JOBPLANE_DATABASE_URL": sqlite_database_url}
+    empty = run_cli("worker", "--app", "tests.apps.basic:app", "--queues", "", env=env)
+    assert empty.returncode == 2 and "name at least one queue" in one_error_line(empty.stderr)
+    port = run_cli("dev", "--app", "tests.apps.basic:app", "--api-port", "70000", env=env)
+    assert port.returncode == 2 and "Invalid value for '--api-port'" in port.stderr
+
+
+def test_dev_says_which_jobs_it_does_not_consume_the_queue_of(sqlite_database_url: str) -> None:
+    """Everything runs in the one dev worker: a job on a queue it does not consume waited
+    for good, and ``--exit-when-done`` with it, without a word."""
+    result = run_cli(
+        "dev",
+        "--app",
+        "tests.apps.basic:app",
+        "--exit-when-done",
+        env={"JOBPLANE_DATABASE_URL": sqlite_database_url, "JOBPLANE_QUEUES": "other"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "job echo is on queue 'default', which this dev worker does not consume" in (
+        result.stderr
+    )

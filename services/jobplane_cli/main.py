@@ -319,6 +319,8 @@ def dev(
         int | None,
         typer.Option(
             "--api-port",
+            min=0,
+            max=65535,
             help="Serve the API on 127.0.0.1 at this port, without auth (0: no API). "
             "Default 8000, or none with --exit-when-done.",
         ),
@@ -343,7 +345,7 @@ def _given(
 ) -> dict[str, Any]:
     """Flags given on the command line; they override the JOBPLANE_* environment."""
     values: dict[str, Any] = {}
-    if queues:
+    if queues is not None:  # ("" too: it fell back to the default queue without a word)
         values["queues"] = [q.strip() for q in queues.split(",") if q.strip()]
     if concurrency is not None:
         values["concurrency"] = concurrency

@@ -74,6 +74,18 @@ async def run_dev(
     from jobplane_worker.worker import Worker
 
     app = load_app(app_path)
+    for spec in app.jobs.values():
+        if spec.options.queue not in settings.queues:
+            # Everything runs in this one worker: with nothing else to consume the job's
+            # queue, its instances wait for good (and --exit-when-done for them).
+            logger.warning(
+                "job %s is on queue %r, which this dev worker does not consume (queues: %s): "
+                "its instances will wait",
+                spec.key,
+                spec.options.queue,
+                ", ".join(settings.queues),
+                extra={"action": "dev.queue_not_consumed", "job_key": spec.key},
+            )
     await migrate_database(settings.database_url, settings.startup_timeout_s, stop)
     async with backends(settings, stop) as (store, bus):
         worker = Worker(app, store, bus, settings)
