@@ -22,7 +22,7 @@ from jobplane.dispatch import Dispatcher
 from jobplane.domain.states import InstanceState as S
 from jobplane.startup import freeze_startup_heap
 from jobplane.store.sql import SqlStore
-from tests.cli_helpers import free_port, spawn_cli, stop_all, wait_http_ok
+from tests.cli_helpers import free_port, output_of, spawn_cli, stop_all, wait_http_ok
 from tests.store_helpers import slots_used
 from tests.worker_helpers import settled, wait_for
 
@@ -279,6 +279,10 @@ async def test_sigterm_ends_a_blocking_read_at_once(
     proc = spawn_worker("idle", JOBPLANE_POLL_MS=str(poll_s * 1000))
     await wait_for(lambda: _has_definitions(pg_store), what="job registration", timeout_s=30)
     await wait_for(lambda: _blocked_reader(redis_url), what="a blocking read", timeout_s=30)
+    # The Redis client waits for the block's reply: against redis-py's 5 s read timeout, a
+    # block longer than that was a Redis outage logged every poll.
+    await asyncio.sleep(6)
+    assert "Redis unavailable" not in output_of(proc)
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     assert await asyncio.to_thread(proc.wait, 30) == 0

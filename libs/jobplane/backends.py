@@ -69,7 +69,9 @@ async def backends(
 
     try:
         await wait_until_reachable(check_store, "the database", timeout, stop)
-        bus = open_bus(settings.redis_url, settings.key_prefix)
+        bus = open_bus(
+            settings.redis_url, settings.key_prefix, read_timeout_s=settings.bus_read_timeout_s()
+        )
         try:
             await wait_until_reachable(bus.ping, "redis", timeout, stop)
             yield store, bus

@@ -79,6 +79,11 @@ class CommonSettings(BaseSettings):
         """The lease this role's liveness depends on (none for the api)."""
         return None
 
+    def bus_read_timeout_s(self) -> float | None:
+        """How long a Redis reply may take, when the role's blocking reads need longer than
+        redis-py's 5 s (None: that)."""
+        return None
+
     def session_name(self) -> str | None:
         """This process's id as the ``application_name`` of its Postgres sessions (a
         scheduler's replica id, a worker's id: what takes over from it ends its sessions

@@ -37,9 +37,9 @@ class WorkerSettings(CommonSettings):
     concurrency: int = Field(default=16, ge=1, le=100_000)
     #: Bus entries read per round trip.
     batch_size: int = Field(default=256, ge=1, le=100_000)
-    #: How long a read blocks when the queues are empty (bounded so the worker can stop, and
-    #: below the Redis client's 5 s read timeout: a longer block was an outage every poll).
-    poll_ms: int = Field(default=1000, ge=10, le=4000)
+    #: How long a read blocks when the queues are empty (bounded so the worker can stop; the
+    #: Redis client waits this long and 5 s more for a reply, see bus_read_timeout_s).
+    poll_ms: int = Field(default=1000, ge=10, le=60_000)
     #: Every attempt's lease is renewed (and the worker's row refreshed) this often: under
     #: half the lease (an attempt is stopped up to half a lease before its lease ends), and at
     #: most 10 s (the leader takes a worker silent for ``JOBPLANE_DEAD_WORKER_AFTER_S``, 30 s
@@ -64,6 +64,11 @@ class WorkerSettings(CommonSettings):
 
     def liveness_lease_s(self) -> float | None:
         return self.lease_s
+
+    def bus_read_timeout_s(self) -> float:
+        # A read blocks up to poll_ms: against redis-py's 5 s read timeout, a longer block
+        # (JOBPLANE_POLL_MS=10000) was a Redis outage logged every poll.
+        return max(5.0, self.poll_ms / 1000 + 5.0)
 
     @model_validator(mode="after")
     def _renewed_in_time(self) -> Self:

@@ -13,13 +13,18 @@ from jobplane.errors import ConfigurationError
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
-def open_bus(url: str, prefix: str = "jobplane") -> Bus:
-    """A bus for ``url``; it owns the client it creates. Call ``ping()`` to fail fast."""
+def open_bus(url: str, prefix: str = "jobplane", *, read_timeout_s: float | None = None) -> Bus:
+    """A bus for ``url``; it owns the client it creates. Call ``ping()`` to fail fast.
+    ``read_timeout_s``: how long a reply may take (redis-py's 5 s by default), longer than any
+    blocking read the caller makes."""
     keys = Keys(prefix)
     if url.startswith("memory://"):
         return MemoryBus(keys)
     if url.startswith(REDIS_SCHEMES):
-        client = aioredis.from_url(url, socket_connect_timeout=5, health_check_interval=30)
+        timeouts = {} if read_timeout_s is None else {"socket_timeout": read_timeout_s}
+        client = aioredis.from_url(
+            url, socket_connect_timeout=5, health_check_interval=30, **timeouts
+        )
         return RedisBus(client, keys, owns_client=True)
     from jobplane.store.factory import redact  # (the URL may hold a password)
 
