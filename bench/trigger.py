@@ -116,7 +116,7 @@ class RawTrigger:
     client is not what shares its cores."""
 
     REQUEST = (
-        f"POST /api/v1/jobs/{KEY}/instances HTTP/1.1\r\nHost: bench\r\n"
+        f"POST /api/v1/jobs/{KEY}/instances HTTP/1.1\r\nHost: 127.0.0.1\r\n"
         "Content-Type: application/json\r\nContent-Length: 13\r\n\r\n"
         '{"args":null}'
     ).encode()

@@ -12,6 +12,7 @@ The dashboard's login form and session cookie check their secrets with the same
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import math
@@ -202,23 +203,36 @@ class SameSiteOnly:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = Headers(scope=scope)
-        host = headers.get("host", "")
+        # (The raw headers, read once: on every request of a dev api.)
+        host = origin = site = None
+        for name, value in scope["headers"]:
+            if name == b"host":
+                host = value.decode("latin-1")
+            elif name == b"origin":
+                origin = value.decode("latin-1")
+            elif name == b"sec-fetch-site":
+                site = value.decode("latin-1")
+        host = host or ""
         refusal: str | None = None
-        if self.loopback_only and not _is_loopback(_host_name(host)):
+        if self.loopback_only and not _is_loopback_host(host):
             refusal = f"this api answers its own host only, not {host[:100]!r}"
-        elif scope["method"] in UNSAFE_METHODS:
-            origin = headers.get("origin")
-            site = headers.get("sec-fetch-site")
-            if site in ("cross-site", "same-site") or (
-                origin is not None and origin.partition("://")[2] != host
-            ):
-                refusal = "a request from another site (authentication is off)"
+        elif scope["method"] in UNSAFE_METHODS and (
+            site in ("cross-site", "same-site")
+            or (origin is not None and origin.partition("://")[2] != host)
+        ):
+            refusal = "a request from another site (authentication is off)"
         if refusal is None:
             await self.app(scope, receive, send)
             return
         response = problems.problem(403, "Forbidden", refusal, request=Request(scope))
         await response(scope, receive, send)
+
+
+@functools.lru_cache(maxsize=256)
+def _is_loopback_host(host: str) -> bool:
+    """Whether a ``Host`` header names a loopback host (remembered: it is the same on every
+    request)."""
+    return _is_loopback(_host_name(host))
 
 
 def _host_name(host: str) -> str:
