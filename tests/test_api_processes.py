@@ -38,6 +38,15 @@ def _servers(pid: int) -> list[int]:
     return [c for c in _children(pid) if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
+def _env(database_url: str, redis_url: str, prefix: str) -> dict[str, str]:
+    return {
+        "JOBPLANE_DATABASE_URL": database_url,
+        "JOBPLANE_REDIS_URL": redis_url,
+        "JOBPLANE_KEY_PREFIX": prefix,
+        "JOBPLANE_AUTH_ENABLED": "false",
+    }
+
+
 def _start(env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
     port = free_port()
     proc = spawn_cli("api", "--host", "127.0.0.1", "--port", str(port), "--workers", "2", **env)
@@ -49,12 +58,7 @@ def _start(env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
 def test_two_processes_serve_and_stop_gracefully(
     pg_database_url: str, redis_url: str, redis_prefix: str
 ) -> None:
-    env = {
-        "JOBPLANE_DATABASE_URL": pg_database_url,
-        "JOBPLANE_REDIS_URL": redis_url,
-        "JOBPLANE_KEY_PREFIX": redis_prefix,
-        "JOBPLANE_AUTH_ENABLED": "false",
-    }
+    env = _env(pg_database_url, redis_url, redis_prefix)
     proc, url = _start(env)
     try:
         assert len(_servers(proc.pid)) == 2
@@ -72,12 +76,7 @@ def test_a_dead_process_stops_the_role(
 ) -> None:
     """One API process is SIGKILLed: the supervisor stops the other and exits non-zero, so
     the orchestrator restarts the whole role instead of leaving it at half capacity."""
-    env = {
-        "JOBPLANE_DATABASE_URL": pg_database_url,
-        "JOBPLANE_REDIS_URL": redis_url,
-        "JOBPLANE_KEY_PREFIX": redis_prefix,
-        "JOBPLANE_AUTH_ENABLED": "false",
-    }
+    env = _env(pg_database_url, redis_url, redis_prefix)
     proc, _ = _start(env)
     try:
         servers = _servers(proc.pid)
@@ -97,12 +96,7 @@ def test_the_processes_stop_when_their_supervisor_is_killed(
     """SIGKILL of the supervisor (an orchestrator's last resort, an OOM kill) left both API
     processes serving the port, orphans that nothing would stop; each now sees its supervisor
     gone and stops itself, gracefully."""
-    env = {
-        "JOBPLANE_DATABASE_URL": pg_database_url,
-        "JOBPLANE_REDIS_URL": redis_url,
-        "JOBPLANE_KEY_PREFIX": redis_prefix,
-        "JOBPLANE_AUTH_ENABLED": "false",
-    }
+    env = _env(pg_database_url, redis_url, redis_prefix)
     proc, _ = _start(env)
     try:
         servers = _servers(proc.pid)
