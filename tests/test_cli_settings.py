@@ -12,7 +12,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 import jobplane_cli.main as cli_main
 from jobplane.settings import CommonSettings, normalise_database_url
 from jobplane_worker.settings import WorkerSettings
-from tests.cli_helpers import run_cli
+from tests.cli_helpers import free_port, run_cli
+from tests.fixtures.private_servers import private_redis
 
 
 def one_error_line(stderr: str) -> str:
@@ -311,3 +312,26 @@ def test_dev_says_which_jobs_it_does_not_consume_the_queue_of(sqlite_database_ur
     assert "job echo is on queue 'default', which this dev worker does not consume" in (
         result.stderr
     )
+
+
+@pytest.mark.parametrize("credentials", [":wrong@", ""], ids=["wrong-password", "no-password"])
+def test_a_redis_password_refused_is_one_line_at_once(
+    sqlite_database_url: str, credentials: str
+) -> None:
+    """A wrong or missing password was a connection error to redis-py: waited out as an
+    outage until the start-up timeout (a minute by default), then said."""
+    port = free_port()
+    with private_redis(port, "--requirepass", "right"):
+        result = run_cli(
+            "scheduler",
+            timeout=30,  # (well under the start-up timeout below: it is not waited out)
+            env={
+                "JOBPLANE_DATABASE_URL": sqlite_database_url,
+                "JOBPLANE_REDIS_URL": f"redis://{credentials}127.0.0.1:{port}/0",
+                "JOBPLANE_STARTUP_TIMEOUT_S": "300",
+            },
+        )
+    assert result.returncode == 2, result.stderr
+    line = one_error_line(result.stderr)
+    assert line.startswith("error: Redis refuses this connection:"), line
+    assert "wrong" not in line

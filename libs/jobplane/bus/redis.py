@@ -14,7 +14,7 @@ from contextlib import aclosing
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import AuthenticationError, ResponseError
 
 from jobplane.bus.abc import BusEpoch, DeadLetter, StreamStats
 from jobplane.bus.envelope import Envelope, Event
@@ -103,15 +103,23 @@ class RedisBus:
             await self.client.aclose()
 
     async def ping(self) -> None:
+        # Refused at the connection's set-up: a database index the server does not have
+        # (``redis://host/99``), a wrong or missing password. A setting to fix, said in one
+        # line at once: it was a traceback, or (a password: a connection error to redis-py)
+        # an outage waited out until the start-up timeout.
+        refused: Exception | None = None
         try:
             async with translated("ping"):
-                await self.client.ping()
+                try:
+                    await self.client.ping()
+                except AuthenticationError as exc:
+                    refused = exc
         except ResponseError as exc:  # (translated lets a refusal that is not "not now" by)
-            # Refused at the connection's set-up (a database index the server does not have:
-            # ``redis://host/99``): a setting to fix, said in one line (it was a traceback).
+            refused = exc
+        if refused is not None:
             raise ConfigurationError(
-                f"Redis refuses this connection: {exc} (see JOBPLANE_REDIS_URL)"
-            ) from exc
+                f"Redis refuses this connection: {refused} (see JOBPLANE_REDIS_URL)"
+            ) from refused
 
     async def epoch(self) -> BusEpoch:
         # A restart changes the run_id; a FLUSHALL/FLUSHDB on a live server does not, but it
