@@ -23,6 +23,7 @@ from jobplane.domain.states import InstanceState as S
 from jobplane.store.sql import SqlStore
 from tests.apps.ticks import POLICIES
 from tests.cli_helpers import free_port, spawn_cli, stop_all, wait_for_output
+from tests.fixtures.private_servers import redis_command
 from tests.worker_helpers import settled, wait_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -193,19 +194,7 @@ def own_redis(tmp_path: Path) -> Iterator[tuple[str, Callable[[], None]]]:
     if binary is None:
         pytest.skip("redis-server is not installed")
     port = free_port()
-    args = [
-        binary,
-        "--port",
-        str(port),
-        "--bind",
-        "127.0.0.1",
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-        "--dir",
-        str(tmp_path),
-    ]
+    args = redis_command(binary, port, "--dir", str(tmp_path))
     state = {"proc": subprocess.Popen(args, stdout=subprocess.DEVNULL)}
 
     def restart_empty() -> None:

@@ -28,6 +28,7 @@ takes it when no hook returns it; a worker says at start which jobs lack one).
 from __future__ import annotations
 
 import inspect
+import logging
 import typing
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -44,6 +45,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 Resources = Mapping[str, Any]
 StartupHook = Callable[[], Awaitable[Mapping[str, Any] | None]]
 ShutdownHook = Callable[[Resources], Awaitable[None]]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,13 +139,25 @@ class App:
 
     @asynccontextmanager
     async def lifespan(self) -> AsyncIterator[Resources]:
-        """Run the startup hooks, yield the resources, run the shutdown hooks (reversed)."""
+        """Run the startup hooks, yield the resources, run the shutdown hooks (reversed). A
+        worker runs it as it starts: it logs which jobs need a resource no hook returned
+        (each of their attempts fails with ConfigurationError, found only at the first
+        attempt before)."""
         resources: dict[str, Any] = {}
         async with AsyncExitStack() as stack:
             for hook in self._shutdown:
                 stack.push_async_callback(hook, resources)
             for startup in self._startup:
                 resources.update(await startup() or {})
+            for spec in self.jobs.values():
+                if missing := spec.missing_resources(resources):
+                    logger.error(
+                        "job %s needs resource(s) %s, which no startup hook returned: each of "
+                        "its attempts will fail",
+                        spec.key,
+                        ", ".join(repr(name) for name in missing),
+                        extra={"action": "worker.resource_missing", "job_key": spec.key},
+                    )
             yield resources
 
     def _declare(self, kind: JobKind, key: str | None, options: dict[str, Any]) -> Callable[[F], F]:

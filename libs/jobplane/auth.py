@@ -12,6 +12,7 @@ from enum import StrEnum
 from uuid import UUID
 
 from jobplane.domain.limits import check_text
+from jobplane.errors import InvalidOptionsError
 
 TOKEN_PREFIX = "jp_"
 
@@ -75,13 +76,16 @@ TOKEN_NAME_MAX = 200
 
 
 def check_token_request(name: str, lifetime: timedelta | None) -> None:
-    """ValueError unless ``name`` (1 to 200 characters of storable text) and ``lifetime`` (none,
-    or a minute to ten years) are what the API takes: ``jobplane token create`` made an admin
-    token expired at birth (``--expires-in 0d``), a nameless one, or failed in the database."""
+    """InvalidOptionsError (naming ``name`` or ``expires_in``) unless ``name`` (1 to 200
+    characters of storable text) and ``lifetime`` (none, or a minute to ten years) are what the
+    API takes: ``jobplane token create`` made an admin token expired at birth (``--expires-in
+    0d``), a nameless one, or failed in the database."""
     if not name.strip() or len(name) > TOKEN_NAME_MAX:
-        raise ValueError(f"the name must be 1 to {TOKEN_NAME_MAX} characters")
+        raise InvalidOptionsError("name", f"the name must be 1 to {TOKEN_NAME_MAX} characters")
     check_text(name, "name")
     if lifetime is not None and not (
         MIN_TOKEN_LIFETIME_S <= lifetime.total_seconds() <= MAX_TOKEN_LIFETIME_S
     ):
-        raise ValueError("the lifetime must be from a minute (60s, 1m) to ten years (3650d)")
+        raise InvalidOptionsError(
+            "expires_in", "the lifetime must be from a minute (60s, 1m) to ten years (3650d)"
+        )

@@ -23,7 +23,12 @@ import typer
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
-from jobplane.errors import JobplaneError, WorkerEvictedError, WorkerFailedError
+from jobplane.errors import (
+    InvalidOptionsError,
+    JobplaneError,
+    WorkerEvictedError,
+    WorkerFailedError,
+)
 from jobplane.logs import configure_logging
 from jobplane.settings import CommonSettings
 from jobplane.telemetry import configure_tracing, shutdown_tracing
@@ -385,10 +390,13 @@ def token_create(
         raise typer.BadParameter("role must be viewer, operator or admin") from None
     try:
         lifetime = parse_duration(expires_in) if expires_in is not None else None
-        check_token_request(name, lifetime)  # (as the API takes them)
     except ValueError as exc:
-        hint = "--name" if "name" in str(exc) else "--expires-in"
-        raise typer.BadParameter(str(exc), param_hint=hint) from None
+        raise typer.BadParameter(str(exc), param_hint="--expires-in") from None
+    try:
+        check_token_request(name, lifetime)  # (as the API takes them)
+    except InvalidOptionsError as exc:
+        flag = "--name" if exc.field == "name" else "--expires-in"
+        raise typer.BadParameter(exc.reason, param_hint=flag) from None
     settings = CommonSettings()
 
     async def go() -> None:

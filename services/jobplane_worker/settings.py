@@ -68,7 +68,7 @@ class WorkerSettings(CommonSettings):
     def bus_read_timeout_s(self) -> float:
         # A read blocks up to poll_ms: against redis-py's 5 s read timeout, a longer block
         # (JOBPLANE_POLL_MS=10000) was a Redis outage logged every poll.
-        return max(5.0, self.poll_ms / 1000 + 5.0)
+        return self.poll_ms / 1000 + 5.0
 
     @model_validator(mode="after")
     def _renewed_in_time(self) -> Self:

@@ -141,25 +141,9 @@ class Worker:
             await self._run_until(stop, watched)
         logger.info("worker %s stopped", self.id, extra={"action": "worker.stopped"})
 
-    def _log_missing_resources(self) -> None:
-        """Say at start which jobs need a resource no startup hook returned: each of their
-        attempts fails with ``ConfigurationError`` (found only at the first attempt, it was
-        a surprise in production)."""
-        for spec in self.app.jobs.values():
-            missing = spec.missing_resources(self._resources)
-            if missing:
-                logger.error(
-                    "job %s needs resource(s) %s, which no startup hook returned: each of its "
-                    "attempts will fail",
-                    spec.key,
-                    ", ".join(repr(name) for name in missing),
-                    extra={"action": "worker.resource_missing", "job_key": spec.key},
-                )
-
     async def _run_until(self, stop: asyncio.Event, watched: list[asyncio.Task[Any]]) -> None:
         async with self.app.lifespan() as resources:
             self._resources = resources
-            self._log_missing_resources()
             # Postgres may go away right after the startup check (a restart): registering is
             # idempotent, so an outage here is waited out as the startup wait does (up to
             # ``startup_timeout_s``, or until stopped), not a crash of the worker.

@@ -123,7 +123,7 @@ def _push_children(
 def _check_key_collisions(node: dict[Any, Any], path: str) -> None:
     """Refuse an object two of whose keys JSON writes alike (``1`` and ``"1"``, ``True`` and
     ``"true"``): stored, the second silently replaced the first."""
-    seen: set[str] = set()
+    # (Two number keys never read alike: a dict holds 1 or True, not both.)
     for key in node:
         if isinstance(key, bool):
             text = "true" if key else "false"
@@ -131,11 +131,10 @@ def _check_key_collisions(node: dict[Any, Any], path: str) -> None:
             text = str(key)
         else:
             continue  # (text as it is; a huge number is refused by the walk)
-        if text in seen or (text in node and type(key) is not str):
+        if text in node:
             raise InvalidOptionsError(
                 f"{path}.{text}", "this key is given twice (as a number and as text)"
             )
-        seen.add(text)
 
 
 _NUMBER_TEXT = re.compile(r"\s*[-+]?[0-9]+(\.[0-9]*)?\s*")
