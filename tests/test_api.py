@@ -39,6 +39,33 @@ async def test_list_and_get_jobs(api: httpx.AsyncClient) -> None:
     problem_of(await api.get("/api/v1/jobs/nope"), 404)
 
 
+async def test_jobs_count_the_live_workers_that_can_run_them(
+    api: httpx.AsyncClient, store: SqlStore
+) -> None:
+    """``runners``: live workers that registered the job and consume its queue. A worker of
+    another queue, or one stopped, does not count; an edit of the queue is followed."""
+    from jobplane.domain.models import WorkerInfo
+
+    assert (await api.get("/api/v1/jobs/echo")).json()["runners"] == 0
+    pools = {"w-cpu": ("default",), "w-gpu": ("gpu",), "w-old": ("default",)}
+    for worker, queues in pools.items():
+        await store.register_worker(WorkerInfo(worker, "h", 1, queues, 4, "1", ("echo",)))
+    await store.worker_stopped("w-old")
+    jobs = {j["key"]: j for j in (await api.get("/api/v1/jobs")).json()}
+    assert jobs["echo"]["runners"] == 1  # w-cpu: w-gpu consumes another queue, w-old stopped
+    assert jobs["tick"]["runners"] == 0  # no worker registered it
+
+    version = jobs["echo"]["version"]
+    edited = await api.patch(
+        "/api/v1/jobs/echo", json={"version": version, "options": {"queue": "gpu"}}
+    )
+    assert edited.status_code == 200 and edited.json()["runners"] == 1  # w-gpu now
+    moved = await api.patch(
+        "/api/v1/jobs/echo", json={"version": version + 1, "options": {"queue": "mail"}}
+    )
+    assert moved.json()["runners"] == 0
+
+
 async def test_jobs_carry_outcome_success_rate_duration_and_next_fire(
     api: httpx.AsyncClient, store: SqlStore
 ) -> None:

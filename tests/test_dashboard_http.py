@@ -402,6 +402,28 @@ async def test_overview_shows_the_hours_fire_and_pickup_lag(
     assert fire and (fire[1], fire[2]) == ("—", "0")  # no cron tick in the last hour
 
 
+async def test_a_job_no_live_worker_can_run_is_flagged(
+    open_dash: httpx.AsyncClient, store: SqlStore
+) -> None:
+    """A job whose queue no live worker that knows it consumes waits silently: the jobs list
+    marks it "no worker" and its page says so; a worker of its queue clears both."""
+    from jobplane.domain.models import WorkerInfo
+
+    await store.register_worker(WorkerInfo("w-gpu", "h", 1, ("gpu",), 4, "1", ("greet",)))
+    listed = (await open_dash.get("/jobs")).text
+    row = listed[listed.index('href="/jobs/greet"') :].split("</tr>")[0]
+    assert "data-no-runner" in row and "consumes queue default" in row
+    page = (await open_dash.get("/jobs/greet")).text
+    assert 'data-runners="0"' in page and "its instances wait" in page
+
+    await store.register_worker(WorkerInfo("w-cpu", "h", 1, ("default",), 4, "1", ("greet",)))
+    listed = (await open_dash.get("/jobs")).text
+    row = listed[listed.index('href="/jobs/greet"') :].split("</tr>")[0]
+    assert "data-no-runner" not in row
+    page = (await open_dash.get("/jobs/greet")).text
+    assert 'data-runners="1"' in page and "1 on queue default" in page
+
+
 async def test_job_page_charts_the_duration_of_its_latest_runs(
     open_dash: httpx.AsyncClient, store: SqlStore
 ) -> None:

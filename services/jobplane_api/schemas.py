@@ -98,6 +98,13 @@ class JobOut(BaseModel):
         description="95th percentile of attempt duration (claim to end, seconds) of the "
         "attempts that ended in the last 24 h; null when none did.",
     )
+    runners: int = Field(
+        default=0,
+        description="Live workers that registered the job and consume its queue. While it is "
+        "0 the job's instances wait on the queue: a worker that knows the job but consumes "
+        "other queues never runs them. When no live worker has registered the job at all for "
+        "JOBPLANE_UNKNOWN_JOB_TIMEOUT_S, the leader ends its waiting instances Terminated.",
+    )
 
     @classmethod
     def of(
@@ -106,6 +113,7 @@ class JobOut(BaseModel):
         next_fires: list[datetime] | None = None,
         summary: JobSummary | None = None,
         schedule_error: str | None = None,
+        runners: int = 0,
     ) -> JobOut:
         summary = summary or JobSummary(key=definition.key)
         last = None
@@ -126,6 +134,7 @@ class JobOut(BaseModel):
             last_outcome=last,
             success_rate_24h=summary.success_rate,
             p95_duration_s_24h=summary.p95_duration_s,
+            runners=runners,
         )
 
 

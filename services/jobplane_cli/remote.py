@@ -108,7 +108,7 @@ def parse_args(text: str | None) -> Any:
         raise typer.BadParameter(f"--args is not JSON: {exc}") from exc
 
 
-JOB_COLUMNS = ["key", "version", "paused", "next_fire_times"]
+JOB_COLUMNS = ["key", "version", "paused", "runners", "next_fire_times"]
 INSTANCE_COLUMNS = ["id", "job_key", "state", "attempt", "worker_id", "created_at", "reason"]
 
 

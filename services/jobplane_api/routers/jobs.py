@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Annotated
 
@@ -9,7 +10,7 @@ from fastapi import APIRouter, Header, HTTPException, Query, status
 
 from jobplane.cron import next_fire_times
 from jobplane.definitions import announce
-from jobplane.domain.models import JobDefinition, JobSummary
+from jobplane.domain.models import JobDefinition, JobSummary, WorkerInfo
 from jobplane.domain.options import JobKind
 from jobplane.errors import InvalidOptionsError
 from jobplane_api.deps import BusDep, DispatcherDep, StoreDep
@@ -34,8 +35,21 @@ ROLLBACK_EXAMPLE = {"to_version": 3, "version": 7}
 PATCH_EXAMPLE = {"version": 7, "options": {"cron": "*/5 * * * *", "retries": 3}}
 
 
+def runners(workers: Sequence[WorkerInfo], definition: JobDefinition) -> int:
+    """How many live workers can run the job now: they registered it and consume its queue
+    (its stored queue: an edit may have moved it). Its instances wait while there is none; a
+    worker that knows the job but consumes other queues never claims them (a job on a pool's
+    queue that no worker of that pool knows, a queue edited to one nobody consumes)."""
+    key, queue = definition.key, definition.options.queue
+    return sum(1 for w in workers if w.stopped_at is None and key in w.jobs and queue in w.queues)
+
+
 def _out_of(
-    definition: JobDefinition, now: datetime, fires: int, summary: JobSummary | None
+    definition: JobDefinition,
+    now: datetime,
+    fires: int,
+    summary: JobSummary | None,
+    workers: Sequence[WorkerInfo],
 ) -> JobOut:
     """A job with its next ``fires`` fire times. One job's schedule that cannot be computed
     (a stored expression that never fires) is shown on that job, never fails the page."""
@@ -54,12 +68,13 @@ def _out_of(
             )
         except InvalidOptionsError as exc:
             error = str(exc)
-    return JobOut.of(definition, upcoming, summary, error)
+    return JobOut.of(definition, upcoming, summary, error, runners(workers, definition))
 
 
 async def _out(store: StoreDep, definition: JobDefinition, fires: int) -> JobOut:
     summaries = await store.job_summaries([definition.key])
-    return _out_of(definition, await store.now(), fires, summaries.get(definition.key))
+    now, workers = await store.now(), await store.list_workers()
+    return _out_of(definition, now, fires, summaries.get(definition.key), workers)
 
 
 @router.get(
@@ -99,7 +114,8 @@ async def list_jobs(
     keys = [d.key for d in matching] if app is not None else None
     summaries = await store.job_summaries(keys) if matching else {}
     now = await store.now()
-    return [_out_of(d, now, 1, summaries.get(d.key)) for d in matching]
+    workers = await store.list_workers() if matching else []
+    return [_out_of(d, now, 1, summaries.get(d.key), workers) for d in matching]
 
 
 @router.get("/{key}", summary="Get a job", response_model=JobOut, dependencies=[Viewer])
