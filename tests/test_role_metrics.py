@@ -87,6 +87,23 @@ async def test_the_api_counts_and_times_requests_by_route_template(
     assert samples(text, "jobplane_stream_lag")[(("band", "0"), ("queue", "default"))] == 0
 
 
+async def test_the_api_counts_the_live_workers_that_can_run_each_job(
+    api: httpx.AsyncClient, pg_store: SqlStore, redis_bus: Bus
+) -> None:
+    """``jobplane_job_runners``: 0 until a live worker of the job's queue registered it (one
+    of another queue does not count); an alert pairs it with the job's Enqueued count."""
+    from jobplane.domain.models import WorkerInfo
+
+    def runners(text: str) -> float:
+        return samples(text, "jobplane_job_runners")[(("job", "echo"),)]
+
+    assert runners((await api.get("/metrics")).text) == 0
+    for worker, queues in (("w-gpu", ("gpu",)), ("w-cpu", ("default",))):
+        await pg_store.register_worker(WorkerInfo(worker, "h", 1, queues, 4, "1", ("echo",)))
+    # Read afresh: the api's /metrics answers from its cache for a few seconds.
+    assert runners((await api_store_metrics(pg_store, redis_bus)).decode()) == 1
+
+
 async def test_only_the_leading_scheduler_says_it_leads(
     pg_database_url: str, redis_url: str, redis_prefix: str
 ) -> None:

@@ -135,14 +135,6 @@ async def test_throughput_buckets_ends_per_minute_and_per_hour(store: SqlStore) 
     assert sum(b.succeeded for b in await store.throughput(60, 60, "nope")) == 0
 
 
-async def test_queues_are_the_defined_jobs_queues_once_each(store: SqlStore) -> None:
-    assert await store.queues() == []
-    await define(store, "a", queue="reports")
-    await define(store, "b", queue="default")
-    await define(store, "c", queue="reports")
-    assert await store.queues() == ["default", "reports"]
-
-
 async def test_fire_and_pickup_lag_p95_over_the_last_hour(store: SqlStore) -> None:
     from jobplane.domain.models import InstanceSource, NewInstance
 

@@ -1,7 +1,8 @@
-"""Prometheus metrics of the api role, computed at scrape time from the store (two statements:
-instance and worker counts, and the queues' names) and the bus (one round trip: each queue
-stream's length, consumer-group lag and pending entries), and none while the last answer is
-younger than ``ttl_s`` (several Prometheus servers, or a scrape storm, cost nothing more).
+"""Prometheus metrics of the api role, computed at scrape time from the store (three
+statements: instance and live worker counts, the job definitions, the workers) and the bus
+(one round trip: each queue stream's length, consumer-group lag and pending entries), and none
+while the last answer is younger than ``ttl_s`` (several Prometheus servers, or a scrape
+storm, cost nothing more).
 
 These are cluster figures: every api replica reports the same ones (aggregate with ``max``).
 """
@@ -44,8 +45,9 @@ async def render_metrics(store: ApiStore, bus: Bus) -> bytes:
     """A fresh registry per scrape: the figures are the store's and the bus's, not this
     process's. While the bus does not answer, the stream figures are left out."""
     counts, live_workers = await store.gauges()
+    definitions, registered = await store.list_definitions(), await store.list_workers()
     try:
-        streams = await bus.stream_stats(await store.queues())
+        streams = await bus.stream_stats(sorted({d.options.queue for d in definitions}))
     except UnavailableError as exc:
         logger.warning("stream figures left out: %s", exc, extra={"action": "api.metrics"})
         streams = []
@@ -62,6 +64,14 @@ async def render_metrics(store: ApiStore, bus: Bus) -> bytes:
         "jobplane_workers", "Registered workers that have not stopped", registry=registry
     )
     workers.set(live_workers)
+    runners = Gauge(
+        "jobplane_job_runners",
+        "Live workers that registered the job and consume its queue (0: its instances wait)",
+        ["job"],
+        registry=registry,
+    )
+    for definition in definitions:
+        runners.labels(job=definition.key).set(sum(w.runs(definition) for w in registered))
     _stream_gauges(registry, streams)
     return generate_latest(registry)
 

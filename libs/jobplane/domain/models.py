@@ -267,6 +267,16 @@ class WorkerInfo:
     heartbeat_at: datetime | None = None
     stopped_at: datetime | None = None
 
+    def runs(self, definition: JobDefinition) -> bool:
+        """Whether this worker can run the job now: live, it registered the job and consumes
+        the job's stored queue (an edit may have moved it). A worker that knows the job but
+        consumes other queues never claims its instances (one pool's job on another pool)."""
+        return (
+            self.stopped_at is None
+            and definition.key in self.jobs
+            and definition.options.queue in self.queues
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class LeaderLease:

@@ -390,9 +390,6 @@ class ApiStore(DispatchStore, DefinitionEdits, WorkerReads, Protocol):
         and a partial index of the live workers: its cost does not grow with the instances
         nor with the workers that stopped."""
 
-    async def queues(self) -> list[str]:
-        """The queues of the defined jobs, sorted."""
-
     async def job_summaries(
         self, keys: Collection[str] | None = None, *, window_s: float = 86400.0
     ) -> dict[str, JobSummary]:

@@ -32,7 +32,6 @@ from jobplane.store.engine import AsyncConnection
 from jobplane.store.tables import (
     instance_counts,
     instance_transitions,
-    job_definitions,
     job_instances,
     workers,
 )
@@ -91,14 +90,6 @@ class StatsStore(SqlBase):
                 else:
                     counts[(job_key, InstanceState(state))] = int(n)
         return counts, live_workers
-
-    async def queues(self) -> list[str]:
-        """The queues of the defined jobs, sorted (what a metrics scrape asks the bus about)."""
-        async with self._read() as conn:
-            result = await conn.execute(
-                select(job_definitions.c.queue).distinct().order_by(job_definitions.c.queue)
-            )
-            return list(result.scalars())
 
     async def job_summaries(
         self, keys: Collection[str] | None = None, *, window_s: float = DAY_S

@@ -36,12 +36,9 @@ PATCH_EXAMPLE = {"version": 7, "options": {"cron": "*/5 * * * *", "retries": 3}}
 
 
 def runners(workers: Sequence[WorkerInfo], definition: JobDefinition) -> int:
-    """How many live workers can run the job now: they registered it and consume its queue
-    (its stored queue: an edit may have moved it). Its instances wait while there is none; a
-    worker that knows the job but consumes other queues never claims them (a job on a pool's
-    queue that no worker of that pool knows, a queue edited to one nobody consumes)."""
-    key, queue = definition.key, definition.options.queue
-    return sum(1 for w in workers if w.stopped_at is None and key in w.jobs and queue in w.queues)
+    """How many live workers can run the job now (:meth:`WorkerInfo.runs`): while there is
+    none, its instances wait."""
+    return sum(1 for w in workers if w.runs(definition))
 
 
 def _out_of(
