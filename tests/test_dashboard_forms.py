@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import base64
+import html
 import re
 
 import httpx
@@ -103,3 +104,37 @@ async def test_edit_form_takes_only_a_version_a_job_can_have(
     saved = await open_dash.post("/jobs/greet/edit", data={**form, "version": "1"})
     assert saved.status_code == 303, saved.text[:500]
     assert (await store.get_definition("greet")).options.retries == 3
+
+
+async def test_saving_options_keeps_a_descriptions_line_breaks(
+    open_dash: httpx.AsyncClient, store: SqlStore
+) -> None:
+    """A description is a docstring, usually of several lines. It was shown in a one-line
+    input, whose value a browser sends without its line breaks: saving any other option saved
+    the description joined into one line. It is a textarea now, whose line breaks a browser
+    sends as CRLF: the same text, left as it was."""
+    from jobplane.domain.options import JobOptions
+
+    text = "Build the report.\n\nReads the orders <b>and</b> mails the summary\nto finance."
+    await store.register_definition(
+        JobOptions.parse(key="nightly", kind="triggered", description=text), None, "test"
+    )
+    page = (await open_dash.get("/jobs/nightly")).text
+    shown = re.search(r'<textarea[^>]* name="description"[^>]*>\n(.*?)</textarea>', page, re.S)
+    assert shown is not None and html.unescape(shown.group(1)) == text
+
+    csrf = await csrf_of(open_dash, "/jobs/nightly")
+    form = {**edit_values((await store.get_definition("nightly")).options), "csrf": csrf}
+    form |= {"version": "1", "priority": "7", "description": text.replace("\n", "\r\n")}
+    saved = await open_dash.post("/jobs/nightly/edit", data=form)
+    assert saved.status_code == 303, saved.text[:500]
+    stored = await store.get_definition("nightly")
+    assert (stored.options.priority, stored.options.description) == (7, text)
+    [change] = [h for h in await store.definition_history("nightly") if h.version == 2]
+    assert change.options.description == text
+
+    form |= {"version": "2", "description": "One line now.\r\nAnd a second."}
+    assert (await open_dash.post("/jobs/nightly/edit", data=form)).status_code == 303
+    assert (await store.get_definition("nightly")).options.description == (
+        "One line now.\nAnd a second."
+    )

@@ -55,6 +55,12 @@ def changes_from_form(options: JobOptions, form: dict[str, str]) -> dict[str, An
         value = form.get(name, "").strip() if name != "description" else form.get(name, "")
         if value == current[name]:
             continue
+        if name == "description":
+            # A browser sends a textarea's line breaks as CRLF: the same text is left as it
+            # was, and a new one saved with the line breaks a docstring has.
+            value = _lines(value)
+            if value == _lines(current[name]):
+                continue
         if name == "disabled":
             changed[name] = value == "on"
         elif name == "cron":
@@ -62,6 +68,10 @@ def changes_from_form(options: JobOptions, form: dict[str, str]) -> dict[str, An
         else:
             changed[name] = value
     return changed
+
+
+def _lines(text: str) -> str:
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 @dataclass(frozen=True, slots=True)
