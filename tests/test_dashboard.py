@@ -162,6 +162,11 @@ def test_trigger_with_nested_arguments_adds_and_removes_rows(
     expect(lines).to_have_count(2)
     page.locator("#arg-lines-2-sku").fill("B-2")
     page.locator("#arg-lines-2-quantity").fill("0")
+    # A list in a row: its own rows, numbered in the row's; text is shown as written.
+    serials = page.locator("#arg-lines-2-serials")
+    expect(serials).to_contain_text("As printed: SN-__1__-X")
+    serials.get_by_role("button", name="Add serials item").click()
+    page.locator("#arg-lines-2-serials-0").fill("S-9")
     page.get_by_role("button", name="Add tags item").click()
     page.locator("#arg-tags-0").fill("gift")
     page.get_by_role("button", name="Trigger ship_order").click()
@@ -177,6 +182,8 @@ def test_trigger_with_nested_arguments_adds_and_removes_rows(
     expect(page).to_have_url(re.compile(r"/instances/[0-9a-f-]{36}$"))
     expect(page.locator(".page-head .badge").first).to_have_text("succeeded", timeout=15_000)
     expect(page.locator("#result")).to_contain_text('"units": 5')
+    expect(page.locator("#args")).to_contain_text('"serials": [')
+    expect(page.locator("#args")).to_contain_text('"S-9"')
     expect(page.locator("#args")).to_contain_text("Ann <b>")
     page.context.close()
 

@@ -192,6 +192,23 @@ def test_argument_inputs_from_a_flat_schema_only() -> None:
     assert arg_fields(either) is None  # a real union: edited as JSON
 
 
+def test_property_names_an_input_cannot_carry_are_edited_as_json() -> None:
+    """An input's name is the value's path joined by ".", and a row template's holds
+    ``__<depth>__`` where a new row puts its index: ``{"meta.tag": "x"}`` was sent as
+    ``{"tag": "x"}`` (the job ran with its default), ``{"user.name": …}`` could never be sent,
+    and a row's ``x__1__y`` became ``x0y``. Such a schema is edited as JSON."""
+    for name in ("meta.tag", "x__1__y", "__2__", "#", ""):
+        flat = {"type": "object", "properties": {name: {"type": "string"}, "ok": {}}}
+        assert arg_fields(flat) is None, name
+        row = {"type": "object", "properties": {name: {"type": "string"}}}
+        nested = {"type": "object", "properties": {"rows": {"type": "array", "items": row}}}
+        assert arg_fields(nested) is None, name
+    for name in ("user_name", "__dunder__", "a b", "größe", "x__y", "#tag"):
+        fields = arg_fields({"type": "object", "properties": {name: {"type": "string"}}})
+        assert fields is not None, name
+        assert args_from_form(fields, {f"arg.{name}": "v"}) == {name: "v"}
+
+
 def test_argument_inputs_for_nested_objects_and_arrays() -> None:
     """pydantic's schema of nested models ($defs, $ref): fieldsets for objects, rows for
     arrays (as many as the form sent), values rebuilt in shape, refusals mapped to inputs."""
@@ -209,7 +226,11 @@ def test_argument_inputs_for_nested_objects_and_arrays() -> None:
         "address.postcode",
     ]
     assert lines.type == "array" and lines.fields == () and lines.item is not None
-    assert [f.path for f in lines.item.fields] == ["lines.__1__.sku", "lines.__1__.quantity"]
+    assert [f.path for f in lines.item.fields] == [
+        "lines.__1__.sku",
+        "lines.__1__.quantity",
+        "lines.__1__.serials",
+    ]
     assert tags.item is not None and tags.item.type == "string"
 
     form = {

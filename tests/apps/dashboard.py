@@ -43,6 +43,9 @@ class Address(BaseModel):
 class Line(BaseModel):
     sku: str = Field(min_length=1)
     quantity: int = Field(ge=1, description="How many")
+    # A list in a list's row; its description holds the row template's placeholder (the
+    # lines' rows are "lines.__1__"), which a new row once put its index in.
+    serials: list[str] = Field(default=[], description="As printed: SN-__1__-X")
 
 
 class Order(BaseModel):

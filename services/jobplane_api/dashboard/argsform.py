@@ -4,7 +4,7 @@ Strings, integers, numbers and booleans (with an optional ``enum``) get one inpu
 objects become nested fieldsets and arrays a list of rows the user adds and removes. Local
 ``$ref`` s (``#/$defs/…``, as pydantic writes nested models) are followed and an optional
 value (``anyOf`` with ``null``) is edited as its other branch. Any other schema (tuples,
-unions, no properties at all) is edited as JSON.
+unions, no properties at all, a property name an input's name cannot carry) is edited as JSON.
 
 An input's name is ``arg.`` and the value's path, as the API names a refused value
 (``args.items.0.sku`` is the input ``arg.items.0.sku``), so a refusal is shown at its input,
@@ -33,6 +33,10 @@ ROW_INDEX_DIGITS = 6
 #: What an integer or number input converts from (JSON's number syntax, ASCII digits only):
 #: anything else is sent on as text, for the schema to refuse at its field.
 JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+#: What a property name must not hold to get inputs: an input's name is the value's path
+#: joined by ".", a row template's paths hold ``__<depth>__`` where a new row puts its index,
+#: and ``#`` is the row mark. ``{"meta.tag": …}`` was sent as ``{"tag": …}``.
+UNNAMEABLE = re.compile(r"\.|__[0-9]+__|\A#\Z|\A\Z")
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +137,8 @@ class _Schema:
         if kind == "object":
             properties = spec.get("properties")
             if not isinstance(properties, dict) or not properties:
+                return None
+            if any(UNNAMEABLE.search(key) for key in properties):
                 return None
             needed = set(spec.get("required") or ())
             fields = []

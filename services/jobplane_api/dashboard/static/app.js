@@ -79,19 +79,33 @@
     }
   });
 
+  // The placeholder in every attribute under root, the rows of nested lists' templates too.
+  function renumber(root, holder, next) {
+    root.querySelectorAll("*").forEach(function (element) {
+      Array.prototype.forEach.call(element.attributes, function (attribute) {
+        if (attribute.value.indexOf(holder) !== -1) {
+          attribute.value = attribute.value.split(holder).join(next);
+        }
+      });
+      if (element.content) renumber(element.content, holder, next);
+    });
+  }
+
   // Generated argument forms: [data-add-row] copies the array's <template> row with the next
-  // index in place of its placeholder; [data-remove-row] removes its row.
+  // index in place of its placeholder, in the attributes only (names, ids, labels' targets:
+  // a title or description is text as written); [data-remove-row] removes its row.
   document.addEventListener("click", function (event) {
     var add = event.target.closest("[data-add-row]");
     if (add) {
       var array = add.closest("[data-array]");
-      var next = parseInt(array.getAttribute("data-next"), 10);
+      var next = String(parseInt(array.getAttribute("data-next"), 10));
       var holder = array.getAttribute("data-placeholder");
       var template = array.querySelector(":scope > template");
-      var html = template.innerHTML.split(holder).join(String(next));
-      array.setAttribute("data-next", String(next + 1));
+      var row = template.content.cloneNode(true);
+      renumber(row, holder, next);
+      array.setAttribute("data-next", String(parseInt(next, 10) + 1));
       var rows = array.querySelector(":scope > .array-rows");
-      rows.insertAdjacentHTML("beforeend", html);
+      rows.appendChild(row);
       var first = rows.lastElementChild.querySelector("input:not([type=hidden]), select");
       if (first) first.focus();
       return;
