@@ -138,3 +138,30 @@ async def test_saving_options_keeps_a_descriptions_line_breaks(
     assert (await store.get_definition("nightly")).options.description == (
         "One line now.\nAnd a second."
     )
+
+
+async def test_a_long_refusal_is_still_said_after_the_redirect(
+    open_dash: httpx.AsyncClient, store: SqlStore
+) -> None:
+    """Retrying an instance whose arguments the job's schema now refuses: the refusal quotes
+    the arguments, and its flash cookie (6,805 bytes for 5,000 characters) was dropped by the
+    browser, so the page said nothing. The message is cut to fit."""
+    from jobplane.domain.models import NewInstance
+
+    [made] = await store.create_instances(
+        [NewInstance(job_key="greet", args={"name": ["é" * 5000]})]  # stored before a change
+    )
+    await store.request_cancel(made.id, "test")
+    csrf = await csrf_of(open_dash, f"/instances/{made.id}")
+    answer = await open_dash.post(f"/instances/{made.id}/retry", data={"csrf": csrf})
+    assert answer.status_code == 303
+    cookie = answer.headers["set-cookie"]
+    assert cookie.startswith("jp_flash=") and len(cookie.split(";")[0]) < 4000
+    page = (await open_dash.get(answer.headers["location"])).text
+    shown = re.search(r'class="flash flash-error"[^>]*>([^<]*)<', page)
+    assert shown is not None
+    said = html.unescape(shown[1])
+    assert said.startswith("Not retried: args.name: ") and said.endswith("…") and len(said) == 400
+    assert (await store.list_instances(InstanceFilter(job_key="greet"))).items == [
+        await store.get_instance(made.id)
+    ]

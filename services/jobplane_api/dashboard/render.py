@@ -154,8 +154,18 @@ def _scope(app: object) -> str:
     return f"/apps/{quote(app, safe='')}" if isinstance(app, str) and app else ""
 
 
+#: A flash message is cut to this many characters: a browser drops a cookie over 4,096
+#: bytes, and the message with it ("Not retried: " and a refusal quoting 5,000 characters of
+#: arguments left the page saying nothing). Escaped as JSON (at most 6 bytes a character) and
+#: in base64, 400 characters stay under the 4,000 that :func:`read_flash` takes.
+FLASH_MAX = 400
+
+
 def set_flash(response: Response, kind: str, text: str) -> None:
-    """A message shown once on the next page (after a POST's redirect)."""
+    """A message shown once on the next page (after a POST's redirect), cut to
+    :data:`FLASH_MAX` characters."""
+    if len(text) > FLASH_MAX:
+        text = text[: FLASH_MAX - 1] + "…"
     value = base64.urlsafe_b64encode(json.dumps([kind, text]).encode()).decode()
     response.set_cookie(FLASH, value, httponly=True, samesite="lax", path="/", max_age=60)
 
