@@ -100,7 +100,8 @@ async def test_the_dashboard_shares_the_api_throttle(
         assert "set-cookie" not in refused.headers
     for _ in range(2):  # an unknown cookie: an anonymous session, told to log in
         gate = await client.get("/jobs", headers=session(new_secret()))
-        assert gate.status_code == 303 and gate.headers["location"] == "/login?next=/jobs"
+        assert gate.status_code == 303
+        assert gate.headers["location"] == "/login?next=/jobs&ended=page"
         assert f"{COOKIE}=anon." in gate.headers["set-cookie"]  # the browser forgets it
 
     for secret in (good, new_secret()):
@@ -350,7 +351,7 @@ async def test_lists_leave_large_values_out(client: httpx.AsyncClient, pg_store:
     assert one["args"] == big and one["omitted"] == []
 
 
-async def test_metrics_cost_two_statements_and_are_cached(
+async def test_metrics_cost_three_statements_and_are_cached(
     client: httpx.AsyncClient, pg_store: SqlStore
 ) -> None:
     from sqlalchemy import event
@@ -366,9 +367,9 @@ async def test_metrics_cost_two_statements_and_are_cached(
     event.listen(pg_store.engine.sync_engine, "before_cursor_execute", count)
     try:
         first = await client.get("/metrics")
-        assert len(statements) == 2, statements  # the counts, and the queues' names
+        assert len(statements) == 3, statements  # the counts, the definitions, the workers
         again = await client.get("/metrics")
-        assert len(statements) == 2
+        assert len(statements) == 3
         # The cluster figures are reused (the process's own request figures move on).
         assert _cluster_figures(again.text) == _cluster_figures(first.text)
     finally:

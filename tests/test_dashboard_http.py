@@ -11,6 +11,7 @@ from uuid import UUID
 import httpx
 
 from jobplane.auth import Role
+from jobplane.domain.models import InstanceFilter
 from jobplane.store.sql import SqlStore
 from jobplane_api.dashboard.access import safe_next
 from jobplane_api.dashboard.argsform import (
@@ -94,6 +95,52 @@ async def test_session_cookie_roles_and_revocation(
     assert await pg_store.revoke_token(info.id, "test")
     after = await dash.get("/", follow_redirects=False)
     assert after.status_code == 303 and after.headers["location"].startswith("/login")
+
+
+async def test_a_form_sent_after_the_session_ended_says_so(
+    dash: httpx.AsyncClient, pg_store: SqlStore
+) -> None:
+    """A form sent after the session's token was revoked or expired was refused as a stale
+    form token ("reload the page"), which led to the sign-in page without a word. It goes
+    to the sign-in page now, which says the session ended and that nothing was done, and
+    then back to the page the form was on."""
+    info, secret = await pg_store.create_token("ann", Role.OPERATOR, "test")
+    csrf = await csrf_of(dash, "/login")
+    assert (await dash.post("/login", data={"token": secret, "csrf": csrf})).status_code == 303
+    found = CSRF.search((await dash.get("/jobs/greet")).text)
+    assert found
+    assert await pg_store.revoke_token(info.id, "test")
+
+    page = dash.base_url.join("/jobs/greet")
+    sent = await dash.post(
+        "/jobs/greet/trigger",
+        data={"args": '{"name": "Ada"}', "csrf": found[1]},
+        headers={"Referer": str(page)},
+    )
+    assert sent.status_code == 303
+    assert sent.headers["location"] == "/login?next=/jobs/greet&ended=form"
+    login = await dash.get(sent.headers["location"])
+    assert "Your session ended" in login.text and "What you sent was not done." in login.text
+    assert (await pg_store.list_instances(InstanceFilter(job_key="greet"))).items == []
+
+    # A page opened instead says the session ended, without the form's part; a form sent
+    # from another site's page comes back to the Overview.
+    for opened in (False, True):
+        info, secret = await pg_store.create_token("bob", Role.OPERATOR, "test")
+        csrf = await csrf_of(dash, "/login")
+        assert (await dash.post("/login", data={"token": secret, "csrf": csrf})).is_redirect
+        found = CSRF.search((await dash.get("/jobs/greet")).text)
+        assert found and await pg_store.revoke_token(info.id, "test")
+        if opened:
+            gate = await dash.get("/jobs/greet", follow_redirects=False)
+            assert gate.headers["location"] == "/login?next=/jobs/greet&ended=page"
+            login = await dash.get(gate.headers["location"])
+            assert "Your session ended" in login.text and "not done" not in login.text
+        else:
+            foreign = {"Referer": "https://evil.example/jobs/greet"}
+            other = await dash.post("/jobs/greet/pause", data={"csrf": found[1]}, headers=foreign)
+            assert other.headers["location"] == "/login?next=/&ended=form"
+    assert not (await pg_store.get_definition("greet")).paused
 
 
 def test_safe_next_keeps_only_local_paths() -> None:

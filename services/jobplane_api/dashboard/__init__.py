@@ -45,7 +45,8 @@ async def _login_required(request: Request, exc: LoginRequired) -> Response:
     if request.headers.get(LIVE_HEADER):
         response = Response("signed out", status_code=401, media_type="text/plain")
     else:
-        response = RedirectResponse(f"/login?next={_quote(exc.next_url)}", status_code=303)
+        ended = ("&ended=form" if exc.sent else "&ended=page") if exc.ended else ""
+        response = RedirectResponse(f"/login?next={_quote(exc.next_url)}{ended}", status_code=303)
     return _keep(response, request)
 
 

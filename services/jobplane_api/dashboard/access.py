@@ -16,6 +16,7 @@ from jobplane_api.dashboard.session import (
     Forbidden,
     SessionDep,
     checked,
+    keep,
     new_anonymous,
     set_cookie,
     token_of,
@@ -40,10 +41,21 @@ def safe_next(target: str | None) -> str:
 
 
 @router.get("/login", response_class=HTMLResponse)
-async def login_form(request: Request, session: SessionDep, next: str = "/") -> Response:
+async def login_form(
+    request: Request, session: SessionDep, next: str = "/", ended: str = ""
+) -> Response:
+    """The sign-in form; ``ended`` (set by the redirect here) says the session's token was
+    revoked or expired, on opening a page (``page``) or sending a form (``form``)."""
     if session.role is not None:
         return RedirectResponse(safe_next(next), status_code=303)
-    return await render(request, session, "login.html", {"next": safe_next(next), "error": None})
+    notice = None
+    if ended in ("page", "form"):
+        notice = "Your session ended: its token is no longer valid (revoked or expired)."
+        notice += " Sign in again."
+        if ended == "form":
+            notice += " What you sent was not done."
+    context = {"next": safe_next(next), "error": None, "notice": notice}
+    return await render(request, session, "login.html", context)
 
 
 @router.post("/login", response_class=HTMLResponse)
@@ -71,6 +83,8 @@ async def login(
 
 @router.post("/logout")
 async def logout(request: Request, session: SessionDep) -> Response:
+    if session.ended:  # its token was revoked or expired: signed out already
+        return keep(RedirectResponse("/login", status_code=303), request, session)
     await checked(request, session)
     if session.role is None:
         raise Forbidden("you are not logged in")

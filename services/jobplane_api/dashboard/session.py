@@ -30,6 +30,7 @@ import hmac
 import secrets
 from dataclasses import dataclass
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 from fastapi import Depends, Request
 from starlette.responses import Response
@@ -50,11 +51,16 @@ _COOKIE_MAX = 200
 
 
 class LoginRequired(JobplaneError):
-    """The page needs a logged-in session; answered by a redirect to the login form."""
+    """The page needs a logged-in session; answered by a redirect to the login form, which
+    says so when ``ended`` (the session's token was revoked or expired meanwhile), and that
+    what was ``sent`` was not done."""
 
-    def __init__(self, next_url: str) -> None:
+    def __init__(self, next_url: str, *, ended: bool = False, sent: bool = False) -> None:
         super().__init__(next_url)
         self.next_url = next_url
+        self.ended = ended
+        #: A form was sent (and not acted on) when the session was found ended.
+        self.sent = sent
 
 
 class Forbidden(JobplaneError):
@@ -83,6 +89,8 @@ class Session:
     role: Role | None
     token: TokenInfo | None  # None when auth is off or nobody is logged in
     auth_enabled: bool
+    #: The cookie held a token's secret that no longer signs in (revoked or expired).
+    ended: bool = False
 
     @property
     def csrf(self) -> str:
@@ -126,7 +134,7 @@ async def _session_of(request: Request, store: ApiStore, auth_enabled: bool) -> 
         return Session(cookie, False, None, None, True)
     token = await token_of(request, store, cookie)
     if token is None:  # unknown, or revoked meanwhile: back to an anonymous session
-        return Session(new_anonymous(), True, None, None, True)
+        return Session(new_anonymous(), True, None, None, True, ended=True)
     return Session(cookie, False, token.role, token, True)
 
 
@@ -161,7 +169,7 @@ def viewer(request: Request, session: SessionDep) -> Session:
     """A page: any logged-in role; otherwise a redirect to the login form."""
     if session.role is None:
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        raise LoginRequired(target)
+        raise LoginRequired(target, ended=session.ended)
     return session
 
 
@@ -184,6 +192,10 @@ def require(role: Role) -> Any:
     """A state-changing request: CSRF checked first, then ``role``."""
 
     async def check(request: Request, session: SessionDep) -> Session:
+        if session.ended:
+            # Said as such, not as the stale form token it also is: sign in again, and come
+            # back to the page the form was on.
+            raise LoginRequired(_page_of(request), ended=True, sent=True)
         await checked(request, session)
         if session.role is None:
             raise Forbidden("you are not logged in")
@@ -193,6 +205,14 @@ def require(role: Role) -> Any:
 
     check.__name__ = f"dashboard_require_{role.value}"
     return Depends(check)
+
+
+def _page_of(request: Request) -> str:
+    """The page of this site a form was sent from (its Referer), or the Overview."""
+    referer = urlsplit(request.headers.get("referer", ""))
+    if referer.netloc != request.headers.get("host") or not referer.path.startswith("/"):
+        return "/"
+    return referer.path + (f"?{referer.query}" if referer.query else "")
 
 
 OperatorDep = Annotated[Session, require(Role.OPERATOR)]
