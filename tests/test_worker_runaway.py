@@ -5,6 +5,7 @@ given back then whatever its code ends with and whatever the store does meanwhil
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from pathlib import Path
@@ -18,6 +19,7 @@ from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.states import InstanceState as S
 from jobplane.store.sql import SqlStore
+from jobplane_worker.attempt import ASYNC_STOP_S
 from jobplane_worker.worker import Worker
 from tests.apps.basic import app
 from tests.store_helpers import slots_used
@@ -188,3 +190,44 @@ async def _slot_free(store: SqlStore, key: str) -> bool:
 
 def _action(record: logging.LogRecord) -> str:
     return str(getattr(record, "action", ""))
+
+
+async def test_an_async_job_that_swallows_its_cancellation_fails_on_time(
+    pg_store: SqlStore, redis_bus: Bus, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An async job that catches every CancelledError and goes on: it ran until its code
+    returned, however long after its timeout, Processing all along and holding its slot,
+    and nothing was logged. Its attempt now ends Failed on time and the task runs on as a
+    runaway, holding the job's slot and a worker slot until it returns, as a sync one does."""
+    app = App("swallower")
+    release = asyncio.Event()
+
+    @app.triggered(timeout_s=0.5, max_concurrency=1)
+    async def swallows() -> str:
+        while not release.is_set():
+            with contextlib.suppress(asyncio.CancelledError):  # ignores its cancellation
+                await asyncio.sleep(0.05)
+        return "late"
+
+    caplog.set_level(logging.WARNING, logger="jobplane_worker.worker")
+    loop = asyncio.get_running_loop()
+    try:
+        async with running_worker(app, pg_store, redis_bus, timeout_grace_s=0.2) as worker:
+            started = loop.time()
+            instance = await Dispatcher(pg_store, redis_bus).trigger("swallows")
+            [failed] = await settled(pg_store, [instance.id])
+            assert loop.time() - started < 0.5 + 0.2 + ASYNC_STOP_S + MARGIN_S
+            assert failed.state is S.TERMINATED and failed.error is not None
+            assert failed.error.type == "TimeoutError"
+            assert await slots_used(pg_store, "swallows") == 1  # its code still runs
+            assert worker.runaway_count == 1
+            assert _sample(worker, "jobplane_worker_runaways_total", job="swallows") == 1
+            release.set()
+            await wait_for(lambda: _slot_free(pg_store, "swallows"), what="the slot to come back")
+            await wait_for(lambda: _runaways_gone(worker), what="the runaway to be let go")
+    finally:
+        release.set()
+    actions = [_action(r) for r in caplog.records]
+    assert "worker.runaway" in actions
+    [returned] = [r for r in caplog.records if _action(r) == "worker.runaway_returned"]
+    assert "returned at last" in returned.getMessage()

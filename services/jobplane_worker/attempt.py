@@ -6,6 +6,7 @@ import asyncio
 import functools
 import logging
 import random
+from collections.abc import Coroutine
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from enum import Enum
@@ -51,7 +52,8 @@ class Attempt:
     released: bool = False
     #: Set by the outcome recorder once this attempt's outcome was written (or refused).
     done: asyncio.Event = field(default_factory=asyncio.Event)
-    #: A sync job's code, running in a pool thread (``None`` for async and isolated jobs).
+    #: A sync job's code, running in a pool thread, or an async job's task once it ignored
+    #: its cancellation at its timeout (a runaway); ``None`` otherwise.
     code: asyncio.Future[Any] | None = None
     #: The worker is stopping: once the code stops, the instance is released, not recorded
     #: (unless it timed out meanwhile).
@@ -69,7 +71,8 @@ class Attempt:
 
     @property
     def code_running(self) -> bool:
-        """A pool thread still runs this attempt's code (it cannot be stopped from outside)."""
+        """This attempt's code still runs and cannot be stopped: a pool thread, or an async
+        job that swallows its cancellation."""
         return self.code is not None and not self.code.done()
 
 
@@ -150,7 +153,7 @@ async def run_attempt(
             )
         elif spec.is_async:
             kwargs = spec.bind(ctx, claim.instance.args, resources)
-            result = await _run_async(spec, kwargs, timeout, grace_s, ctx)
+            result = await _run_async(spec, kwargs, timeout, grace_s, attempt)
         else:
             kwargs = spec.bind(ctx, claim.instance.args, resources)
             result = await _run_sync(spec, kwargs, timeout, attempt, pool, grace_s)
@@ -228,17 +231,39 @@ def _raised(attempt: Attempt, exc: BaseException) -> Outcome:
     return _failed(claim, exc)
 
 
+#: How long an async job gets to end once its task is cancelled at its timeout's grace
+#: (cleanup it awaits on the way out); after that it is a runaway, left running.
+ASYNC_STOP_S = 1.0
+
+
 async def _run_async(
-    spec: JobSpec, kwargs: dict[str, Any], timeout_s: float, grace_s: float, ctx: JobContext
+    spec: JobSpec,
+    kwargs: dict[str, Any],
+    timeout_s: float,
+    grace_s: float,
+    attempt: Attempt,
 ) -> Any:
-    """Await the job in this task. Timeout, two phases: the cancellation signal is set, and
-    the task is cancelled only if the job has not returned ``grace_s`` later. A cancel request
-    or a shutdown cancels the task at once (asyncio cancellation is itself cooperative)."""
+    """Run the job in a task of its own and wait for it. Timeout, two phases: the
+    cancellation signal is set, and ``grace_s`` later the job's task is cancelled; if it has
+    not ended ``ASYNC_STOP_S`` after that (its code swallows the cancellation and goes on),
+    the attempt ends on TimeoutError anyway and the task is left to run as a runaway
+    (``attempt.code``), as a sync job's thread is. Awaited in this task, it ran on until its
+    code returned, however long after its timeout: its instance stayed Processing and its
+    slot held, and nothing said why. A cancel request or a stop of the worker's cancels this
+    task, and so the job's (asyncio cancellation is itself cooperative: a job that swallows
+    one of those is waited for, as before)."""
+    ctx = attempt.ctx
     task = asyncio.current_task()
     assert task is not None
     loop = asyncio.get_running_loop()
-    hard: list[asyncio.TimerHandle] = []
+    code = loop.create_task(_contained(spec.func(**kwargs)))
+    detached = loop.create_future()
+    timers: list[asyncio.TimerHandle] = []
     returned = False
+
+    def stop_code() -> None:
+        code.cancel()
+        timers.append(loop.call_later(ASYNC_STOP_S, _resolve, detached))
 
     def on_signal() -> None:
         if returned:
@@ -248,27 +273,83 @@ async def _run_async(
             # the instance left to the reaper.
             return
         if ctx.cancellation.reason == StopReason.TIMEOUT:
-            hard.append(loop.call_later(grace_s, task.cancel))
+            timers.append(loop.call_later(grace_s, stop_code))
         else:
             task.cancel()
 
     ctx.cancellation.on_set(on_signal)
-    soft = loop.call_later(timeout_s, ctx.cancellation.set, StopReason.TIMEOUT)
+    timers.append(loop.call_later(timeout_s, ctx.cancellation.set, StopReason.TIMEOUT))
+    stopped: asyncio.CancelledError | None = None
     try:
-        result = await spec.func(**kwargs)
-    except asyncio.CancelledError:
-        if ctx.cancellation.reason != StopReason.TIMEOUT:
-            raise
-        task.uncancel()
-        raise TimeoutError from None
+        while not code.done() and not detached.done():
+            try:
+                await asyncio.wait({code, detached}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError as exc:
+                # A stop of the worker's (it set the signal first): passed on to the job,
+                # whose own handling of it is waited for.
+                stopped = exc
+                code.cancel()
     finally:
         returned = True
-        soft.cancel()
-        for handle in hard:
-            handle.cancel()
+        for timer in timers:
+            timer.cancel()
+    if not code.done():
+        attempt.code = code  # it ignores its cancellation: a runaway, left running
+        _report_runaway(ctx, timeout_s + grace_s + ASYNC_STOP_S)
+        raise TimeoutError
+    return _ended_as(code, stopped, ctx)
+
+
+def _ended_as(
+    code: asyncio.Task[tuple[bool, Any]], stopped: asyncio.CancelledError | None, ctx: JobContext
+) -> Any:
+    """What an async job's task that ended returned, or raises what ends its attempt."""
+    if code.cancelled():
+        if stopped is not None:
+            raise stopped
+        if ctx.cancellation.reason == StopReason.TIMEOUT:
+            raise TimeoutError  # cancelled at its timeout's grace
+        raise asyncio.CancelledError  # cancelled by the job's own code: its failure
+    ended, value = code.result()
+    if not ended:
+        raise value  # what the job raised (a BaseException too), as if awaited here
     if ctx.cancellation.reason == StopReason.TIMEOUT:
         raise TimeoutError  # it noticed the signal and returned: the attempt still timed out
-    return result
+    return value
+
+
+async def _contained(job: Coroutine[Any, Any, Any]) -> tuple[bool, Any]:
+    """(True, what the job returned) or (False, what it raised): anything but its task's
+    cancellation. Raised in a task of its own, ``SystemExit`` and ``KeyboardInterrupt`` would
+    go out of the event loop and end the worker's process."""
+    task = asyncio.current_task()
+    try:
+        return True, await job
+    except asyncio.CancelledError as exc:
+        if task is not None and task.cancelling():
+            raise  # this task's cancellation (a stop, or the timeout's)
+        return False, exc  # the job's own (a future something else cancelled): its failure
+    except GeneratorExit as exc:
+        if not _stepped_by(task):
+            raise  # this coroutine is being closed (its task destroyed with its loop)
+        return False, exc
+    except BaseException as exc:  # the job's outcome, whatever it is
+        return False, exc
+
+
+def raised_by(code: asyncio.Future[Any]) -> BaseException | None:
+    """What a job's code that ended raised (None: it returned): a pool thread's future, or an
+    async job's task, whose result holds it (see :func:`_contained`)."""
+    exc = code.exception()
+    if exc is None and isinstance(code, asyncio.Task):
+        ended, value = code.result()
+        return None if ended else value
+    return exc
+
+
+def _resolve(future: asyncio.Future[Any]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 async def _run_sync(
@@ -299,8 +380,8 @@ async def _run_sync(
 
 def _report_runaway(ctx: JobContext, after_s: float) -> None:
     logger.warning(
-        "sync job %s (%s) ignores its timeout: recorded failed after %g s; it keeps its "
-        "concurrency slot and its thread until its code returns",
+        "job %s (%s) ignores its timeout: recorded failed after %g s; it keeps its "
+        "concurrency slot (and a sync job its thread) until its code returns",
         ctx.job_key,
         ctx.instance_id,
         after_s,

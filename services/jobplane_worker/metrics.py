@@ -81,8 +81,8 @@ class WorkerMetrics:
         ).set_function(running)
         Gauge(
             "jobplane_worker_runaway_jobs",
-            "Sync jobs running past their timeout and grace that ignore their cancellation "
-            "(each holds a pool thread and a concurrency slot)",
+            "Jobs running past their timeout and grace that ignore their cancellation (each "
+            "holds a worker slot, a sync one its pool thread, and a concurrency slot)",
             registry=self.registry,
         ).set_function(runaways)
         self.claims = Counter(
@@ -101,7 +101,7 @@ class WorkerMetrics:
         )
         self.runaways = Counter(
             "jobplane_worker_runaways",
-            "Sync jobs that were seen to ignore their timeout",
+            "Jobs (sync or async) that were seen to ignore their timeout",
             ["job"],
             registry=self.registry,
         )

@@ -1,6 +1,7 @@
-"""Runaways: sync jobs whose attempt ended (timeout, or fenced) while their code still runs in
-a pool thread, which cannot be stopped from outside. Each keeps a worker slot, and its job's
-concurrency slot if its Failed outcome was recorded holding it, until its thread returns.
+"""Runaways: jobs whose attempt ended (timeout, or fenced) while their code still runs: in a
+pool thread, which cannot be stopped from outside, or an async job that swallowed its
+cancellation at its timeout. Each keeps a worker slot, and its job's concurrency slot if its
+Failed outcome was recorded holding it, until its code returns.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from jobplane.domain.models import Instance
 from jobplane.domain.options import OnLimit
 from jobplane.errors import StoreUnavailableError, UnavailableError
 from jobplane.store.abc import WorkerStore
-from jobplane_worker.attempt import Attempt
+from jobplane_worker.attempt import Attempt, raised_by
 from jobplane_worker.job_errors import describe
 from jobplane_worker.metrics import WorkerMetrics
 from jobplane_worker.retrying import SIDE_WRITE_RETRY_S, retrying
@@ -155,5 +156,5 @@ def _how_it_ended(code: asyncio.Future[Any]) -> str:
     """How a runaway's code ended, for the log (the job's exception may not even print)."""
     if code.cancelled():
         return "was cancelled"
-    exc = code.exception()
+    exc = raised_by(code)
     return "returned" if exc is None else f"raised {describe(exc)}"
