@@ -141,3 +141,22 @@ def test_load_app() -> None:
         load_app("no_such_module:app")
     with pytest.raises(ConfigurationError, match=r"not a jobplane\.App"):
         load_app("examples.hello:greet")
+
+
+def test_a_bad_option_names_the_job_it_is_about() -> None:
+    """An app of many jobs that declares one with a cron that never fires, or an unknown
+    zone, failed to load with "cron: never fires: …" alone: which job, the operator had to
+    find. The error keeps its field and names the job and its function."""
+    app = App("named")
+    with pytest.raises(InvalidOptionsError) as refused:
+
+        @app.recurring("0 0 31 2 *")
+        def never() -> None: ...
+
+    assert refused.value.field == "cron"
+    assert f"(job 'never', {__name__}.test_a_bad_option_names_the_job_it_is_about" in str(
+        refused.value
+    )
+    with pytest.raises(InvalidOptionsError, match=r"unknown IANA .* \(job 'mars', ") as zone:
+        app.recurring("* * * * *", key="mars", timezone="Mars/Olympus")(lambda: None)
+    assert zone.value.field == "timezone" and app.jobs == {}

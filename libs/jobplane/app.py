@@ -162,7 +162,13 @@ class App:
 
     def _declare(self, kind: JobKind, key: str | None, options: dict[str, Any]) -> Callable[[F], F]:
         def decorator(func: F) -> F:
-            spec = _spec_for(func, kind, key, {"queue": self.default_queue, **options})
+            try:
+                spec = _spec_for(func, kind, key, {"queue": self.default_queue, **options})
+            except InvalidOptionsError as exc:
+                # Said with the job it is about: an app of many jobs failed to load with
+                # "cron: never fires: …" alone.
+                where = f"job {key or func.__name__!r}, {func.__module__}.{func.__qualname__}"
+                raise InvalidOptionsError(exc.field, f"{exc.reason} ({where})") from None
             if spec.key in self.jobs:
                 raise InvalidOptionsError("key", f"job {spec.key!r} is declared twice")
             self.jobs[spec.key] = spec
