@@ -73,6 +73,36 @@ def test_migrate_creates_the_schema_and_is_idempotent(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stderr
 
 
+def test_a_database_migrate_cannot_upgrade_is_one_line(tmp_path: Path) -> None:
+    """``jobplane migrate`` (and ``jobplane dev``, which migrates first) on a database a
+    newer version migrated, or holding a table of another application's of a name the schema
+    uses, printed Alembic's or SQLAlchemy's traceback (120-210 lines, exit 1); an in-memory
+    SQLite database (each connection its own, empty) waited out the start-up timeout and
+    then said to run `jobplane migrate`. One line each now, exit 2, nothing changed."""
+    import sqlite3
+
+    newer = tmp_path / "newer.db"
+    assert run_cli("migrate", JOBPLANE_DATABASE_URL=f"sqlite:///{newer}").returncode == 0
+    with sqlite3.connect(newer) as db:
+        db.execute("UPDATE alembic_version SET version_num = '0099'")
+    shared = tmp_path / "shared.db"
+    with sqlite3.connect(shared) as db:
+        db.execute("CREATE TABLE workers (id INTEGER PRIMARY KEY)")
+    for url, said in (
+        (f"sqlite:///{newer}", "unknown to this version"),
+        (f"sqlite:///{shared}", "table workers already exists (give Jobplane a database"),
+        ("sqlite:///:memory:", "in-memory SQLite database, which is not shared"),
+    ):
+        for command in (["migrate"], ["dev", "--app", "tests.apps.basic:app"]):
+            result = run_cli(*command, JOBPLANE_DATABASE_URL=url, JOBPLANE_STARTUP_TIMEOUT_S="5")
+            assert result.returncode == 2, (command, url, result.stderr[-2000:])
+            [line] = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
+            assert said in line and "Traceback" not in result.stderr, result.stderr[-2000:]
+    with sqlite3.connect(shared) as db:
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert tables == {"workers"}  # the failed migration left nothing behind
+
+
 def test_unreachable_database_is_one_line_not_a_traceback() -> None:
     result = run_cli(
         "worker",

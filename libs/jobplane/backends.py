@@ -12,7 +12,13 @@ from contextlib import asynccontextmanager
 
 from jobplane.bus.abc import Bus
 from jobplane.bus.factory import open_bus
-from jobplane.errors import ConfigurationError, SchemaBehindError, StoreUnavailableError
+from jobplane.errors import (
+    ConfigurationError,
+    SchemaBehindError,
+    StoreRefusedError,
+    StoreUnavailableError,
+    first_line,
+)
 from jobplane.settings import CommonSettings
 from jobplane.startup import wait_until_reachable
 from jobplane.store import schema
@@ -37,10 +43,25 @@ async def migrate_database(
                 raise StoreUnavailableError(f"cannot reach {redact(url)}: {exc}") from exc
 
         await wait_until_reachable(reach, "the database", startup_timeout_s, stop)
+        revision = await schema.current_revision(engine)
+        known = revision in (None, schema.head_revision()) or schema.is_ancestor(revision)
+        if revision is not None and not known:
+            raise _unknown_revision(url, revision)  # (Alembic's: a 120-line traceback)
         # Alembic only here, for `jobplane migrate`: a role checks the schema without it.
+        from alembic.util.exc import CommandError
+
         from jobplane.store import migrate
 
-        await migrate.upgrade(engine)
+        try:
+            async with reachable():
+                await migrate.upgrade(engine)
+        except (StoreRefusedError, CommandError) as exc:
+            # The database holds what this schema cannot be made over: a table of another
+            # application's of the same name, say (the migration is rolled back).
+            raise ConfigurationError(
+                f"cannot migrate {redact(url)}: {first_line(exc)} (give Jobplane a database, "
+                "or a SQLite file, of its own)"
+            ) from exc
         return await schema.current_revision(engine) or "base"
     except StoreUnavailableError:
         raise
@@ -48,6 +69,13 @@ async def migrate_database(
         raise StoreUnavailableError(f"cannot reach {redact(url)}: {exc}") from exc
     finally:
         await engine.dispose()
+
+
+def _unknown_revision(url: str, revision: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"database {redact(url)} is at schema revision {revision}, unknown to this version "
+        f"(which needs {schema.head_revision()}): it was migrated by a newer Jobplane"
+    )
 
 
 @asynccontextmanager
@@ -109,7 +137,4 @@ async def _check_store(store: SqlStore, url: str) -> None:
             f"database {redact(url)} is at schema revision {revision or 'none'}, "
             f"this version needs {head}: run `jobplane migrate`"
         )
-    raise ConfigurationError(
-        f"database {redact(url)} is at schema revision {revision}, unknown to this version "
-        f"(which needs {head}): it was migrated by a newer Jobplane"
-    )
+    raise _unknown_revision(url, revision)

@@ -12,9 +12,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import ColumnElement, event, literal
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.pool import ConnectionPoolEntry
 
+from jobplane.errors import ConfigurationError
 from jobplane.store.creation import DUE_PREFIX, ENQUEUED_CHANNEL
 from jobplane.store.engine import AsyncConnection, AsyncEngine, create_async_engine
 from jobplane.store.sql import SqlStore
@@ -223,6 +224,15 @@ class _RollbackOnClose(sqlite3.Connection):
 
 
 def sqlite_engine(url: str, **kwargs: Any) -> AsyncEngine:
+    parsed = make_url(url)
+    if parsed.database in (None, "", ":memory:") or parsed.query.get("mode") == "memory":
+        # Each connection would open a database of its own, empty: `jobplane migrate` (and
+        # `jobplane dev`'s own migration) migrated one and the roles found another, waited out
+        # the start-up timeout and then said to run `jobplane migrate`.
+        raise ConfigurationError(
+            f"{url!r} is an in-memory SQLite database, which is not shared between "
+            "connections: use a file, e.g. sqlite:///jobplane.db"
+        )
     kwargs.setdefault("connect_args", {})["factory"] = _RollbackOnClose
     engine = create_async_engine(url, **kwargs)
 
