@@ -15,7 +15,7 @@ from sqlalchemy import ColumnElement, event, literal
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.pool import ConnectionPoolEntry
 
-from jobplane.errors import ConfigurationError
+from jobplane.errors import ConfigurationError, StoreUnavailableError
 from jobplane.store.creation import DUE_PREFIX, ENQUEUED_CHANNEL
 from jobplane.store.engine import AsyncConnection, AsyncEngine, create_async_engine
 from jobplane.store.sql import SqlStore
@@ -93,8 +93,29 @@ class SqliteStore(SqlStore):
 
     @asynccontextmanager
     async def _write(self) -> AsyncIterator[AsyncConnection]:
-        async with self._turns, super()._write() as conn:
-            yield conn
+        await self._take_turn()
+        try:
+            async with super()._write() as conn:
+                yield conn
+        finally:
+            self._turns.release()
+
+    async def _take_turn(self) -> None:
+        """This transaction's turn, waited for at most the busy timeout: while another
+        connection holds the file's lock, each transaction ahead waits that long in its
+        BEGIN, and an API request queued behind a role's few waited out each one in turn (148
+        s for a lock of 150 s) before its own. It is an outage after the busy timeout, as its
+        own BEGIN would be (so an answer within twice the timeout, a 503 from the API)."""
+        if not self._turns.locked():
+            await self._turns.acquire()  # free: taken at once, no timer
+            return
+        try:
+            await asyncio.wait_for(self._turns.acquire(), BUSY_TIMEOUT_MS / 1000)
+        except TimeoutError:
+            raise StoreUnavailableError(
+                f"database is locked: the transactions ahead of this one waited "
+                f"{BUSY_TIMEOUT_MS / 1000:g} s for the file"
+            ) from None
 
     _read = _write
 
