@@ -58,17 +58,49 @@ def _start(env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
 def test_two_processes_serve_and_stop_gracefully(
     pg_database_url: str, redis_url: str, redis_prefix: str
 ) -> None:
+    """And /metrics sums the processes' request figures: each process counted only its own,
+    so scrapes, answered by one process or the other, saw the counters go back and forth."""
     env = _env(pg_database_url, redis_url, redis_prefix)
     proc, url = _start(env)
     try:
-        assert len(_servers(proc.pid)) == 2
-        with httpx.Client(base_url=url) as client:
+        servers = _servers(proc.pid)
+        assert len(servers) == 2
+        shared = {_environ(pid).get("PROMETHEUS_MULTIPROC_DIR") for pid in servers}
+        [directory] = shared
+        assert directory and Path(directory).is_dir()
+        # A connection each, so that both processes answer.
+        close = {"Connection": "close"}
+        with httpx.Client(base_url=url, headers=close) as client:
             answers = [client.get("/api/v1/jobs").status_code for _ in range(20)]
+            scrapes = [client.get("/metrics").text for _ in range(8)]
         assert set(answers) == {200}
+        listed = [_requests(text, "/api/v1/jobs") for text in scrapes]
+        assert listed == [20.0] * 8, listed
+        scraped = [_requests(text, "/metrics") for text in scrapes]
+        assert scraped == sorted(scraped) and scraped[-1] >= 6, scraped
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
+        assert not Path(directory).exists()
     finally:
         stop_all([proc])
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().partition("=")[::2] for item in raw if b"=" in item)
+
+
+def _requests(text: str, route: str) -> float:
+    """jobplane_api_requests_total of GET ``route`` answered 200 (0 before the first)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "jobplane_api_requests_total"
+        and sample.labels == {"method": "GET", "route": route, "status": "200"}
+    )
 
 
 def test_a_dead_process_stops_the_role(

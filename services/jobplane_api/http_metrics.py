@@ -7,6 +7,7 @@ matched no route (a 404, or one refused before routing) is ``unmatched``.
 
 from __future__ import annotations
 
+import os
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -17,8 +18,14 @@ UNMATCHED = "unmatched"
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
+#: Set by ``jobplane api --workers N`` for its processes: the Prometheus client keeps every
+#: process's figures in files there (read when it is imported), and a scrape sums them.
+MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
+
+
 class RequestMetrics:
-    """The api process's request figures, in a registry of its own."""
+    """The api process's request figures, in a registry of its own; with several processes,
+    rendered as the sum of all of theirs."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -37,6 +44,12 @@ class RequestMetrics:
         )
 
     def render(self) -> bytes:
+        if os.environ.get(MULTIPROC_DIR):
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            summed = CollectorRegistry()
+            MultiProcessCollector(summed)  # type: ignore[no-untyped-call]
+            return generate_latest(summed)
         return generate_latest(self.registry)
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import socket
-from collections.abc import AsyncIterator, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+import tempfile
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
@@ -23,7 +25,7 @@ from jobplane.startup import freeze_startup_heap
 from jobplane.store.abc import ApiStore
 from jobplane_api import dashboard, docs, problems
 from jobplane_api.authn import AuthenticateFirst, Authenticator, SameSiteOnly
-from jobplane_api.http_metrics import MeasureRequests, RequestMetrics
+from jobplane_api.http_metrics import MULTIPROC_DIR, MeasureRequests, RequestMetrics
 from jobplane_api.inputs import decimal
 from jobplane_api.metrics import MetricsCache
 from jobplane_api.protocol import ProblemHttpProtocol
@@ -244,9 +246,30 @@ def run_api_processes(settings: ApiSettings, process_main: ProcessMain) -> int:
             extra={"action": "api.processes"},
         )
         args = [(settings, sock, n) for n in range(settings.api_workers)]
-        return supervise(process_main, args, grace_s=PROCESS_STOP_TIMEOUT_S)
+        with shared_request_metrics():
+            return supervise(process_main, args, grace_s=PROCESS_STOP_TIMEOUT_S)
     finally:
         sock.close()
+
+
+@contextmanager
+def shared_request_metrics() -> Iterator[None]:
+    """The processes' request figures, kept in files of a directory of their own (the
+    Prometheus client's multiprocess mode, which they read at start from
+    ``PROMETHEUS_MULTIPROC_DIR``) and summed by whichever process answers a scrape: each
+    counted only its own, so a scrape saw one process's counters or the other's, going back
+    and forth. Removed with the processes."""
+    directory = tempfile.mkdtemp(prefix="jobplane-api-metrics-")
+    previous = os.environ.get(MULTIPROC_DIR)
+    os.environ[MULTIPROC_DIR] = directory  # (inherited by the processes spawned now)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[MULTIPROC_DIR]
+        else:
+            os.environ[MULTIPROC_DIR] = previous
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 #: How long the API processes get to finish their requests once told to stop.

@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from jobplane.bus.abc import Bus, StreamStats
 from jobplane.errors import UnavailableError
@@ -43,7 +45,9 @@ class MetricsCache:
 
 async def render_metrics(store: ApiStore, bus: Bus) -> bytes:
     """A fresh registry per scrape: the figures are the store's and the bus's, not this
-    process's. While the bus does not answer, the stream figures are left out."""
+    process's. While the bus does not answer, the stream figures are left out. (Metric
+    families, not gauges: the api's processes keep their gauges' values in shared files, see
+    :data:`jobplane_api.http_metrics.MULTIPROC_DIR`, summed per process.)"""
     counts, live_workers = await store.gauges()
     definitions, registered = await store.list_definitions(), await store.list_workers()
     try:
@@ -51,53 +55,56 @@ async def render_metrics(store: ApiStore, bus: Bus) -> bytes:
     except UnavailableError as exc:
         logger.warning("stream figures left out: %s", exc, extra={"action": "api.metrics"})
         streams = []
-    registry = CollectorRegistry()
-    instances = Gauge(
-        "jobplane_instances",
-        "Instances by job and state",
-        ["job", "state"],
-        registry=registry,
+    instances = GaugeMetricFamily(
+        "jobplane_instances", "Instances by job and state", labels=["job", "state"]
     )
     for (job, state), count in sorted(counts.items()):
-        instances.labels(job=job, state=state.value).set(count)
-    workers = Gauge(
-        "jobplane_workers", "Registered workers that have not stopped", registry=registry
+        instances.add_metric([job, state.value], count)
+    workers = GaugeMetricFamily(
+        "jobplane_workers", "Registered workers that have not stopped", value=live_workers
     )
-    workers.set(live_workers)
-    runners = Gauge(
+    runners = GaugeMetricFamily(
         "jobplane_job_runners",
         "Live workers that registered the job and consume its queue (0: its instances wait)",
-        ["job"],
-        registry=registry,
+        labels=["job"],
     )
     for definition in definitions:
-        runners.labels(job=definition.key).set(sum(w.runs(definition) for w in registered))
-    _stream_gauges(registry, streams)
+        runners.add_metric([definition.key], sum(w.runs(definition) for w in registered))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Figures([instances, workers, runners, *_stream_families(streams)]))
     return generate_latest(registry)
 
 
-def _stream_gauges(registry: CollectorRegistry, streams: list[StreamStats]) -> None:
+class _Figures(Collector):
+    """Figures computed once, served by one scrape."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families
+
+
+def _stream_families(streams: list[StreamStats]) -> list[Metric]:
     labels = ["queue", "band"]
-    length = Gauge(
+    length = GaugeMetricFamily(
         "jobplane_stream_entries",
         "Entries in a queue's band stream (unread, or delivered and not yet acknowledged)",
-        labels,
-        registry=registry,
+        labels=labels,
     )
-    lag = Gauge(
+    lag = GaugeMetricFamily(
         "jobplane_stream_lag",
         "Entries of a queue's band stream never delivered to the workers' consumer group",
-        labels,
-        registry=registry,
+        labels=labels,
     )
-    pending = Gauge(
+    pending = GaugeMetricFamily(
         "jobplane_stream_pending",
         "Entries of a queue's band stream delivered to a worker and not yet acknowledged",
-        labels,
-        registry=registry,
+        labels=labels,
     )
     for stream in streams:
-        values = (stream.queue, str(stream.band))
-        length.labels(*values).set(stream.length)
-        lag.labels(*values).set(stream.lag)
-        pending.labels(*values).set(stream.pending)
+        values = [stream.queue, str(stream.band)]
+        length.add_metric(values, stream.length)
+        lag.add_metric(values, stream.lag)
+        pending.add_metric(values, stream.pending)
+    return [length, lag, pending]
