@@ -293,6 +293,19 @@ async def test_batch_and_single_trigger_refuse_naive_run_at(api: httpx.AsyncClie
     assert (await api.get("/api/v1/instances")).json()["items"] == []
 
 
+async def test_a_batch_refusal_names_the_item(api: httpx.AsyncClient) -> None:
+    """An item's arguments the job's schema refuses were named "args.value", whichever item
+    it was (three hundred, say): the field is the body's now, ``items.<n>.args…``."""
+    url = "/api/v1/instances/batch"
+    good = {"job_key": "echo", "args": {"value": 1}}
+    bad = {"job_key": "echo", "args": {"value": "y"}}
+    for items, field in (([good, good, bad], "items.2.args.value"), ([bad], "items.0.args.value")):
+        problem = problem_of(await api.post(url, json={"items": items}), 422)
+        [error] = problem["errors"]
+        assert error["field"] == field, problem
+    assert (await api.get("/api/v1/instances")).json()["items"] == []
+
+
 @pytest.mark.parametrize("number", [253402300799, 1700000000, 1.5, "1700000000"])
 async def test_a_time_given_as_a_number_is_refused_naming_its_field(
     api: httpx.AsyncClient, number: object

@@ -35,6 +35,7 @@ from jobplane.errors import (
     BusUnavailableError,
     IllegalTransitionError,
     InstanceNotFoundError,
+    InvalidOptionsError,
     JobNotFoundError,
     StaleDefinitionError,
     StoreConflictError,
@@ -150,17 +151,25 @@ class Dispatcher(Publisher):
         JobDisabledError or InvalidArgumentsError before anything is created. In the hold
         debug mode, triggers of triggered jobs are created held."""
         if len(requests) == 1 and self.fence is None:
-            return [await self._trigger_one(requests[0])]
+            try:
+                return [await self._trigger_one(requests[0])]
+            except InvalidOptionsError as exc:
+                exc.item = 0
+                raise
         definitions = {
             d.key: d for d in await self.store.list_definitions({r.job_key for r in requests})
         }
-        for request in requests:
-            check_json(request.args, "args")
-            check_priority(request.priority)
-            definition = definitions.get(request.job_key)
-            if definition is None:
-                continue  # create_instances raises JobNotFoundError with the key
-            await self._checked(request, definition)  # (a replay stands: the insert returns it)
+        for n, request in enumerate(requests):
+            try:
+                check_json(request.args, "args")
+                check_priority(request.priority)
+                definition = definitions.get(request.job_key)
+                if definition is None:
+                    continue  # create_instances raises JobNotFoundError with the key
+                await self._checked(request, definition)  # (a replay stands: as inserted)
+            except InvalidOptionsError as exc:
+                exc.item = n  # which request of the batch
+                raise
         if self.hold_triggered:
             requests = [
                 replace(r, held=True) if held_in_debug(r, definitions.get(r.job_key)) else r

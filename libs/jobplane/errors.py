@@ -33,7 +33,10 @@ class SchemaBehindError(ConfigurationError):
 
 
 class InvalidOptionsError(JobplaneError, ValueError):
-    """A job option is invalid. ``field`` names the option, ``reason`` says why."""
+    """A job option is invalid. ``field`` names the option, ``reason`` says why; ``item`` is
+    the position of the request it is about in a batch (``Dispatcher.trigger_many``)."""
+
+    item: int | None = None
 
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: {reason}")

@@ -111,7 +111,13 @@ async def batch_trigger(
                 actor=actor_of(principal),
             )
         )
-    made = await dispatcher.trigger_many(requests)
+    try:
+        made = await dispatcher.trigger_many(requests)
+    except InvalidOptionsError as exc:
+        if exc.item is None:
+            raise
+        # The field as the body names it: which item ("args.n" alone named none of them).
+        raise type(exc)(f"items.{exc.item}.{exc.field}", exc.reason) from None
     new = {r.id for r in requests}  # (an earlier instance a key replayed is checked as read)
     return [InstanceOut.of(i, args_checked=i.id in new) for i in made]
 
