@@ -257,13 +257,17 @@ async def _run_async(
     assert task is not None
     loop = asyncio.get_running_loop()
     code = loop.create_task(_contained(spec.func(**kwargs)))
-    detached = loop.create_future()
+    # What this task waits on: resolved when the job's task ends, or when it is given up as
+    # a runaway. (Not ``await code``: a job that swallows its cancellation would hold this
+    # task too. Not ``asyncio.wait``: twice the cost, for every attempt.)
+    waiting: list[asyncio.Future[None]] = [loop.create_future()]
+    code.add_done_callback(lambda _: _resolve(waiting[-1]))
     timers: list[asyncio.TimerHandle] = []
     returned = False
 
     def stop_code() -> None:
         code.cancel()
-        timers.append(loop.call_later(ASYNC_STOP_S, _resolve, detached))
+        timers.append(loop.call_later(ASYNC_STOP_S, lambda: _resolve(waiting[-1])))
 
     def on_signal() -> None:
         if returned:
@@ -281,14 +285,17 @@ async def _run_async(
     timers.append(loop.call_later(timeout_s, ctx.cancellation.set, StopReason.TIMEOUT))
     stopped: asyncio.CancelledError | None = None
     try:
-        while not code.done() and not detached.done():
+        while not code.done():
             try:
-                await asyncio.wait({code, detached}, return_when=asyncio.FIRST_COMPLETED)
+                await waiting[-1]
             except asyncio.CancelledError as exc:
                 # A stop of the worker's (it set the signal first): passed on to the job,
-                # whose own handling of it is waited for.
+                # whose own handling of it is waited for (the cancel took the waiter).
                 stopped = exc
                 code.cancel()
+                waiting.append(loop.create_future())
+                continue
+            break  # the job's task ended, or was given up
     finally:
         returned = True
         for timer in timers:
