@@ -165,3 +165,26 @@ async def test_a_long_refusal_is_still_said_after_the_redirect(
     assert (await store.list_instances(InstanceFilter(job_key="greet"))).items == [
         await store.get_instance(made.id)
     ]
+
+
+async def test_a_refusal_a_browser_meets_is_a_page(open_dash: httpx.AsyncClient) -> None:
+    """A form sent for a job deleted meanwhile (or any refusal of a dashboard route) was
+    answered with problem+json, which a browser shows as raw text. A request asking for HTML
+    off the API's paths gets an HTML page with the same status; the API, and any client not
+    asking for HTML, keep problem+json."""
+    csrf = await csrf_of(open_dash, "/jobs/greet")
+    page = {"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"}
+    for path, status in (("/jobs/nope/pause", 404), ("/jobs/greet/rollback", 422)):
+        answer = await open_dash.post(path, data={"csrf": csrf}, headers=page)
+        assert answer.status_code == status, answer.text[:300]
+        assert answer.headers["content-type"].startswith("text/html")
+        assert "<html" in answer.text and "frame-ancestors 'none'" in str(
+            answer.headers["content-security-policy"]
+        )
+        plain = await open_dash.post(path, data={"csrf": csrf})
+        assert plain.status_code == status
+        assert plain.headers["content-type"] == "application/problem+json"
+    missing = await open_dash.post("/jobs/nope/pause", data={"csrf": csrf}, headers=page)
+    assert "no job with key" in html.unescape(missing.text)
+    api = await open_dash.get("/api/v1/jobs/nope", headers=page)
+    assert api.status_code == 404 and api.headers["content-type"] == "application/problem+json"

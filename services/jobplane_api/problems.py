@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jobplane.errors import (
@@ -37,7 +37,9 @@ def problem(
     *,
     request: Request | None = None,
     errors: list[dict[str, Any]] | None = None,
-) -> JSONResponse:
+) -> Response:
+    if request is not None and _wants_a_page(request):
+        return _page(request, status, title, detail)
     body: dict[str, Any] = {"type": "about:blank", "title": title, "status": status}
     if detail is not None:
         body["detail"] = detail
@@ -46,6 +48,24 @@ def problem(
     if errors is not None:
         body["errors"] = errors
     return JSONResponse(body, status_code=status, media_type=PROBLEM_JSON)
+
+
+def _wants_a_page(request: Request) -> bool:
+    """A browser on the dashboard (a form sent for a job deleted meanwhile, say): answered
+    with an HTML page it can show, not with problem+json. The API's paths, and any client
+    that does not ask for HTML, get problem+json."""
+    if request.url.path.startswith("/api/"):
+        return False
+    return "text/html" in request.headers.get("accept", "")
+
+
+def _page(request: Request, status: int, title: str, detail: str | None) -> Response:
+    from jobplane_api.dashboard.render import HEADERS, templates
+
+    context = {"session": None, "flash": None, "title": title, "detail": detail or title}
+    return templates.TemplateResponse(
+        request, "error.html", context, status_code=status, headers=HEADERS
+    )
 
 
 #: Domain errors that map to one status each.
@@ -72,14 +92,14 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _http)  # type: ignore[arg-type]
 
 
-def _fixed(status: int, title: str) -> Callable[[Request, Exception], Awaitable[JSONResponse]]:
-    async def handle(request: Request, exc: Exception) -> JSONResponse:
+def _fixed(status: int, title: str) -> Callable[[Request, Exception], Awaitable[Response]]:
+    async def handle(request: Request, exc: Exception) -> Response:
         return problem(status, title, str(exc), request=request)
 
     return handle
 
 
-async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+async def _validation(request: Request, exc: RequestValidationError) -> Response:
     errors = [
         {"field": ".".join(str(p) for p in e["loc"]), "reason": e["msg"]} for e in exc.errors()
     ]
@@ -87,12 +107,12 @@ async def _validation(request: Request, exc: RequestValidationError) -> JSONResp
     return problem(422, "Invalid request", first, request=request, errors=errors)
 
 
-async def _invalid(request: Request, exc: InvalidOptionsError) -> JSONResponse:
+async def _invalid(request: Request, exc: InvalidOptionsError) -> Response:
     errors = [{"field": exc.field, "reason": exc.reason}]
     return problem(422, "Invalid request", str(exc), request=request, errors=errors)
 
 
-async def _unstorable(request: Request, exc: StoreRefusedError) -> JSONResponse:
+async def _unstorable(request: Request, exc: StoreRefusedError) -> Response:
     # The database refused a value the schema let through (NUL in text, an escape jsonb
     # rejects, a date out of range: SQLSTATE class 22): bad input, not a server fault.
     # Anything else is a real fault and stays a 500.
@@ -104,20 +124,20 @@ async def _unstorable(request: Request, exc: StoreRefusedError) -> JSONResponse:
     return problem(422, "Invalid request", "a value cannot be stored", request=request)
 
 
-async def _not_utf8(request: Request, exc: UnicodeEncodeError) -> JSONResponse:
+async def _not_utf8(request: Request, exc: UnicodeEncodeError) -> Response:
     # JSON may carry lone surrogates ("\ud800"), which no UTF-8 database can store.
     reason = "text must be valid Unicode (no lone surrogates)"
     return problem(422, "Invalid request", reason, request=request)
 
 
-async def _unavailable(request: Request, exc: UnavailableError) -> JSONResponse:
+async def _unavailable(request: Request, exc: UnavailableError) -> Response:
     # The detail (host, port) goes to the log only.
     logger.warning("%s", exc, extra={"action": "api.unavailable"})
     what = "redis" if isinstance(exc, BusUnavailableError) else "database"
     return problem(503, "Service unavailable", f"{what}: unavailable", request=request)
 
 
-async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _http(request: Request, exc: StarletteHTTPException) -> Response:
     response = problem(exc.status_code, _title(exc.status_code), str(exc.detail), request=request)
     for name, value in (exc.headers or {}).items():
         response.headers[name] = value
