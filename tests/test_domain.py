@@ -96,6 +96,18 @@ def test_sources_of_enqueued() -> None:
         ({"key": "a", "kind": "recurring", "start_at": 253402300799}, "start_at"),
         ({"key": "a", "kind": "recurring", "end_at": "1700000000"}, "end_at"),
         ({"key": "a", "kind": "triggered", "max_concurrency": 0}, "max_concurrency"),
+        # A boolean was read as 1 or 0: "retries": true saved one retry, and so on.
+        ({"key": "a", "kind": "triggered", "retries": True}, "retries"),
+        ({"key": "a", "kind": "triggered", "max_concurrency": True}, "max_concurrency"),
+        ({"key": "a", "kind": "triggered", "timeout_s": True}, "timeout_s"),
+        ({"key": "a", "kind": "triggered", "priority": False}, "priority"),
+        (
+            {"key": "a", "kind": "triggered", "max_unexpected_retries": True},
+            "max_unexpected_retries",
+        ),
+        ({"key": "a", "kind": "recurring", "misfire_max": True}, "misfire_max"),
+        ({"key": "a", "kind": "recurring", "misfire_grace_s": True}, "misfire_grace_s"),
+        ({"key": "a", "kind": "triggered", "backoff": {"factor": True}}, "backoff.factor"),
         ({"key": "a", "kind": "triggered", "retries": -1}, "retries"),
         ({"key": "a", "kind": "triggered", "timeout_s": 0}, "timeout_s"),
         ({"key": "a", "kind": "triggered", "priority": 10}, "priority"),

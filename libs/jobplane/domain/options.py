@@ -105,6 +105,11 @@ class Backoff(BaseModel):
     max_delay_s: float = Field(default=300.0, ge=0, le=SECONDS_MAX)
     jitter: bool = True
 
+    @field_validator("delay_s", "factor", "max_delay_s", mode="before")
+    @classmethod
+    def _not_a_bool(cls, value: Any) -> Any:
+        return not_a_bool(value)
+
     def delay_for(self, retry_number: int, random_fraction: float = 1.0) -> float:
         """Seconds to wait before retry number ``retry_number`` (1-based).
 
@@ -165,6 +170,20 @@ class JobOptions(BaseModel):
     misfire_grace_s: float = Field(
         default=1.0, ge=0, le=86_400, json_schema_extra={"minimum": MISFIRE_GRACE_MIN}
     )
+
+    @field_validator(
+        "priority",
+        "max_concurrency",
+        "retries",
+        "max_unexpected_retries",
+        "timeout_s",
+        "misfire_max",
+        "misfire_grace_s",
+        mode="before",
+    )
+    @classmethod
+    def _not_a_bool(cls, value: Any) -> Any:
+        return not_a_bool(value)
 
     @field_validator("key")
     @classmethod
@@ -322,6 +341,14 @@ def options_error(exc: ValidationError) -> InvalidOptionsError:
     field = ".".join(str(part) for part in first["loc"]) or "options"
     message = first["msg"].removeprefix("Value error, ")
     return InvalidOptionsError(field, message)
+
+
+def not_a_bool(value: Any) -> Any:
+    """``value``, unless it is true or false: read as 1 or 0 (``"retries": true`` saved one
+    retry, ``max_concurrency=True`` one at a time), a number given as a boolean is refused."""
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not true or false")
+    return value
 
 
 def check_priority(value: object, field: str = "priority") -> int | None:
