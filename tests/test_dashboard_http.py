@@ -4,6 +4,7 @@ every page renders, the session and CSRF rules hold, and the filters the pages u
 from __future__ import annotations
 
 import asyncio
+import html
 import json
 import re
 
@@ -414,3 +415,33 @@ async def test_cancel_then_retry_everything_a_filter_selects_after_a_count(
         InstanceFilter(job_key="greet", states=(InstanceState.ENQUEUED,))
     )
     assert sorted(i.retry_of for i in retries.items if i.retry_of) == sorted(i.id for i in made)
+
+
+async def test_a_filter_value_naming_no_state_is_said_and_acts_on_nothing(
+    open_dash: httpx.AsyncClient, store: SqlStore
+) -> None:
+    """``?state=Failed`` (capitalised) or ``?state=bogus`` was dropped without a word: the
+    list showed every instance, and "Cancel all…" from it took every cancellable one. A state
+    is read whatever its case; anything else is said on the page, and an action on the
+    filter refuses it, changing nothing."""
+    from jobplane.domain.models import NewInstance
+    from jobplane.domain.states import InstanceState
+
+    await store.create_instances([NewInstance(job_key="greet", args={"name": "a"})])
+    shown = (await open_dash.get("/instances", params={"state": "ENQUEUED"})).text
+    assert "Left out of the filter" not in shown and 'value="enqueued" checked' in shown
+    page = (await open_dash.get("/instances", params={"state": "bogus", "since": "2d"})).text
+    assert "Left out of the filter" in page and "<code>bogus</code>" in page
+    assert "<code>2d</code>" in page
+    hidden = re.findall(r'<input type="hidden" name="(state|since)" value="([^"]*)">', page)
+    assert ("state", "bogus") in hidden and ("since", "2d") in hidden  # (the bulk form's)
+
+    csrf = await csrf_of(open_dash, "/instances")
+    for filter_ in ({"state": "bogus"}, {"since": "2d"}):
+        data = {**filter_, "csrf": csrf, "action": "cancel", "confirmed": "1"}
+        refused = await open_dash.post("/instances/bulk-filter", data=data)
+        assert refused.status_code == 303
+        said = (await open_dash.get(refused.headers["location"])).text
+        assert "Nothing done:" in html.unescape(said)
+    [waiting] = (await store.list_instances(InstanceFilter())).items
+    assert waiting.state is InstanceState.ENQUEUED

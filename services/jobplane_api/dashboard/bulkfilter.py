@@ -48,6 +48,11 @@ async def bulk_filter(
         app=str(form.get("app") or ""),
     )
     back = _list_url(listing)
+    if listing.unknown:
+        response = RedirectResponse(back, status_code=303)
+        said = ", ".join(repr(v[:40]) for v in listing.unknown)
+        set_flash(response, "error", f"Nothing done: {said} names no state or time range.")
+        return response
     if action not in DEFAULT_STATES:
         response = RedirectResponse(back, status_code=303)
         set_flash(response, "error", "Choose cancel or retry.")

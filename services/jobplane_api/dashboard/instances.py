@@ -57,6 +57,7 @@ async def list_instances(
         "app": app,
         "ranges": RANGES,
         "jobs": listing.jobs,
+        "unknown": listing.unknown,
         "now": await store.now(),
     }
     name = "_instances.html" if partial else "instances.html"

@@ -23,6 +23,9 @@ class Listing:
     #: The filter as query parameters (to link to the same selection).
     query: list[tuple[str, str]]
     states: tuple[InstanceState, ...]
+    #: Filter values that name no state or range ("bogus", "2d"): said, never read as "any"
+    #: (an action on everything the list selects would then take every instance).
+    unknown: tuple[str, ...] = ()
 
     def with_default_states(self, states: tuple[InstanceState, ...]) -> InstanceFilter:
         """The filter, selecting ``states`` when it names none (what an action applies to)."""
@@ -32,7 +35,11 @@ class Listing:
 async def listing_of(
     store: ApiStore, *, state: Sequence[str], job: str, worker: str, since: str, app: str
 ) -> Listing:
-    states = tuple(InstanceState(s) for s in state if s in set(InstanceState))
+    known = {s.value for s in InstanceState}
+    named = [s.strip().lower() for s in state if s.strip()]
+    states = tuple(dict.fromkeys(InstanceState(s) for s in named if s in known))
+    unread = tuple(s for s in named if s not in known)
+    unknown = unread + ((since,) if since not in RANGES else ())
     minutes = RANGES.get(since, 0)
     now = await store.now()
     # An app's scope: its jobs' instances (none when it has no job).
@@ -44,7 +51,9 @@ async def listing_of(
         worker_id=worker.strip() or None,
         created_after=now - timedelta(minutes=minutes) if minutes else None,
     )
-    query = [("state", s.value) for s in states]
-    filters = (("job", job), ("worker", worker), ("since", since if minutes else ""), ("app", app))
+    # (What it cannot read goes on with the filter: the actions on everything it selects
+    # refuse it rather than read it as "any".)
+    query = [("state", s.value) for s in states] + [("state", s) for s in unread]
+    filters = (("job", job), ("worker", worker), ("since", since), ("app", app))
     query += [(k, v) for k, v in filters if v]
-    return Listing(selected, jobs, query, states)
+    return Listing(selected, jobs, query, states, unknown)
