@@ -14,7 +14,7 @@ from uuid import UUID
 import pytest
 from pydantic import BaseModel
 
-from jobplane import App
+from jobplane import App, JobContext
 from jobplane.bus.abc import Bus
 from jobplane.dispatch import Dispatcher
 from jobplane.domain.states import InstanceState as S
@@ -231,3 +231,53 @@ async def test_an_async_job_that_swallows_its_cancellation_fails_on_time(
     assert "worker.runaway" in actions
     [returned] = [r for r in caplog.records if _action(r) == "worker.runaway_returned"]
     assert "returned at last" in returned.getMessage()
+
+
+async def test_a_cancellation_after_an_async_timeout_is_the_timeout(
+    pg_store: SqlStore, redis_bus: Bus
+) -> None:
+    """Once an async job's timeout has signalled, a CancelledError of its own (it cancels
+    the work it awaited, on the signal) is the timeout's: taken for a stop of the worker's,
+    the attempt was released, timed out again, and again (13 runs in 4 s). Recorded Failed
+    (timeout) once, Terminated with no retry left."""
+    app = App("own_cancel")
+    runs: list[int] = []
+
+    @app.triggered(timeout_s=0.3)
+    async def cancels_its_work(ctx: JobContext) -> str:
+        runs.append(ctx.attempt)
+        work = asyncio.create_task(asyncio.sleep(10))
+        signalled = asyncio.create_task(ctx.cancellation.wait())
+        await asyncio.wait({work, signalled}, return_when=asyncio.FIRST_COMPLETED)
+        work.cancel()
+        await work  # raises the job's own CancelledError
+        return "unreachable"
+
+    async with running_worker(app, pg_store, redis_bus, timeout_grace_s=0.2):
+        instance = await Dispatcher(pg_store, redis_bus).trigger("cancels_its_work")
+        [ended] = await settled(pg_store, [instance.id])
+        await asyncio.sleep(1.0)  # (a release would have run it again by now)
+    assert ended.state is S.TERMINATED and ended.error is not None
+    assert ended.error.type == "TimeoutError" and runs == [1]
+
+
+async def test_a_drain_during_an_async_timeout_grace_records_the_timeout(
+    pg_store: SqlStore, redis_bus: Bus
+) -> None:
+    """The worker stops while an async job is in its timeout's grace (signalled, not yet
+    cancelled): the attempt timed out, and is recorded so, not released to run again."""
+    app = App("drained")
+    started = asyncio.Event()
+
+    @app.triggered(timeout_s=0.3)
+    async def slow(ctx: JobContext) -> None:
+        started.set()
+        await asyncio.sleep(30)  # ignores the signal, but not a cancel
+
+    async with running_worker(app, pg_store, redis_bus, timeout_grace_s=5, grace_s=0.1):
+        instance = await Dispatcher(pg_store, redis_bus).trigger("slow")
+        await asyncio.wait_for(started.wait(), 10)
+        await asyncio.sleep(0.6)  # signalled at 0.3 s; cancelled only at 5.3 s
+    ended = await pg_store.get_instance(instance.id)
+    assert ended.state is S.TERMINATED and ended.error is not None
+    assert ended.error.type == "TimeoutError" and ended.attempt == 1

@@ -304,23 +304,34 @@ async def _run_async(
         attempt.code = code  # it ignores its cancellation: a runaway, left running
         _report_runaway(ctx, timeout_s + grace_s + ASYNC_STOP_S)
         raise TimeoutError
+    if stopped is not None and ctx.cancellation.reason == StopReason.TIMEOUT:
+        # A stop during the timeout's grace (the drain cancels this task): the attempt still
+        # timed out, and is recorded so (see ``_ended_as``); the stop's cancel is absorbed.
+        task.uncancel()
     return _ended_as(code, stopped, ctx)
 
 
 def _ended_as(
     code: asyncio.Task[tuple[bool, Any]], stopped: asyncio.CancelledError | None, ctx: JobContext
 ) -> Any:
-    """What an async job's task that ended returned, or raises what ends its attempt."""
+    """What an async job's task that ended returned, or raises what ends its attempt. Once
+    its timeout has signalled, any cancellation is the timeout's: its task cancelled at the
+    grace, a stop of the worker's during the grace (the drain), or a CancelledError of the
+    job's own (it cancelled what it awaited, on the signal). Taken for a stop of the
+    worker's, such an attempt was released, timed out again, and again, for ever."""
+    timed_out = ctx.cancellation.reason == StopReason.TIMEOUT
     if code.cancelled():
+        if timed_out:
+            raise TimeoutError
         if stopped is not None:
             raise stopped
-        if ctx.cancellation.reason == StopReason.TIMEOUT:
-            raise TimeoutError  # cancelled at its timeout's grace
         raise asyncio.CancelledError  # cancelled by the job's own code: its failure
     ended, value = code.result()
     if not ended:
+        if timed_out and isinstance(value, asyncio.CancelledError):
+            raise TimeoutError from value
         raise value  # what the job raised (a BaseException too), as if awaited here
-    if ctx.cancellation.reason == StopReason.TIMEOUT:
+    if timed_out:
         raise TimeoutError  # it noticed the signal and returned: the attempt still timed out
     return value
 
