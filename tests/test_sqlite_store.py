@@ -111,6 +111,54 @@ async def test_transactions_queued_behind_a_locked_file_wait_the_busy_timeout_at
         await store.close()
 
 
+async def test_a_transaction_asking_just_after_a_release_waits_the_busy_timeout_at_most(
+    sqlite_database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Just after a release the turn lock reads free while the waiter it woke has not run
+    yet: a transaction asking then took it as free, queued without a bound behind everyone,
+    and waited 0.81, 1.23 and 1.67 s for a busy timeout of 0.4 s."""
+    monkeypatch.setattr(sqlite, "BUSY_TIMEOUT_MS", 400)
+    store = open_store(sqlite_database_url)
+    path = sqlite_database_url.removeprefix("sqlite:///")
+    holder = sqlite3.connect(path, isolation_level=None)
+    loop = asyncio.get_running_loop()
+    go = asyncio.Event()
+
+    async def heartbeat(after: asyncio.Event | None = None) -> float:
+        if after is not None:
+            await after.wait()
+        began = loop.time()
+        with pytest.raises(StoreUnavailableError):
+            await store.worker_heartbeat("w1")
+        return loop.time() - began
+
+    assert isinstance(store, sqlite.SqliteStore)
+    turns = store._turns
+    release = turns.release
+
+    def release_and_ask() -> None:
+        go.set()  # these ask in the loop turn of the release, before the woken waiter runs
+        release()
+
+    try:
+        await store.register_worker(_worker("w1"))
+        holder.execute("BEGIN IMMEDIATE")
+        asking = [asyncio.create_task(heartbeat(go)) for _ in range(3)]
+        monkeypatch.setattr(turns, "release", release_and_ask)
+
+        async def queued() -> float:
+            await asyncio.sleep(0.1)  # waiting for its turn when the first one gives it up
+            return await heartbeat()
+
+        await asyncio.gather(heartbeat(), queued())
+        waited = await asyncio.gather(*asking)
+        assert max(waited) < 2 * 0.4 + 0.3, waited
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+        await store.close()
+
+
 def _worker(worker_id: str) -> WorkerInfo:
     return WorkerInfo(
         id=worker_id, host="h", pid=1, queues=("default",), capacity=1, version="0", jobs=()

@@ -69,6 +69,8 @@ class SqliteStore(SqlStore):
         #: and its busy timeout. The lock belongs to the event loop that first uses it, as
         #: the engine's connections do.)
         self._turns = asyncio.Lock()
+        #: Transactions waiting for their turn (see _take_turn).
+        self._queued = 0
         self._listeners: dict[str, set[asyncio.Queue[str]]] = {}
         sync_engine = engine.sync_engine
         event.listen(sync_engine, "connect", _install_function)
@@ -106,9 +108,12 @@ class SqliteStore(SqlStore):
         BEGIN, and an API request queued behind a role's few waited out each one in turn (148
         s for a lock of 150 s) before its own. It is an outage after the busy timeout, as its
         own BEGIN would be (so an answer within twice the timeout, a 503 from the API)."""
-        if not self._turns.locked():
-            await self._turns.acquire()  # free: taken at once, no timer
+        if not self._turns.locked() and not self._queued:
+            await self._turns.acquire()  # free, nobody waiting: taken at once, no timer
             return
+        # (Just after a release the lock reads free while the waiter it woke has not run:
+        # one taking the fast path then would queue behind everyone, with no bound.)
+        self._queued += 1
         try:
             await asyncio.wait_for(self._turns.acquire(), BUSY_TIMEOUT_MS / 1000)
         except TimeoutError:
@@ -116,6 +121,8 @@ class SqliteStore(SqlStore):
                 f"database is locked: the transactions ahead of this one waited "
                 f"{BUSY_TIMEOUT_MS / 1000:g} s for the file"
             ) from None
+        finally:
+            self._queued -= 1
 
     _read = _write
 
