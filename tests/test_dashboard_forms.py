@@ -8,6 +8,7 @@ import html
 import re
 
 import httpx
+import pytest
 
 from jobplane.domain.models import InstanceFilter
 from jobplane.store.sql import SqlStore
@@ -140,8 +141,9 @@ async def test_saving_options_keeps_a_descriptions_line_breaks(
     )
 
 
+@pytest.mark.parametrize("char", ["é", "\N{GRINNING FACE}"])
 async def test_a_long_refusal_is_still_said_after_the_redirect(
-    open_dash: httpx.AsyncClient, store: SqlStore
+    open_dash: httpx.AsyncClient, store: SqlStore, char: str
 ) -> None:
     """Retrying an instance whose arguments the job's schema now refuses: the refusal quotes
     the arguments, and its flash cookie (6,805 bytes for 5,000 characters) was dropped by the
@@ -149,7 +151,7 @@ async def test_a_long_refusal_is_still_said_after_the_redirect(
     from jobplane.domain.models import NewInstance
 
     [made] = await store.create_instances(
-        [NewInstance(job_key="greet", args={"name": ["é" * 5000]})]  # stored before a change
+        [NewInstance(job_key="greet", args={"name": [char * 5000]})]  # stored before a change
     )
     await store.request_cancel(made.id, "test")
     csrf = await csrf_of(open_dash, f"/instances/{made.id}")
@@ -161,7 +163,7 @@ async def test_a_long_refusal_is_still_said_after_the_redirect(
     shown = re.search(r'class="flash flash-error"[^>]*>([^<]*)<', page)
     assert shown is not None
     said = html.unescape(shown[1])
-    assert said.startswith("Not retried: args.name: ") and said.endswith("…") and len(said) == 400
+    assert said.startswith("Not retried: args.name: ") and said.endswith("…") and len(said) <= 400
     assert (await store.list_instances(InstanceFilter(job_key="greet"))).items == [
         await store.get_instance(made.id)
     ]

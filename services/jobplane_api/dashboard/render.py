@@ -156,18 +156,30 @@ def _scope(app: object) -> str:
 
 #: A flash message is cut to this many characters: a browser drops a cookie over 4,096
 #: bytes, and the message with it ("Not retried: " and a refusal quoting 5,000 characters of
-#: arguments left the page saying nothing). Escaped as JSON (at most 6 bytes a character) and
-#: in base64, 400 characters stay under the 4,000 that :func:`read_flash` takes.
+#: arguments left the page saying nothing).
 FLASH_MAX = 400
+#: ... and to this many bytes of JSON (a character outside the Basic Multilingual Plane, an
+#: emoji, is 12: 400 of them overflowed), so that in base64 it stays under the 4,000
+#: characters :func:`read_flash` takes.
+FLASH_JSON_MAX = 2_800
 
 
 def set_flash(response: Response, kind: str, text: str) -> None:
     """A message shown once on the next page (after a POST's redirect), cut to
-    :data:`FLASH_MAX` characters."""
+    :data:`FLASH_MAX` characters and :data:`FLASH_JSON_MAX` bytes."""
+    value = base64.urlsafe_b64encode(json.dumps([kind, _cut(text)]).encode()).decode()
+    response.set_cookie(FLASH, value, httponly=True, samesite="lax", path="/", max_age=60)
+
+
+def _cut(text: str) -> str:
     if len(text) > FLASH_MAX:
         text = text[: FLASH_MAX - 1] + "…"
-    value = base64.urlsafe_b64encode(json.dumps([kind, text]).encode()).decode()
-    response.set_cookie(FLASH, value, httponly=True, samesite="lax", path="/", max_age=60)
+    used = 0
+    for i, char in enumerate(text):
+        used += len(json.dumps(char)) - 2  # (what the character costs escaped)
+        if used > FLASH_JSON_MAX:
+            return text[: i - 1] + "…"
+    return text
 
 
 def read_flash(request: Request) -> dict[str, str] | None:
