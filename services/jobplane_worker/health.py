@@ -3,8 +3,8 @@
 A tiny Starlette app served by uvicorn on the worker's own event loop, so an answer from
 ``/healthz`` proves that loop is alive. ``/readyz`` answers 503 when this worker cannot usefully
 take work: Postgres or Redis does not answer within :data:`jobplane.probes.CHECK_TIMEOUT_S`,
-every thread of the sync-job pool is held by a runaway (a sync job past its timeout that
-ignores its cancellation), or the worker is starting or shutting down.
+every job slot (``--concurrency``, the sync-job pool's threads) is held by a runaway (a job
+past its timeout that ignores its cancellation), or the worker is starting or shutting down.
 """
 
 from __future__ import annotations
@@ -60,8 +60,7 @@ async def readiness(worker: Probed) -> tuple[bool, dict[str, dict[str, Any]]]:
     held = worker.runaway_count
     pool = {
         "ok": held < threads,
-        "detail": f"{held} of {threads} job thread(s) held by runaway jobs that ignore their "
-        "timeout",
+        "detail": f"{held} of {threads} job slot(s) held by runaway jobs that ignore their timeout",
     }
     if worker.stopping:
         state = {"ok": False, "detail": "shutting down"}

@@ -40,10 +40,11 @@ class Runaways:
         self.dispatcher = dispatcher
         self.metrics = metrics
         self._slot_freed = slot_freed
-        # Attempts recorded (or given up) while their sync code still runs in a pool thread,
-        # by lease: each one's watcher, until it has given the job's slot back (see hold).
+        # Attempts recorded (or given up) while their code still runs (a sync job's thread, an
+        # async job's task), by lease: each one's watcher, until it has given the job's slot
+        # back (see hold).
         self._held: dict[tuple[UUID, int], asyncio.Task[None]] = {}
-        # Those whose thread still runs: each holds a worker slot until its thread returns
+        # Those whose code still runs: each holds a worker slot until its code returns
         # (not until the job's slot is given back: that write may wait out a store outage).
         self._threads: set[tuple[UUID, int]] = set()
 
@@ -51,12 +52,12 @@ class Runaways:
         return len(self._threads)
 
     def watchers(self) -> list[asyncio.Task[None]]:
-        """The tasks waiting for runaway threads (a drain waits for them)."""
+        """The tasks waiting for runaways' code (a drain waits for them)."""
         return list(self._held.values())
 
     def hold(self, attempt: Attempt, *, holds_slot: bool) -> None:
-        """Keep a worker slot (and the heartbeat off the lease) for an attempt whose sync code
-        still runs after its end, until the thread returns."""
+        """Keep a worker slot (and the heartbeat off the lease) for an attempt whose code still
+        runs after its end, until it returns."""
         self.metrics.runaways.labels(job=attempt.claim.instance.job_key).inc()
         task = asyncio.create_task(
             self._await(attempt, holds_slot), name=f"runaway-{attempt.lease[0]}"
@@ -65,7 +66,7 @@ class Runaways:
         self._threads.add(attempt.lease)
 
     async def _await(self, attempt: Attempt, holds_slot: bool) -> None:
-        """Wait for a runaway's thread; discard what it returns or raises (its attempt has
+        """Wait for a runaway's code; discard what it returns or raises (its attempt has
         ended and every write of its token is refused); then give its job's slot back. Never
         ends in an error: nobody awaits this task (the drain only waits for it to end)."""
         instance = attempt.claim.instance

@@ -121,7 +121,8 @@ class Worker:
 
     @property
     def runaway_count(self) -> int:
-        """Sync jobs whose attempt ended (timeout) while their code still holds a pool thread."""
+        """Jobs whose attempt ended (timeout) while their code still runs: a sync job in a pool
+        thread, an async one that swallows its cancellation."""
         return len(self.runaways)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -464,7 +465,7 @@ class Worker:
             threads = sum(a.code_running for a in self.running.values()) + len(self.runaways)
             if threads:
                 logger.warning(
-                    "shutdown waits on %d job thread(s) still running code that ignores its "
+                    "shutdown waits on %d job(s) still running code that ignores its "
                     "cancellation; the worker exits once they return",
                     threads,
                     extra={"action": "worker.shutdown_waits_on_runaways"},
