@@ -91,7 +91,8 @@ def test_a_database_migrate_cannot_upgrade_is_one_line(tmp_path: Path) -> None:
     for url, said in (
         (f"sqlite:///{newer}", "unknown to this version"),
         (f"sqlite:///{shared}", "table workers already exists (give Jobplane a database"),
-        ("sqlite:///:memory:", "in-memory SQLite database, which is not shared"),
+        ("sqlite:///:memory:", "in-memory SQLite database, which lives only as long"),
+        ("sqlite:///file:jp?mode=memory&cache=shared&uri=true", "in-memory SQLite database"),
     ):
         for command in (["migrate"], ["dev", "--app", "tests.apps.basic:app"]):
             result = run_cli(*command, JOBPLANE_DATABASE_URL=url, JOBPLANE_STARTUP_TIMEOUT_S="5")

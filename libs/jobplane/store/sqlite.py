@@ -258,8 +258,9 @@ def sqlite_engine(url: str, **kwargs: Any) -> AsyncEngine:
         # `jobplane dev`'s own migration) migrated one and the roles found another, waited out
         # the start-up timeout and then said to run `jobplane migrate`.
         raise ConfigurationError(
-            f"{url!r} is an in-memory SQLite database, which is not shared between "
-            "connections: use a file, e.g. sqlite:///jobplane.db"
+            f"{url!r} is an in-memory SQLite database, which lives only as long as its "
+            "connections and is not shared between processes (nor with `jobplane migrate`): "
+            "use a file, e.g. sqlite:///jobplane.db"
         )
     kwargs.setdefault("connect_args", {})["factory"] = _RollbackOnClose
     engine = create_async_engine(url, **kwargs)
