@@ -168,7 +168,7 @@ class App:
                 # Said with the job it is about: an app of many jobs failed to load with
                 # "cron: never fires: …" alone.
                 where = f"job {key or func.__name__!r}, {func.__module__}.{func.__qualname__}"
-                raise InvalidOptionsError(exc.field, f"{exc.reason} ({where})") from None
+                raise type(exc)(exc.field, f"{exc.reason} ({where})") from None
             if spec.key in self.jobs:
                 raise InvalidOptionsError("key", f"job {spec.key!r} is declared twice")
             self.jobs[spec.key] = spec
