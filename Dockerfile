@@ -33,7 +33,8 @@ ENV PATH=/opt/jobplane/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     JOBPLANE_LOG_FORMAT=json \
-    HEALTHCHECK_URL=http://127.0.0.1:8000/healthz
+    HEALTHCHECK_URL=http://127.0.0.1:8000/healthz \
+    SHOP_OUTBOX=/tmp/shop-outbox.jsonl
 USER 10001:10001
 # 8000: the api; 9100: the probe server of a worker or scheduler (--health-port 9100).
 EXPOSE 8000 9100

@@ -54,7 +54,8 @@ async def open_mailer() -> dict[str, Any]:
 
 @app.on_shutdown
 async def close_mailer(resources: Mapping[str, Any]) -> None:
-    resources["mailer"].close()
+    if "mailer" in resources:  # (not when opening it failed)
+        resources["mailer"].close()
 
 
 @app.triggered(

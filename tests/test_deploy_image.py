@@ -57,6 +57,9 @@ def test_the_image_is_multi_stage_locked_non_root_with_one_entrypoint() -> None:
     )
     assert env["JOBPLANE_LOG_FORMAT"] == "json"  # containers log one JSON object per line
     assert unknown_env_names(list(env)) == []
+    # The shop example writes its outbox where the read-only image can (a worker of it failed
+    # to start: "Read-only file system: 'shop-outbox.jsonl'").
+    assert env["SHOP_OUTBOX"].startswith("/tmp/")
 
 
 def test_dockerignore_keeps_every_file_the_dockerfile_copies() -> None:

@@ -162,6 +162,21 @@ def test_the_worker_outlasts_its_grace_and_takes_its_id_from_the_pod(overlay: st
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_no_role_is_pid_1_and_the_api_outlasts_its_endpoints(overlay: str) -> None:
+    """As PID 1 a role ignored a SIGTERM that came before its handler (a pod deleted while it
+    started waited out its grace) and reaped no orphan; the api closed its port while the
+    Service still sent it requests; the autoscaled workers' fixed count, put back by every
+    apply, scaled a busy fleet down."""
+    for role in ROLES:
+        assert pod_spec(one(overlay, "Deployment", f"jobplane-{role}"))["shareProcessNamespace"]
+    api = pod_spec(one(overlay, "Deployment", "jobplane-api"))
+    [container] = api["containers"]
+    pause = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pause[0] == "sleep" and api["terminationGracePeriodSeconds"] >= float(pause[1]) + 30
+    assert "replicas" not in one(overlay, "Deployment", "jobplane-worker")["spec"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_migrate_is_a_job_the_roles_wait_for(overlay: str) -> None:
     """The migration runs as a Job beside the rollout; every role waits for the schema
     (``SchemaBehindError`` is retried for JOBPLANE_STARTUP_TIMEOUT_S), none migrates."""
