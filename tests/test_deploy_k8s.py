@@ -81,6 +81,12 @@ def jobplane_containers(overlay: str) -> list[tuple[Doc, Doc]]:
     ]
 
 
+def secret_templates() -> dict[str, Doc]:
+    """The Secrets of k8s/base/secret.example.yaml, by name."""
+    text = (ROOT / "k8s" / "base" / "secret.example.yaml").read_text()
+    return {d["metadata"]["name"]: d for d in yaml.safe_load_all(text)}
+
+
 def config(overlay: str) -> dict[str, str]:
     data: dict[str, str] = one(overlay, "ConfigMap", "jobplane-config")["data"]
     return data
@@ -101,8 +107,10 @@ def test_every_object_validates_against_the_pinned_kubernetes_schemas(overlay: s
 
 
 def test_the_secret_template_validates_and_the_validator_is_strict() -> None:
-    template = yaml.safe_load((ROOT / "k8s" / "base" / "secret.example.yaml").read_text())
-    kubernetes_validate.validate(template, K8S_VERSION, strict=True)
+    templates = secret_templates()
+    assert set(templates) == {"jobplane-secrets", "jobplane-bootstrap"}
+    for template in templates.values():
+        kubernetes_validate.validate(template, K8S_VERSION, strict=True)
     deployment = dict(one("prod", "Deployment", "jobplane-api"))
     deployment["spec"] = {**deployment["spec"], "replicaz": 2}
     with pytest.raises(ValidationError):
@@ -194,15 +202,25 @@ def test_migrate_is_a_job_the_roles_wait_for(overlay: str) -> None:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_setting_named_exists(overlay: str) -> None:
     names = list(config(overlay))
-    for _, container in jobplane_containers(overlay):
+    for workload, container in jobplane_containers(overlay):
         names += [e["name"] for e in container.get("env", [])]
         refs = [s["secretRef"]["name"] for s in container["envFrom"] if "secretRef" in s]
-        assert refs == ["jobplane-secrets"]
+        # The bootstrap admin token reaches the migrate Job alone: a role's jobs run any code.
+        migrate = workload["kind"] == "Job"
+        assert (
+            refs == ["jobplane-secrets", "jobplane-bootstrap"] if migrate else ["jobplane-secrets"]
+        )
     secrets = find(overlay, "Secret", "jobplane-secrets")
-    template = yaml.safe_load((ROOT / "k8s" / "base" / "secret.example.yaml").read_text())
+    template = secret_templates()["jobplane-secrets"]
     for secret in [*secrets, template]:
         names += list(secret["stringData"])
         assert {"JOBPLANE_DATABASE_URL", "JOBPLANE_REDIS_URL"} <= set(secret["stringData"])
+        assert "JOBPLANE_BOOTSTRAP_ADMIN_TOKEN" not in secret["stringData"]
+    for bootstrap in [
+        *find(overlay, "Secret", "jobplane-bootstrap"),
+        secret_templates()["jobplane-bootstrap"],
+    ]:
+        assert list(bootstrap["stringData"]) == ["JOBPLANE_BOOTSTRAP_ADMIN_TOKEN"]
     assert unknown_env_names(names) == []
     assert config(overlay)["JOBPLANE_LOG_FORMAT"] == "json"
     assert len(secrets) == (1 if overlay == "dev" else 0)  # prod: created by the operator
@@ -302,8 +320,8 @@ def test_the_prod_steps_make_the_namespace_before_the_secret() -> None:
     namespace_file = ROOT / "k8s" / "base" / "namespace.yaml"
     assert commands[0] == ["kubectl", "apply", "-f", str(namespace_file.relative_to(ROOT))]
     namespace = yaml.safe_load(namespace_file.read_text())
-    template = yaml.safe_load((ROOT / "k8s" / "base" / "secret.example.yaml").read_text())
-    assert template["metadata"]["namespace"] == namespace["metadata"]["name"]
+    for template in secret_templates().values():
+        assert template["metadata"]["namespace"] == namespace["metadata"]["name"]
     assert commands[1][:3] == ["kubectl", "apply", "-f"]
     assert commands[-1] == ["kubectl", "apply", "-k", "k8s/overlays/prod"]
 
@@ -325,7 +343,7 @@ def test_keda_scales_workers_on_the_streams_jobplane_really_uses() -> None:
         assert int(trigger["metadata"]["lagCount"]) > 0
         assert trigger["authenticationRef"]["name"] == "jobplane-redis"
     auth = one("prod", "TriggerAuthentication", "jobplane-redis")
-    template = yaml.safe_load((ROOT / "k8s" / "base" / "secret.example.yaml").read_text())
+    template = secret_templates()["jobplane-secrets"]
     dev_secret = one("dev", "Secret", "jobplane-secrets")
     for ref in auth["spec"]["secretTargetRef"]:
         assert ref["name"] == "jobplane-secrets"
