@@ -101,10 +101,16 @@ def _fixed(status: int, title: str) -> Callable[[Request, Exception], Awaitable[
 
 async def _validation(request: Request, exc: RequestValidationError) -> Response:
     errors = [
-        {"field": ".".join(str(p) for p in e["loc"]), "reason": e["msg"]} for e in exc.errors()
+        {"field": ".".join(str(p) for p in e["loc"]), "reason": _reason(e["msg"])}
+        for e in exc.errors()
     ]
     first = errors[0]["reason"] if errors else None
     return problem(422, "Invalid request", first, request=request, errors=errors)
+
+
+def _reason(message: str) -> str:
+    # (pydantic prefixes what a validator raised: "Value error, must be a number, …")
+    return message.removeprefix("Value error, ")
 
 
 async def _invalid(request: Request, exc: InvalidOptionsError) -> Response:

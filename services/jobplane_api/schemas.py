@@ -6,7 +6,7 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jobplane.domain.attempts import Attempt, attempts_of
 from jobplane.domain.limits import MAX_RESULT_BYTES, check_json
@@ -18,7 +18,7 @@ from jobplane.domain.models import (
     JobSummary,
     Transition,
 )
-from jobplane.domain.options import PRIORITY_MAX, PRIORITY_MIN, JobOptions
+from jobplane.domain.options import PRIORITY_MAX, PRIORITY_MIN, JobOptions, not_a_bool
 from jobplane.domain.states import InstanceState
 from jobplane.errors import InvalidOptionsError
 from jobplane_api.inputs import Args, DueTime, IdempotencyKey, ShortText
@@ -206,6 +206,11 @@ class TriggerIn(BaseModel):
     pinned_worker: ShortText | None = Field(
         default=None, description="Only this worker may run it."
     )
+
+    @field_validator("delay_s", "priority", mode="before")
+    @classmethod
+    def _not_a_bool(cls, value: Any) -> Any:
+        return not_a_bool(value)  # (true was a priority of 1, a delay of 1 s)
 
 
 class BatchTriggerItem(TriggerIn):
