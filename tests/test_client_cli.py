@@ -9,9 +9,12 @@ their own (tests/apps/cli.py), and global counts are compared with what was ther
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
+import socket
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -282,3 +285,115 @@ def test_client_trigger_at_pinned_batch_stats_scheduler(stack: dict[str, str]) -
         with pytest.raises(ApiError) as refused:
             jp.run(made["id"])
         assert refused.value.status == 409
+
+
+def test_cli_tables_show_text_as_written_and_bad_input_is_one_line(stack: dict[str, str]) -> None:
+    """A table cell was rich markup: a token named "[/b]" made `jobs history` a MarkupError
+    traceback for everyone, and "[red]x[/red]" showed as a red "x". Arguments nested 5,000
+    deep, NaN or Infinity, and options the client took for its own parameters (`key`,
+    `version`) were tracebacks too."""
+    for name, act in (("[/b]M", "pause"), ("[i]N", "resume")):
+        secret = asyncio.run(_token(stack["JOBPLANE_DATABASE_URL"], name))
+        assert _cli(stack, "jobs", act, "markup_me", token=secret).returncode == 0
+    history = _cli(stack, "jobs", "history", "markup_me")
+    assert history.returncode == 0, history.stderr
+    assert "token:[/b]M" in history.stdout and "token:[i]N" in history.stdout
+
+    admin = stack["admin"]
+    for args, code, said in (
+        (("trigger", "echo", "--args", "[" * 5000 + "]" * 5000), 2, "nested too deep"),
+        (("trigger", "echo", "--args", '{"value": NaN}'), 2, "NaN is not a JSON number"),
+        (("trigger", "echo", "--args", '{"value": 1}', "--delay", "nan"), 1, "delay_s"),
+        (("jobs", "edit", "markup_me", "--set", "timeout_s=Infinity"), 2, "Infinity is not"),
+        (("jobs", "edit", "markup_me", "--set", "key=renamed"), 1, "cannot be changed"),
+        (("jobs", "edit", "markup_me", "--set", "version=3"), 1, "version"),
+        (("jobs", "show", ""), 1, "names nothing"),
+    ):
+        result = _cli(stack, *args, token=admin)
+        assert result.returncode == code, (args[:3], result.stderr[-500:])
+        assert said in result.stderr and "Traceback" not in result.stderr, result.stderr[-500:]
+
+
+def test_the_client_says_what_is_wrong_without_a_traceback_or_the_token(
+    stack: dict[str, str],
+) -> None:
+    """A token read from a file with its line break failed as "cannot reach the Jobplane
+    API", quoting the header, the whole token; a non-ASCII Idempotency-Key was a
+    UnicodeEncodeError; a URL with a bad port an InvalidURL or OverflowError; an API that did
+    not answer "cannot reach the Jobplane API: " and nothing; an answer that is no JSON (a
+    redirect, a page) a JSONDecodeError; a boolean priority or delay was read as 1."""
+    from jobplane.errors import ConfigurationError, InvalidOptionsError, JobplaneError
+
+    token = stack["token"]
+    with pytest.raises(ConfigurationError, match="line break") as info:
+        Client(stack["url"], token + "\n")
+    assert token not in str(info.value)
+    for url in ("http://[::1", "http://127.0.0.1:70000"):
+        with pytest.raises(ConfigurationError, match="API URL"):
+            Client(url, token)
+    with Client(stack["url"], token) as jp:
+        with pytest.raises(InvalidOptionsError, match="idempotency_key"):
+            jp.trigger("echo", {"value": 1}, idempotency_key="café")
+        with pytest.raises(InvalidOptionsError, match="delay_s"):
+            jp.trigger("echo", {"value": 1}, delay_s=float("inf"))
+        with pytest.raises(InvalidOptionsError, match=r"items\.0\.delay_s"):
+            jp.trigger_batch([{"job_key": "echo", "args": {"value": 1}, "delay_s": float("nan")}])
+        for field in ("priority", "delay_s"):
+            with pytest.raises(ApiError) as refused:
+                jp.trigger("echo", {"value": 1}, **{field: True})  # type: ignore[arg-type]
+            [error] = refused.value.problem["errors"]
+            assert error["field"] == f"body.{field}" and "not true or false" in error["reason"]
+
+    moved = b"HTTP/1.1 301 Moved\r\nLocation: https://x/\r\nContent-Length: 0\r\n\r\n"
+    page = b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: 6\r\n\r\n<html>"
+    for answer, said, timeout_s in (
+        (moved, "redirect to https", 30.0),
+        (page, "is not JSON", 30.0),
+        (None, r"did not answer within 0\.5 s", 0.5),  # accepts, never answers
+    ):
+        with (
+            _server(answer) as url,
+            Client(url, token, timeout_s=timeout_s) as jp,
+            pytest.raises(JobplaneError, match=said),
+        ):
+            jp.jobs()
+
+
+@contextlib.contextmanager
+def _server(answer: bytes | None) -> Iterator[str]:
+    """A one-thread HTTP server that answers every request with ``answer`` (None: never)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        listener.settimeout(0.1)
+        held = []
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            held.append(conn)
+            conn.recv(65536)
+            if answer is not None:
+                conn.sendall(answer)
+        for conn in held:
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+
+
+async def _token(database_url: str, name: str) -> str:
+    store = open_store(database_url)
+    try:
+        _, secret = await store.create_token(name, Role.OPERATOR, "test")
+    finally:
+        await store.close()
+    return secret

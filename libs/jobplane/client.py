@@ -13,6 +13,7 @@ field errors).
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Coroutine, Mapping, Sequence
 from datetime import datetime
@@ -25,7 +26,7 @@ import httpx
 from jobplane.domain.limits import check_json
 from jobplane.domain.states import TERMINAL_STATES
 from jobplane.errors import ApiError as ApiError  # re-exported
-from jobplane.errors import ConfigurationError, JobplaneError
+from jobplane.errors import ConfigurationError, InvalidOptionsError, JobplaneError
 
 JSONDict = dict[str, Any]
 T = TypeVar("T")
@@ -41,7 +42,21 @@ def _check(response: httpx.Response) -> Any:
         raise ApiError(response.status_code, body)
     if response.status_code == 204:
         return None
-    return response.json()
+    if response.is_redirect:
+        # (Not followed: a redirect of a POST would drop or repeat it. An http:// URL of an
+        # api behind https, say: it was a JSONDecodeError's traceback.)
+        where = response.headers.get("location", "elsewhere")
+        raise JobplaneError(
+            f"the API's URL answered {response.status_code}, a redirect to {where}: give "
+            "the URL it redirects to"
+        )
+    try:
+        return response.json()
+    except ValueError:
+        raise JobplaneError(
+            f"the answer to {response.request.method} {response.request.url.path} is not "
+            "JSON: is the URL the Jobplane API's?"
+        ) from None
 
 
 def _trigger_body(
@@ -55,7 +70,7 @@ def _trigger_body(
     check_json(args, "args")
     body: JSONDict = {"args": args}
     if delay_s is not None:
-        body["delay_s"] = delay_s
+        body["delay_s"] = _finite(delay_s, "delay_s")
     if run_at is not None:
         body["run_at"] = run_at.isoformat()
     if priority is not None:
@@ -65,11 +80,36 @@ def _trigger_body(
     return body
 
 
+def _finite(value: Any, field: str) -> Any:
+    """A number JSON can carry (NaN and infinities it cannot: httpx raised ValueError)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidOptionsError(field, "must be a finite number")
+    return value
+
+
 def _batch_item(item: Mapping[str, Any]) -> JSONDict:
     return {k: v.isoformat() if isinstance(v, datetime) else v for k, v in item.items()}
 
 
+def _key_header(key: str | None) -> dict[str, str]:
+    """The Idempotency-Key header: ASCII without control characters, as a header carries."""
+    if not key:
+        return {}
+    if not key.isascii() or any(ord(c) < 32 or ord(c) == 127 for c in key):
+        raise InvalidOptionsError(
+            "idempotency_key", "must be ASCII text without control characters (it is a header)"
+        )
+    return {"Idempotency-Key": key}
+
+
 def _segment(value: object) -> str:
+    if value == "":
+        # (The empty segment named the collection's path: a redirect, then a traceback.)
+        raise JobplaneError("an empty job key or instance id names nothing")
+    return _quoted(value)
+
+
+def _quoted(value: object) -> str:
     """``value`` (a job key, an instance id) as one segment of a request's path, percent-
     encoded: a value holding ``/``, ``?`` or ``#``, or one that is ``..``, names that resource
     (the API answers 404), never another endpoint. Put in the path as it came, ``retry("../jobs
@@ -84,7 +124,23 @@ def _headers(token: str | None) -> dict[str, str]:
         # (HTTP headers are ASCII: it raised UnicodeEncodeError at the first request; the
         # documentation's placeholder ``jp_…`` pasted as it is, say.)
         raise ConfigurationError("the API token is not ASCII text: paste the whole token")
+    if token and (token != token.strip() or any(ord(c) < 32 or ord(c) == 127 for c in token)):
+        # (A secret read from a file ends in a newline: the request failed as "cannot reach
+        # the Jobplane API", with the header, the whole token, in the message.)
+        raise ConfigurationError(
+            "the API token has spaces or a line break in or around it: give the token alone"
+        )
     return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def _unreachable(exc: httpx.TransportError, timeout_s: float | None) -> JobplaneError:
+    if isinstance(exc, httpx.TimeoutException):
+        within = f" within {timeout_s:g} s" if timeout_s is not None else ""
+        return JobplaneError(f"the Jobplane API did not answer{within}")
+    if isinstance(exc, httpx.LocalProtocolError):
+        # Its message quotes the header it refused: a secret, maybe.
+        return JobplaneError("cannot send the request: a header value is not valid")
+    return JobplaneError(f"cannot reach the Jobplane API: {exc or type(exc).__name__}")
 
 
 class AsyncClient:
@@ -99,6 +155,14 @@ class AsyncClient:
         timeout_s: float = 30.0,
     ) -> None:
         self._owns = http is None
+        self._timeout_s = timeout_s
+        if http is None:
+            try:
+                port = httpx.URL(url).port
+            except httpx.InvalidURL as exc:
+                raise ConfigurationError(f"the API URL {url!r} cannot be read: {exc}") from None
+            if port is not None and not 0 < port < 65536:
+                raise ConfigurationError(f"the API URL {url!r} has no valid port")
         self.http = http or httpx.AsyncClient(
             base_url=url, headers=_headers(token), timeout=timeout_s
         )
@@ -122,7 +186,7 @@ class AsyncClient:
         try:
             return _check(await self.http.request(method, path, **kwargs))
         except httpx.TransportError as exc:
-            raise JobplaneError(f"cannot reach the Jobplane API: {exc}") from exc
+            raise _unreachable(exc, self._timeout_s) from exc
 
     async def jobs(self, **filters: Any) -> list[JSONDict]:
         return await self._call("GET", "/api/v1/jobs", params=_params(filters))  # type: ignore[no-any-return]
@@ -130,7 +194,11 @@ class AsyncClient:
     async def job(self, key: str) -> JSONDict:
         return await self._call("GET", f"/api/v1/jobs/{_segment(key)}")  # type: ignore[no-any-return]
 
-    async def edit_job(self, key: str, version: int, **options: Any) -> JSONDict:
+    async def edit_job(self, key: str, version: int, /, **options: Any) -> JSONDict:
+        """Change options; ``version`` is the one read (409 if it moved on). Options the API
+        refuses (``key``, ``kind``: fixed) come back as its 422."""
+        for name, value in options.items():
+            _finite(value, name)
         body = {"version": version, "options": options}
         return await self._call("PATCH", f"/api/v1/jobs/{_segment(key)}", json=body)  # type: ignore[no-any-return]
 
@@ -166,7 +234,7 @@ class AsyncClient:
         first instance; reused with a different request it is an :class:`ApiError` 409.
         Arguments the API would refuse (nested deeper than 64 levels, over 1 MiB, NaN, NUL)
         raise :class:`~jobplane.errors.InvalidOptionsError` before anything is sent."""
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        headers = _key_header(idempotency_key)
         return await self._call(  # type: ignore[no-any-return]
             "POST",
             f"/api/v1/jobs/{_segment(key)}/instances",
@@ -180,6 +248,7 @@ class AsyncClient:
         ``idempotency_key``); datetimes are sent as ISO 8601."""
         for n, item in enumerate(items):
             check_json(item.get("args"), f"items.{n}.args")
+            _finite(item.get("delay_s"), f"items.{n}.delay_s")
         body = {"items": [_batch_item(item) for item in items]}
         return await self._call("POST", "/api/v1/instances/batch", json=body)  # type: ignore[no-any-return]
 
@@ -203,7 +272,7 @@ class AsyncClient:
     async def retry(self, instance_id: str, *, idempotency_key: str | None = None) -> JSONDict:
         """A new instance retrying a terminal one. A replayed ``idempotency_key`` returns the
         first retry (even once retention deleted the retried instance)."""
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        headers = _key_header(idempotency_key)
         return await self._call(  # type: ignore[no-any-return]
             "POST", f"/api/v1/instances/{_segment(instance_id)}/retry", headers=headers
         )
@@ -256,7 +325,7 @@ class Client:
     def job(self, key: str) -> JSONDict:
         return self._run(self._async.job(key))
 
-    def edit_job(self, key: str, version: int, **options: Any) -> JSONDict:
+    def edit_job(self, key: str, version: int, /, **options: Any) -> JSONDict:
         return self._run(self._async.edit_job(key, version, **options))
 
     def versions(self, key: str) -> list[JSONDict]:

@@ -76,11 +76,14 @@ def show(data: Any, fmt: Output, columns: list[str]) -> None:
         typer.echo(json.dumps(data, indent=2, default=str))
         return
     from rich.table import Table
+    from rich.text import Text
 
     rows = data if isinstance(data, list) else [data]
     table = Table(*columns)
     for row in rows:
-        table.add_row(*(_cell(row.get(c)) for c in columns))
+        # As Text: a str cell is rich markup ("[/b]" in a job's result crashed the table,
+        # "[red]x[/red]" in a token's name was shown as a red "x").
+        table.add_row(*(Text(_cell(row.get(c))) for c in columns))
     out().print(table)
 
 
@@ -103,9 +106,25 @@ def parse_args(text: str | None) -> Any:
                 f"cannot read {text[1:]}: {why}", param_hint="--args"
             ) from None
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise typer.BadParameter(f"--args is not JSON: {exc}") from exc
+        return strict_json(text)
+    except (ValueError, RecursionError) as exc:
+        raise typer.BadParameter(f"--args is not JSON: {_why(exc)}") from None
+
+
+def strict_json(text: str) -> Any:
+    """JSON as the API takes it: NaN and Infinity, which Python's reader takes and no JSON
+    encoder sends, are refused (a ValueError traceback at the request)."""
+
+    def refuse(name: str) -> Any:
+        raise ValueError(f"{name} is not a JSON number")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, RecursionError):
+        return "nested too deep"  # (a RecursionError's traceback, 5,000 brackets deep)
+    return str(exc)
 
 
 JOB_COLUMNS = ["key", "version", "paused", "runners", "next_fire_times"]
@@ -154,9 +173,11 @@ def jobs_edit(
     for item in set_:
         name, _, raw = item.partition("=")
         try:
-            changes[name] = json.loads(raw)
+            changes[name] = strict_json(raw)
         except json.JSONDecodeError:
             changes[name] = raw  # a bare string
+        except (ValueError, RecursionError) as exc:
+            raise typer.BadParameter(f"{name}: {_why(exc)}", param_hint="--set") from None
     with client(url, token) as c:
         version = c.job(key)["version"]
         show(c.edit_job(key, version, **changes), output, JOB_COLUMNS)
@@ -229,6 +250,8 @@ def trigger(
 
 
 def _follow(c: Client, instance_id: str) -> dict[str, Any]:
+    from rich.text import Text
+
     with out().status("waiting…") as status:
         while True:
             found = c.instance(instance_id)
@@ -236,7 +259,7 @@ def _follow(c: Client, instance_id: str) -> dict[str, Any]:
             text = f"{found['state']}"
             if progress is not None:
                 text += f" {progress:.0%} {found.get('progress_message') or ''}"
-            status.update(text)
+            status.update(Text(text))  # (the job's message is text, not markup)
             if found["state"] in {"succeeded", "terminated", "skipped", "cancelled"}:
                 return found
             time.sleep(0.2)

@@ -18,3 +18,5 @@ app.triggered(key="edit_me", max_concurrency=50)(basic.echo)
 app.triggered(key="pause_me", max_concurrency=50)(basic.echo)
 #: Triggered only by the batch test, which counts its instances.
 app.triggered(key="count_me", max_concurrency=10)(basic.add_sync)
+#: Paused by a token named like rich markup, by the test of the CLI's tables.
+app.triggered(key="markup_me", max_concurrency=10)(basic.echo)
