@@ -99,7 +99,10 @@ def test_a_weak_or_malformed_token_is_refused_in_one_line(value: str) -> None:
 
 
 def placeholder_of_the_secret_template() -> str:
-    template = yaml.safe_load((ROOT / "k8s" / "base" / "secret.example.yaml").read_text())
+    text = (ROOT / "k8s" / "base" / "secret.example.yaml").read_text()
+    [template] = [
+        d for d in yaml.safe_load_all(text) if d["metadata"]["name"] == "jobplane-bootstrap"
+    ]
     value: str = template["stringData"]["JOBPLANE_BOOTSTRAP_ADMIN_TOKEN"]
     return value
 
