@@ -451,3 +451,28 @@ async def test_a_worker_marked_dead_while_paused_exits_when_it_resumes(
         stop_all([scheduler], sig=signal.SIGTERM)
     assert status == 2
     assert await marked_stopped()
+
+
+async def test_a_startup_hook_that_hangs_or_raises_ends_the_worker_in_one_line(
+    spawn_worker: SpawnWorker,
+) -> None:
+    """A startup hook that hung left the worker deaf to SIGTERM and SIGINT for good (only
+    SIGKILL ended it); one that raised printed a 62-line traceback and logged nothing. The
+    first is cancelled when the worker is told to stop (exit 0); the second is logged with its
+    traceback and said in one line (exit 2)."""
+    hung = spawn_worker("w-hooks-1", "--app", "tests.apps.hooks:hangs")
+    await asyncio.sleep(3)  # (well into its hook)
+    assert hung.poll() is None
+    hung.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(hung.wait, 20) == 0
+    assert "stopped while startup hook connect_forever ran" in output_of(hung)
+
+    failed = spawn_worker("w-hooks-2", "--app", "tests.apps.hooks:fails")
+    assert await asyncio.to_thread(failed.wait, 60) == 2
+    said = output_of(failed)
+    assert (
+        "error: startup hook connect_refused failed: RuntimeError: the mail server refused "
+        "the connection" in said
+    )
+    assert "worker.startup_hook_failed" in said or "startup hook connect_refused failed" in said
+    assert said.count("Traceback") == 1  # the log record's, not a second one from the CLI

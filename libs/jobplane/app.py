@@ -27,6 +27,7 @@ takes it when no hook returns it; a worker says at start which jobs lack one).
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import typing
@@ -39,7 +40,7 @@ from pydantic import BaseModel
 
 from jobplane.context import JobContext
 from jobplane.domain.options import KEY_PATTERN, JobKind, JobOptions
-from jobplane.errors import ConfigurationError, InvalidOptionsError
+from jobplane.errors import ConfigurationError, InvalidOptionsError, JobplaneError
 
 F = TypeVar("F", bound=Callable[..., Any])
 Resources = Mapping[str, Any]
@@ -138,17 +139,19 @@ class App:
         return hook
 
     @asynccontextmanager
-    async def lifespan(self) -> AsyncIterator[Resources]:
+    async def lifespan(self, stop: asyncio.Event | None = None) -> AsyncIterator[Resources]:
         """Run the startup hooks, yield the resources, run the shutdown hooks (reversed). A
         worker runs it as it starts: it logs which jobs need a resource no hook returned
         (each of their attempts fails with ConfigurationError, found only at the first
-        attempt before)."""
+        attempt before). A hook that raises is logged with its traceback and raised as
+        :class:`StartupHookError`; one still running when ``stop`` is set is cancelled, and
+        :class:`StoppedWhileStarting` raised (a worker whose hook hung ignored SIGTERM)."""
         resources: dict[str, Any] = {}
         async with AsyncExitStack() as stack:
             for hook in self._shutdown:
                 stack.push_async_callback(hook, resources)
             for startup in self._startup:
-                resources.update(await startup() or {})
+                resources.update(await _started(startup, stop) or {})
             for spec in self.jobs.values():
                 if missing := spec.missing_resources(resources):
                     logger.error(
@@ -175,6 +178,53 @@ class App:
             return func
 
         return decorator
+
+
+class StoppedWhileStarting(JobplaneError):
+    """The role was told to stop while a startup hook ran (the hook was cancelled)."""
+
+
+class StartupHookError(ConfigurationError):
+    """A startup hook raised (its traceback is logged, and chained)."""
+
+
+async def _started(
+    hook: Callable[[], Awaitable[Mapping[str, Any] | None]], stop: asyncio.Event | None
+) -> Mapping[str, Any] | None:
+    name = getattr(hook, "__qualname__", repr(hook))
+    running = asyncio.ensure_future(hook())
+    stopping = asyncio.ensure_future(stop.wait()) if stop is not None else None
+    try:
+        waited = {running, stopping} if stopping is not None else {running}
+        await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
+        if not running.done():
+            running.cancel()
+            await asyncio.wait({running})
+            said = f"stopped while startup hook {name} ran: it was cancelled"
+            logger.warning(said, extra={"action": "worker.stopped_starting"})
+            raise StoppedWhileStarting(said)
+        return running.result()
+    except (StoppedWhileStarting, asyncio.CancelledError):
+        raise
+    except Exception as exc:
+        logger.exception(
+            "startup hook %s failed", name, extra={"action": "worker.startup_hook_failed"}
+        )
+        raise StartupHookError(f"startup hook {name} failed: {describe_briefly(exc)}") from exc
+    finally:
+        if stopping is not None:
+            stopping.cancel()
+        if not running.done():
+            running.cancel()
+
+
+def describe_briefly(exc: BaseException) -> str:
+    """``Type: first line of its message`` (at most 500 characters)."""
+    try:
+        lines = str(exc).splitlines()
+    except Exception:  # (an exception whose __str__ raises)
+        lines = ["<its message cannot be printed>"]
+    return f"{type(exc).__name__}: {lines[0][:500]}" if lines else type(exc).__name__
 
 
 def _spec_for(

@@ -39,7 +39,7 @@ from uuid import UUID
 from opentelemetry.context import Context
 
 from jobplane import __version__, telemetry
-from jobplane.app import App, Resources
+from jobplane.app import App, Resources, StoppedWhileStarting
 from jobplane.bus.abc import Bus
 from jobplane.bus.envelope import Event, EventKind
 from jobplane.context import CheckpointNotSavedError, JobContext, bind_worker
@@ -139,11 +139,12 @@ class Worker:
 
                 probes = serving(self, self.settings.health_host, self.settings.health_port)
                 watched.append(await stack.enter_async_context(probes))
-            await self._run_until(stop, watched)
+            with contextlib.suppress(StoppedWhileStarting):  # (told to stop while it started)
+                await self._run_until(stop, watched)
         logger.info("worker %s stopped", self.id, extra={"action": "worker.stopped"})
 
     async def _run_until(self, stop: asyncio.Event, watched: list[asyncio.Task[Any]]) -> None:
-        async with self.app.lifespan() as resources:
+        async with self.app.lifespan(stop) as resources:
             self._resources = resources
             # Postgres may go away right after the startup check (a restart): registering is
             # idempotent, so an outage here is waited out as the startup wait does (up to
