@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import redis.asyncio as aioredis
-from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
@@ -94,10 +93,12 @@ class Appender:
             [(keys, data)] = calls
             await self.script(keys=keys, args=data)
             return
-        pipe: Pipeline = self.client.pipeline(transaction=False)
-        for keys, data in calls:
-            await self.script(keys=keys, args=data, client=pipe)
-        await pipe.execute()
+        # (As a context: redis-py loads a pipeline's scripts before the part of execute() that
+        # gives its connection back; failed or cancelled there, the connection stayed taken.)
+        async with self.client.pipeline(transaction=False) as pipe:
+            for keys, data in calls:
+                await self.script(keys=keys, args=data, client=pipe)
+            await pipe.execute()
 
     async def _send_packed(self, calls: list[AppendCall]) -> None:
         """Send the packed ``calls`` at once on one connection and read their replies. A call

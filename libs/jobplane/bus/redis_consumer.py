@@ -268,8 +268,8 @@ class RedisConsumer:
             by_stream.setdefault(d.stream, []).append(d)
         if not by_stream:
             return
-        async with translated("requeue"):
-            pipe = self.client.pipeline(transaction=False)
+        # (The pipeline as a context: see Appender's, which carries scripts too.)
+        async with translated("requeue"), self.client.pipeline(transaction=False) as pipe:
             for stream, moved in by_stream.items():
                 args: list[str | bytes] = [GROUP]
                 for d in moved:
