@@ -4,8 +4,10 @@ and one another connection holds past the busy timeout is an outage."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from jobplane.domain.models import WorkerInfo
 from jobplane.errors import StoreUnavailableError
 from jobplane.store import sqlite
 from jobplane.store.factory import open_store
+from jobplane.store.sql import SqlStore
 from jobplane.store.sqlite import sqlite_engine
 
 
@@ -63,20 +66,9 @@ async def test_a_file_locked_past_the_busy_timeout_is_an_outage_not_a_refusal(
     holds the file's write lock past the busy timeout. "database is locked" was taken for a
     refusal of the data: an outcome was recorded as not stored, and the heartbeat and the
     leader's campaign ended their roles. It is waited out as an outage."""
-    monkeypatch.setattr(sqlite, "BUSY_TIMEOUT_MS", 200)
-    store = open_store(sqlite_database_url)
-    path = sqlite_database_url.removeprefix("sqlite:///")
-    holder = sqlite3.connect(path, isolation_level=None)
-    try:
-        await store.register_worker(_worker("w1"))
-        holder.execute("BEGIN IMMEDIATE")
+    async with _locked(sqlite_database_url, monkeypatch, busy_ms=200) as store:
         with pytest.raises(StoreUnavailableError, match="database is locked"):
             await store.worker_heartbeat("w1")
-        holder.execute("ROLLBACK")
-        assert await store.worker_heartbeat("w1")
-    finally:
-        holder.close()
-        await store.close()
 
 
 async def test_transactions_queued_behind_a_locked_file_wait_the_busy_timeout_at_most(
@@ -87,14 +79,8 @@ async def test_transactions_queued_behind_a_locked_file_wait_the_busy_timeout_at
     few waited for all of them (an API request answered after 148 s for a lock of 150 s).
     Waiting for its turn is bounded by the busy timeout too: an outage, said within twice
     the timeout, whatever the queue."""
-    monkeypatch.setattr(sqlite, "BUSY_TIMEOUT_MS", 400)
-    store = open_store(sqlite_database_url)
-    path = sqlite_database_url.removeprefix("sqlite:///")
-    holder = sqlite3.connect(path, isolation_level=None)
     loop = asyncio.get_running_loop()
-    try:
-        await store.register_worker(_worker("w1"))
-        holder.execute("BEGIN IMMEDIATE")
+    async with _locked(sqlite_database_url, monkeypatch, busy_ms=400) as store:
 
         async def heartbeat() -> float:
             with pytest.raises(StoreUnavailableError, match="database is locked"):
@@ -104,11 +90,6 @@ async def test_transactions_queued_behind_a_locked_file_wait_the_busy_timeout_at
         began = loop.time()
         waited = await asyncio.gather(*(heartbeat() for _ in range(6)))
         assert max(waited) < 2 * 0.4 + 0.3, waited  # (unbounded: 6 x 0.4 s, the last 2.4 s)
-        holder.execute("ROLLBACK")
-        assert await store.worker_heartbeat("w1")
-    finally:
-        holder.close()
-        await store.close()
 
 
 async def test_a_transaction_asking_just_after_a_release_waits_the_busy_timeout_at_most(
@@ -117,34 +98,27 @@ async def test_a_transaction_asking_just_after_a_release_waits_the_busy_timeout_
     """Just after a release the turn lock reads free while the waiter it woke has not run
     yet: a transaction asking then took it as free, queued without a bound behind everyone,
     and waited 0.81, 1.23 and 1.67 s for a busy timeout of 0.4 s."""
-    monkeypatch.setattr(sqlite, "BUSY_TIMEOUT_MS", 400)
-    store = open_store(sqlite_database_url)
-    path = sqlite_database_url.removeprefix("sqlite:///")
-    holder = sqlite3.connect(path, isolation_level=None)
     loop = asyncio.get_running_loop()
     go = asyncio.Event()
+    async with _locked(sqlite_database_url, monkeypatch, busy_ms=400) as store:
 
-    async def heartbeat(after: asyncio.Event | None = None) -> float:
-        if after is not None:
-            await after.wait()
-        began = loop.time()
-        with pytest.raises(StoreUnavailableError):
-            await store.worker_heartbeat("w1")
-        return loop.time() - began
+        async def heartbeat(after: asyncio.Event | None = None) -> float:
+            if after is not None:
+                await after.wait()
+            began = loop.time()
+            with pytest.raises(StoreUnavailableError):
+                await store.worker_heartbeat("w1")
+            return loop.time() - began
 
-    assert isinstance(store, sqlite.SqliteStore)
-    turns = store._turns
-    release = turns.release
+        assert isinstance(store, sqlite.SqliteStore)
+        release = store._turns.release
 
-    def release_and_ask() -> None:
-        go.set()  # these ask in the loop turn of the release, before the woken waiter runs
-        release()
+        def release_and_ask() -> None:
+            go.set()  # these ask in the loop turn of the release, before the woken waiter runs
+            release()
 
-    try:
-        await store.register_worker(_worker("w1"))
-        holder.execute("BEGIN IMMEDIATE")
         asking = [asyncio.create_task(heartbeat(go)) for _ in range(3)]
-        monkeypatch.setattr(turns, "release", release_and_ask)
+        monkeypatch.setattr(store._turns, "release", release_and_ask)
 
         async def queued() -> float:
             await asyncio.sleep(0.1)  # waiting for its turn when the first one gives it up
@@ -153,8 +127,24 @@ async def test_a_transaction_asking_just_after_a_release_waits_the_busy_timeout_
         await asyncio.gather(heartbeat(), queued())
         waited = await asyncio.gather(*asking)
         assert max(waited) < 2 * 0.4 + 0.3, waited
-    finally:
+
+
+@contextlib.asynccontextmanager
+async def _locked(
+    url: str, monkeypatch: pytest.MonkeyPatch, *, busy_ms: int
+) -> AsyncIterator[SqlStore]:
+    """A store on ``url`` (busy timeout ``busy_ms``), worker w1 registered, while another
+    connection holds the file's write lock; once it lets go, the store works again."""
+    monkeypatch.setattr(sqlite, "BUSY_TIMEOUT_MS", busy_ms)
+    store = open_store(url)
+    holder = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None)
+    try:
+        await store.register_worker(_worker("w1"))
+        holder.execute("BEGIN IMMEDIATE")
+        yield store
         holder.execute("ROLLBACK")
+        assert await store.worker_heartbeat("w1")
+    finally:
         holder.close()
         await store.close()
 
