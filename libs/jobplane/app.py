@@ -40,7 +40,12 @@ from pydantic import BaseModel
 
 from jobplane.context import JobContext
 from jobplane.domain.options import KEY_PATTERN, JobKind, JobOptions
-from jobplane.errors import ConfigurationError, InvalidOptionsError, JobplaneError
+from jobplane.errors import (
+    ConfigurationError,
+    InvalidOptionsError,
+    StartupHookError,
+    StoppedWhileStarting,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 Resources = Mapping[str, Any]
@@ -178,14 +183,6 @@ class App:
             return func
 
         return decorator
-
-
-class StoppedWhileStarting(JobplaneError):
-    """The role was told to stop while a startup hook ran (the hook was cancelled)."""
-
-
-class StartupHookError(ConfigurationError):
-    """A startup hook raised (its traceback is logged, and chained)."""
 
 
 async def _started(

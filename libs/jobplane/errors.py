@@ -27,6 +27,14 @@ class ConfigurationError(JobplaneError):
     """A setting is missing or malformed; raised at start, before anything runs."""
 
 
+class StoppedWhileStarting(JobplaneError):
+    """The role was told to stop while a startup hook ran (the hook was cancelled)."""
+
+
+class StartupHookError(ConfigurationError):
+    """A startup hook of the App raised (its traceback is logged, and chained)."""
+
+
 class SchemaBehindError(ConfigurationError):
     """The database schema is older than this version needs (``jobplane migrate`` has not
     run yet, or is running): a starting role waits for it like for an unreachable store."""

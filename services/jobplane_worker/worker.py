@@ -11,15 +11,12 @@ Order of operations for one bus entry, and why:
 4. run, heartbeat the lease, then record the outcome (batched, fenced by the claim token) —
    retried with backoff while the store is unreachable: an outcome is never dropped.
 
-Once a stop is requested nothing more is claimed: a blocking read is abandoned, and a batch
-a read returned anyway is left pending (the scheduler's sweep republishes an instance still
-Enqueued; another worker reclaims the entry).
+Once a stop is requested nothing more is claimed: a blocking read is abandoned, a batch read
+anyway is left pending (the sweep republishes its instances; another worker reclaims it).
 
-:class:`Worker` supervises the parts, each with one job: :mod:`~jobplane_worker.consuming`
-(steps 1 to 3), :mod:`~jobplane_worker.leases` (heartbeat, renewal, the fence),
-:mod:`~jobplane_worker.recording` (step 4's writes, releases on shutdown) and
-:mod:`~jobplane_worker.runaways` (slots held by sync code past its outcome). It runs the
-attempts themselves (:mod:`~jobplane_worker.attempt`) and stops gracefully.
+Parts: :mod:`~jobplane_worker.consuming` (steps 1-3), :mod:`~jobplane_worker.leases` (the
+heartbeat, the fence), :mod:`~jobplane_worker.recording` (step 4's writes, releases) and
+:mod:`~jobplane_worker.runaways` (code past its outcome); :class:`Worker` runs the attempts.
 """
 
 from __future__ import annotations
@@ -39,7 +36,7 @@ from uuid import UUID
 from opentelemetry.context import Context
 
 from jobplane import __version__, telemetry
-from jobplane.app import App, Resources, StoppedWhileStarting
+from jobplane.app import App, Resources
 from jobplane.bus.abc import Bus
 from jobplane.bus.envelope import Event, EventKind
 from jobplane.context import CheckpointNotSavedError, JobContext, bind_worker
@@ -47,7 +44,12 @@ from jobplane.dispatch import Dispatcher
 from jobplane.domain.models import Claim, Outcome, WorkerInfo
 from jobplane.domain.options import Isolation
 from jobplane.domain.reasons import StopReason
-from jobplane.errors import StoreUnavailableError, WorkerEvictedError, WorkerFailedError
+from jobplane.errors import (
+    StoppedWhileStarting,
+    StoreUnavailableError,
+    WorkerEvictedError,
+    WorkerFailedError,
+)
 from jobplane.events import listen
 from jobplane.startup import freeze_startup_heap, wait_until_reachable
 from jobplane.store.abc import WorkerStore
