@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -150,3 +151,18 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def _sleeps_or_fails(fails: bool) -> None:
+    if fails:
+        sys.exit(2)
+    time.sleep(60)
+
+
+def test_the_supervisor_exits_with_the_code_of_the_process_that_failed() -> None:
+    """The processes stopped because another failed may be killed by that stop: the exit
+    code was the first of the list's failures (1 for a killed one) rather than the failed
+    process's own (2: a setting, an unreachable database), one run in a few."""
+    from jobplane.serving import supervise
+
+    assert supervise(_sleeps_or_fails, [(False,), (True,)], grace_s=5) == 2

@@ -109,6 +109,8 @@ def supervise(
     context = multiprocessing.get_context("spawn")
     parent = os.getpid()
     processes = [context.Process(target=_child, args=(target, parent, *a)) for a in args]
+    #: The exit code of the process that ended by itself first (the others are then stopped).
+    broke: int | None = None
     try:
         for process in processes:
             process.start()
@@ -116,6 +118,7 @@ def supervise(
             ended = [(i, p.exitcode) for i, p in enumerate(processes) if p.exitcode is not None]
             if ended:
                 index, code = ended[0]
+                broke = code
                 logger.error(
                     "process %d ended by itself (exit code %s): stopping the others",
                     index,
@@ -141,6 +144,10 @@ def supervise(
     failed = [c for c in codes if c != 0 and not (stop.is_set() and c == -signal.SIGTERM)]
     if stop.is_set() and not failed:
         return 0
+    if broke is not None and broke > 0:
+        # Its own code: the others, stopped because of it, may have been killed by the stop
+        # (that code, in the list's order, was the answer: 1 where the failure said 2).
+        return broke
     first = failed[0] if failed else 1  # one ended cleanly by itself: still a broken role
     return first if first is not None and first > 0 else 1
 
