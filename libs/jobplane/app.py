@@ -45,6 +45,7 @@ from jobplane.errors import (
     InvalidOptionsError,
     StartupHookError,
     StoppedWhileStarting,
+    first_line,
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -185,9 +186,7 @@ class App:
         return decorator
 
 
-async def _started(
-    hook: Callable[[], Awaitable[Mapping[str, Any] | None]], stop: asyncio.Event | None
-) -> Mapping[str, Any] | None:
+async def _started(hook: StartupHook, stop: asyncio.Event | None) -> Mapping[str, Any] | None:
     name = getattr(hook, "__qualname__", repr(hook))
     running = asyncio.ensure_future(hook())
     stopping = asyncio.ensure_future(stop.wait()) if stop is not None else None
@@ -207,21 +206,13 @@ async def _started(
         logger.exception(
             "startup hook %s failed", name, extra={"action": "worker.startup_hook_failed"}
         )
-        raise StartupHookError(f"startup hook {name} failed: {describe_briefly(exc)}") from exc
+        reason = f"{type(exc).__name__}: {first_line(exc)}"
+        raise StartupHookError(f"startup hook {name} failed: {reason}") from exc
     finally:
         if stopping is not None:
             stopping.cancel()
         if not running.done():
             running.cancel()
-
-
-def describe_briefly(exc: BaseException) -> str:
-    """``Type: first line of its message`` (at most 500 characters)."""
-    try:
-        lines = str(exc).splitlines()
-    except Exception:  # (an exception whose __str__ raises)
-        lines = ["<its message cannot be printed>"]
-    return f"{type(exc).__name__}: {lines[0][:500]}" if lines else type(exc).__name__
 
 
 def _spec_for(

@@ -91,11 +91,16 @@ def _batch_item(item: Mapping[str, Any]) -> JSONDict:
     return {k: v.isoformat() if isinstance(v, datetime) else v for k, v in item.items()}
 
 
+def _control(text: str) -> bool:
+    """Whether ``text`` holds a control character (a header carries none)."""
+    return any(ord(c) < 32 or ord(c) == 127 for c in text)
+
+
 def _key_header(key: str | None) -> dict[str, str]:
     """The Idempotency-Key header: ASCII without control characters, as a header carries."""
     if not key:
         return {}
-    if not key.isascii() or any(ord(c) < 32 or ord(c) == 127 for c in key):
+    if not key.isascii() or _control(key):
         raise InvalidOptionsError(
             "idempotency_key", "must be ASCII text without control characters (it is a header)"
         )
@@ -124,7 +129,7 @@ def _headers(token: str | None) -> dict[str, str]:
         # (HTTP headers are ASCII: it raised UnicodeEncodeError at the first request; the
         # documentation's placeholder ``jp_…`` pasted as it is, say.)
         raise ConfigurationError("the API token is not ASCII text: paste the whole token")
-    if token and (token != token.strip() or any(ord(c) < 32 or ord(c) == 127 for c in token)):
+    if token and (token != token.strip() or _control(token)):
         # (A secret read from a file ends in a newline: the request failed as "cannot reach
         # the Jobplane API", with the header, the whole token, in the message.)
         raise ConfigurationError(

@@ -60,12 +60,9 @@ def _wants_a_page(request: Request) -> bool:
 
 
 def _page(request: Request, status: int, title: str, detail: str | None) -> Response:
-    from jobplane_api.dashboard.render import HEADERS, templates
+    from jobplane_api.dashboard.render import error_page
 
-    context = {"session": None, "flash": None, "title": title, "detail": detail or title}
-    return templates.TemplateResponse(
-        request, "error.html", context, status_code=status, headers=HEADERS
-    )
+    return error_page(request, status, title, detail or title)
 
 
 #: Domain errors that map to one status each.

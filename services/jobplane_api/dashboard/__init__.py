@@ -10,7 +10,7 @@ from starlette.responses import Response
 
 from jobplane.domain.models import Lags
 from jobplane_api.dashboard import access, bulkfilter, instances, jobs, overview, workers
-from jobplane_api.dashboard.render import HEADERS, HERE, templates
+from jobplane_api.dashboard.render import HERE, error_page
 from jobplane_api.dashboard.session import (
     Forbidden,
     LoginRequired,
@@ -51,14 +51,7 @@ async def _login_required(request: Request, exc: LoginRequired) -> Response:
 
 
 async def _forbidden(request: Request, exc: Forbidden) -> Response:
-    response = templates.TemplateResponse(
-        request,
-        "error.html",
-        {"session": None, "flash": None, "title": "Forbidden", "detail": exc.reason},
-        status_code=403,
-        headers=HEADERS,
-    )
-    return _keep(response, request)
+    return _keep(error_page(request, 403, "Forbidden", exc.reason), request)
 
 
 async def _throttled(request: Request, exc: Throttled) -> Response:
@@ -69,13 +62,7 @@ async def _throttled(request: Request, exc: Throttled) -> Response:
         return Response(
             "too many failed sign-ins", status_code=429, media_type="text/plain", headers=retry
         )
-    return templates.TemplateResponse(
-        request,
-        "error.html",
-        {"session": None, "flash": None, "title": "Too many failed sign-ins", "detail": exc.reason},
-        status_code=429,
-        headers={**HEADERS, **retry},
-    )
+    return error_page(request, 429, "Too many failed sign-ins", exc.reason, retry)
 
 
 def _keep(response: Response, request: Request) -> Response:

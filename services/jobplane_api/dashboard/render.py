@@ -149,6 +149,16 @@ async def render(
     return response
 
 
+def error_page(
+    request: Request, status: int, title: str, detail: str, headers: dict[str, str] | None = None
+) -> HTMLResponse:
+    """The error page (no session shown: the refusal may come before one is known)."""
+    context = {"session": None, "flash": None, "title": title, "detail": detail}
+    return templates.TemplateResponse(
+        request, "error.html", context, status_code=status, headers={**HEADERS, **(headers or {})}
+    )
+
+
 def _scope(app: object) -> str:
     """The URL prefix of the pages of one app's scope ("" for every app)."""
     return f"/apps/{quote(app, safe='')}" if isinstance(app, str) and app else ""
